@@ -1,0 +1,33 @@
+# The two commands: `make demo` and `make test`. Each creates .venv and installs
+# everything it needs from the pinned constraints; nothing is installed by hand.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -c constraints.txt torch fbgemm-gpu-cpu
+	$(PIP) install -q --no-deps -c constraints.txt torchrec
+	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	$(PY) -c "import torchrec, fbgemm_gpu, recscale"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/recscale train configs/demo.yaml --out runs/demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,115 @@
+"""The ``recscale`` command: parse, load the config, call into the packages. Nothing else lives here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from recscale.errors import RecscaleError
+
+
+def _quiet() -> None:
+    # TorchRec and torch warn loudly about things a user cannot act on (planner estimates, fx tracing).
+    warnings.filterwarnings("ignore")
+    import logging
+
+    for name in ("torchrec", "torch.distributed", "torch.fx", "fbgemm_gpu"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
+def _fmt(v: object) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def print_report(report: dict) -> None:
+    lines = [f"model {report['model']}  ·  {report['steps']} steps  ·  {report['examples_per_s']} examples/s"]
+    p = report["parameters"]
+    lines.append(f"parameters: dense {p['dense']:,}  sparse {p['sparse']:,}  ·  {report['mflops_per_example']:.3f} "
+                 "MFLOP/example (forward)")  # fmt: skip
+    for split in ("valid", "test"):
+        if split in report:
+            m = report[split]
+            lines.append(f"{split:5s}  " + "  ".join(f"{k} {_fmt(m[k])}" for k in ("auc", "logloss", "ne", "calibration", "rows")))
+    if "bayes_logloss" in report:
+        lines.append(f"Bayes floor (synthetic teacher): logloss {report['bayes_logloss']:.4f}  ne {report['bayes_ne']:.4f}")
+    if report.get("skipped_rows"):
+        lines.append(f"skipped bad rows: {report['skipped_rows']}")
+    lines.append(f"run directory: {report['run_dir']}")
+    print("\n".join(lines))
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from recscale.config import load_config
+    from recscale.train.loop import Trainer, load_run
+
+    if args.resume and args.config is None:
+        cfg, _ = load_run(Path(args.out))
+    elif args.config is None:
+        raise RecscaleError("train: give a CONFIG file (or --resume --out RUN_DIR)")
+    else:
+        cfg = load_config(args.config, args.overrides)
+    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    print_report(Trainer(cfg, out, resume=args.resume).fit())
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from recscale.train.loop import eval_run
+
+    print(json.dumps(eval_run(Path(args.run_dir), args.data, args.format)))
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    from recscale.data.inspect import inspect_file
+
+    print(json.dumps(inspect_file(args.path, args.format, max_rows=args.max_rows), indent=2))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="recscale", description="Train and evaluate large-scale recommendation models.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model from a YAML config",
+                       description="Train a model. Overrides are dotted keys, e.g. train.max_steps=100 model.num_layers=4.")  # fmt: skip
+    t.add_argument("config", nargs="?", help="YAML config (see configs/)")
+    t.add_argument("overrides", nargs="*", help="key=value overrides of config keys")
+    t.add_argument("--out", help="run directory (default runs/<config name>)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("eval", help="score a trained run on a data file; prints one JSON line")
+    e.add_argument("run_dir")
+    e.add_argument("--data", required=True, help="file in the same format as the run's training data")
+    e.add_argument("--format", help="override the data format (default: the run's)")
+    e.set_defaults(fn=cmd_eval)
+
+    d = sub.add_parser("data", help="data utilities")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    i = dsub.add_parser("inspect", help="schema, row count and per-field cardinality of a data file")
+    i.add_argument("path")
+    i.add_argument("--format", help="csv, libsvm, criteo, movielens or parquet (default: guessed)")
+    i.add_argument("--max-rows", type=int, help="read only this many rows")
+    i.set_defaults(fn=cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet()
+    try:
+        args.fn(args)
+    except RecscaleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""One validated config for a run: YAML in, typed object out.
+
+``load_config(path, overrides)`` reads YAML, applies dotted ``key=value`` overrides (values parsed
+as YAML, so ``train.lr=0.01`` is a float and ``model.fmb_mlp=[64,64]`` a list), and validates
+everything. Any unknown key, wrong type or impossible value becomes one ``ConfigError`` line that
+names the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from recscale.data.schema import Schema
+from recscale.data.synthetic import SyntheticSpec
+from recscale.errors import ConfigError
+from recscale.models.embedding import EmbeddingConfig
+from recscale.models.registry import model_names, params_class
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(_Strict):
+    """Where the data is and how to read it. Relative paths are resolved against the working directory."""
+
+    format: Literal["csv", "libsvm", "criteo", "movielens", "parquet", "synthetic"]
+    train: str | None = None
+    valid: str | None = None
+    test: str | None = None
+    schema_: Schema | None = Field(None, alias="schema")
+    options: dict[str, Any] = {}
+    synthetic: SyntheticSpec | None = None
+    chunk_rows: int = Field(65536, ge=1)
+    on_bad_row: Literal["error", "skip"] = "error"
+    num_workers: int = Field(1, ge=0)
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.format == "synthetic":
+            if self.synthetic is None:
+                self.synthetic = SyntheticSpec()
+        else:
+            if self.train is None:
+                raise ValueError("data.train is required: the path of the training file")
+            if self.schema_ is None:
+                raise ValueError(f"data.schema is required for format '{self.format}': list the label and features")
+            if self.format == "movielens":
+                # One directory holds all splits; the split is a reader option.
+                self.valid = self.valid or self.train
+                self.test = self.test or self.train
+        return self
+
+    @property
+    def schema(self) -> Schema:
+        if self.format == "synthetic":
+            from recscale.data.synthetic import synthetic_schema
+
+            return synthetic_schema(self.synthetic)
+        return self.schema_
+
+
+class ModelConfig(BaseModel):
+    """``name`` picks the model from the registry; the other keys are that model's parameters."""
+
+    name: str
+    embedding: EmbeddingConfig = EmbeddingConfig()
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _known(self) -> ModelConfig:
+        if self.name not in model_names():
+            raise ValueError(f"unknown model '{self.name}'; known models: {', '.join(model_names())}")
+        return self
+
+    @property
+    def params(self) -> BaseModel:
+        return params_class(self.name).model_validate(self.model_extra or {})
+
+
+class OptimizerConfig(_Strict):
+    name: str
+    lr: float = Field(gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    eps: float = Field(1e-8, gt=0)
+
+
+class EarlyStopping(_Strict):
+    metric: Literal["auc", "logloss", "ne"] = "auc"
+    patience: int = Field(2, ge=1)
+    min_delta: float = Field(0.0, ge=0)
+
+
+class TrainConfig(_Strict):
+    batch_size: int = Field(4096, ge=1)
+    epochs: int = Field(10, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    dense_optimizer: OptimizerConfig = OptimizerConfig(name="adam", lr=1e-3)
+    sparse_optimizer: OptimizerConfig = OptimizerConfig(name="rowwise_adagrad", lr=0.05)
+    warmup_steps: int = Field(0, ge=0)
+    lr_decay: Literal["none", "cosine", "linear"] = "none"
+    grad_clip: float | None = Field(None, gt=0)
+    eval_every: int | None = Field(None, ge=1)  # steps; None = once per epoch
+    early_stopping: EarlyStopping | None = EarlyStopping()
+    keep_checkpoints: int = Field(2, ge=1)
+    log_every: int = Field(50, ge=1)
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _optimizers(self) -> TrainConfig:
+        dense_ok, sparse_ok = ("adam", "adamw", "sgd", "adagrad"), ("rowwise_adagrad", "adagrad", "sgd", "adam")
+        if self.dense_optimizer.name not in dense_ok:
+            raise ValueError(f"train.dense_optimizer.name '{self.dense_optimizer.name}': use one of {dense_ok}")
+        if self.sparse_optimizer.name not in sparse_ok:
+            raise ValueError(f"train.sparse_optimizer.name '{self.sparse_optimizer.name}': use one of {sparse_ok}")
+        return self
+
+
+class RunConfig(_Strict):
+    seed: int = 0
+    data: DataConfig
+    model: ModelConfig
+    train: TrainConfig = TrainConfig()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", by_alias=True, exclude_none=False), sort_keys=False)
+
+
+def _format_error(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"] if x not in ("function-after",)) or "config"
+        loc = loc.replace("schema_", "schema")
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see configs/ for examples)"
+        parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Set dotted keys, e.g. ``train.max_steps=10``; values are parsed as YAML."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}': write overrides as key=value, e.g. train.max_steps=100")
+        node = raw
+        parts = key.split(".")
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{item}': '{p}' is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(value)
+    return raw
+
+
+def validate_config(raw: dict) -> RunConfig:
+    try:
+        cfg = RunConfig.model_validate(raw)
+        cfg.model.params  # noqa: B018 - validates the model's own parameters
+    except ValidationError as e:
+        where = "model." if e.title != "RunConfig" else ""
+        raise ConfigError(f"invalid config: {where}{_format_error(e)}") from None
+    return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a config must be a YAML mapping of sections (data, model, train)")
+    return validate_config(apply_overrides(raw, overrides or []))

@@ -1,0 +1,1 @@
+"""Data: schema, readers, preprocessing, synthetic data, batches and loaders. Knows nothing of models."""

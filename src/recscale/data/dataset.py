@@ -1,0 +1,248 @@
+"""Preprocessed datasets on disk and the loader that turns them into ``Batch`` es.
+
+A split is *materialised* once: raw record batches stream through the fitted ``Preprocessor`` and
+are appended to flat binary column files (one per array), described by ``meta.json``. Training then
+reads them through ``numpy.memmap``: each epoch is a seeded permutation, each batch a vectorised
+gather, so files larger than memory work and a run resumes at an exact (epoch, batch) position.
+
+Layout of a materialised split directory::
+
+    meta.json               rows, columns, dtypes, fingerprint of source + preprocessing
+    label.bin               (N,) float32
+    dense.bin               (N, n_dense) float32
+    {field}.values.bin      (total_ids,) int64
+    {field}.offsets.bin     (N + 1,) int64            multi-id fields only
+    {field}.weights.bin     (total_ids,) float32      weighted fields only
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recscale.data.batch import Batch
+from recscale.data.preprocess import Preprocessor
+from recscale.errors import DataError
+from recscale.io import atomic_dir
+
+FORMAT_VERSION = 1
+
+
+def materialize(
+    batches: Iterable[pa.RecordBatch], pre: Preprocessor, out_dir: Path, fingerprint: str = "", progress: bool = False
+) -> Path:
+    """Preprocess ``batches`` into a split directory at ``out_dir`` (written atomically)."""
+    schema = pre.schema
+    rows = 0
+    with atomic_dir(out_dir) as tmp:
+        files = {"label": open(tmp / "label.bin", "wb"), "dense": open(tmp / "dense.bin", "wb")}
+        offsets_end = {f.name: 0 for f in schema.sparse if f.multi}
+        for f in schema.sparse:
+            files[f"{f.name}.values"] = open(tmp / f"{f.name}.values.bin", "wb")
+            if f.multi:
+                files[f"{f.name}.offsets"] = open(tmp / f"{f.name}.offsets.bin", "wb")
+                files[f"{f.name}.offsets"].write(np.zeros(1, np.int64).tobytes())
+            if f.weighted:
+                files[f"{f.name}.weights"] = open(tmp / f"{f.name}.weights.bin", "wb")
+        bar = _progress(progress, f"preprocessing {out_dir.name}")
+        try:
+            for batch in batches:
+                cols = pre.transform(batch)
+                files["label"].write(cols.label.tobytes())
+                files["dense"].write(np.ascontiguousarray(cols.dense).tobytes())
+                for f in schema.sparse:
+                    values, lengths, weights = cols.sparse[f.name]
+                    if not f.multi and not (lengths == 1).all():
+                        raise DataError(f"feature '{f.name}' has several ids in a row; declare it with multi: true")
+                    files[f"{f.name}.values"].write(values.tobytes())
+                    if f.multi:
+                        ends = offsets_end[f.name] + np.cumsum(lengths, dtype=np.int64)
+                        files[f"{f.name}.offsets"].write(ends.tobytes())
+                        offsets_end[f.name] = int(ends[-1]) if len(ends) else offsets_end[f.name]
+                    if f.weighted:
+                        files[f"{f.name}.weights"].write(weights.tobytes())
+                rows += cols.rows
+                if bar is not None:
+                    bar.update(cols.rows)
+        finally:
+            for fh in files.values():
+                fh.close()
+            if bar is not None:
+                bar.close()
+        if rows == 0:
+            raise DataError(f"{out_dir.name}: the data source produced no rows")
+        meta = {
+            "version": FORMAT_VERSION,
+            "rows": rows,
+            "num_dense": len(schema.dense),
+            "sparse": [{"name": f.name, "multi": f.multi, "weighted": f.weighted} for f in schema.sparse],
+            "fingerprint": fingerprint,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta))
+    return out_dir
+
+
+def read_meta(split_dir: Path) -> dict | None:
+    """The split's meta.json, or None when the directory is absent or incomplete."""
+    try:
+        meta = json.loads((Path(split_dir) / "meta.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return meta if meta.get("version") == FORMAT_VERSION else None
+
+
+def _progress(enabled: bool, desc: str):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(desc=desc, unit=" rows", unit_scale=True, leave=False)
+
+
+class ArrayDataset:
+    """Random access to a materialised split. ``gather(idx)`` builds one ``Batch``."""
+
+    def __init__(self, split_dir: Path) -> None:
+        self.dir = Path(split_dir)
+        meta = read_meta(self.dir)
+        if meta is None:
+            raise DataError(f"{self.dir}: not a complete preprocessed split (meta.json missing or from another version)")
+        self.meta = meta
+        self.rows: int = meta["rows"]
+        self.keys = [f["name"] for f in meta["sparse"]]
+        self._weighted = any(f["weighted"] for f in meta["sparse"])
+        self._arrays: dict[str, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def _open(self) -> dict[str, np.ndarray]:
+        # Opened lazily so the object pickles cheaply into DataLoader worker processes.
+        if self._arrays is None:
+            d, n = self.dir, self.rows
+            arrays = {
+                "label": np.memmap(d / "label.bin", np.float32, "r", shape=(n,)),
+                "dense": np.memmap(d / "dense.bin", np.float32, "r", shape=(n, self.meta["num_dense"]))
+                if self.meta["num_dense"]
+                else np.zeros((n, 0), np.float32),
+            }
+            for f in self.meta["sparse"]:
+                name = f["name"]
+                arrays[f"{name}.values"] = np.memmap(d / f"{name}.values.bin", np.int64, "r")
+                if f["multi"]:
+                    arrays[f"{name}.offsets"] = np.memmap(d / f"{name}.offsets.bin", np.int64, "r", shape=(n + 1,))
+                if f["weighted"]:
+                    arrays[f"{name}.weights"] = np.memmap(d / f"{name}.weights.bin", np.float32, "r")
+            self._arrays = arrays
+        return self._arrays
+
+    def labels(self) -> np.ndarray:
+        return np.asarray(self._open()["label"])
+
+    def gather_arrays(self, idx: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Rows ``idx`` -> (dense (B, n_dense), values, lengths (n_keys * B,), weights or empty, labels (B,))."""
+        a = self._open()
+        values, lengths, weights = [], [], []
+        for f in self.meta["sparse"]:
+            name = f["name"]
+            if f["multi"]:
+                off = a[f"{name}.offsets"]
+                starts, ends = off[idx], off[idx + 1]
+                lens = ends - starts
+                # Positions of every id of the selected rows, without a Python loop over rows.
+                pos = np.repeat(starts - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
+                values.append(a[f"{name}.values"][pos])
+                lengths.append(lens.astype(np.int32))
+                if self._weighted:
+                    w = a[f"{name}.weights"][pos] if f["weighted"] else np.ones(len(pos), np.float32)
+                    weights.append(w)
+            else:
+                values.append(a[f"{name}.values"][idx])
+                lengths.append(np.ones(len(idx), np.int32))
+                if self._weighted:
+                    weights.append(np.ones(len(idx), np.float32))
+        return (
+            np.ascontiguousarray(a["dense"][idx]),
+            np.concatenate(values),
+            np.concatenate(lengths),
+            np.concatenate(weights) if weights else np.zeros(0, np.float32),
+            np.ascontiguousarray(a["label"][idx]),
+        )
+
+    def to_batch(self, arrays: tuple[np.ndarray, ...] | tuple[torch.Tensor, ...]) -> Batch:
+        dense, values, lengths, weights, labels = (torch.as_tensor(x) for x in arrays)
+        kjt = KeyedJaggedTensor(
+            keys=self.keys, values=values, lengths=lengths, weights=weights if self._weighted else None
+        )
+        return Batch(dense=dense, sparse=kjt, labels=labels)
+
+    def gather(self, idx: np.ndarray) -> Batch:
+        return self.to_batch(self.gather_arrays(idx))
+
+
+def epoch_batches(
+    rows: int,
+    batch_size: int,
+    *,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    drop_last: bool,
+    rank: int = 0,
+    world_size: int = 1,
+) -> list[np.ndarray]:
+    """Row indices of each batch of one epoch for this rank.
+
+    ``batch_size`` is the *global* batch; rank r takes the r-th contiguous slice of it, so W ranks
+    together see exactly the batches a single process with the same global batch sees.
+    """
+    if shuffle:
+        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        order = torch.randperm(rows, generator=g).numpy()
+    else:
+        order = np.arange(rows)
+    n_full = rows // batch_size
+    bounds = [(i * batch_size, (i + 1) * batch_size) for i in range(n_full)]
+    if not drop_last and rows % batch_size:
+        bounds.append((n_full * batch_size, rows))
+    out = []
+    for lo, hi in bounds:
+        per = -(-(hi - lo) // world_size)
+        out.append(np.sort(order[lo:hi][rank * per : (rank + 1) * per]))
+    return out
+
+
+class _Gather(IterableDataset):
+    def __init__(self, ds: ArrayDataset, batches: list[np.ndarray]) -> None:
+        self.ds, self.batches = ds, batches
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, ...]]:
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        # Worker w builds batches w, w + nw, ...; the DataLoader interleaves them back in order.
+        for i in range(wid, len(self.batches), nw):
+            yield self.ds.gather_arrays(self.batches[i])
+
+
+def iterate(ds: ArrayDataset, batches: list[np.ndarray], num_workers: int = 0) -> Iterator[Batch]:
+    """Yield ``Batch`` es for the given index batches, built in ``num_workers`` worker processes."""
+    if num_workers == 0 or len(batches) < 2:
+        for idx in batches:
+            yield ds.gather(idx)
+        return
+    loader = DataLoader(
+        _Gather(ds, batches),
+        batch_size=None,
+        num_workers=min(num_workers, len(batches)),
+        prefetch_factor=4,
+        persistent_workers=False,
+    )
+    for arrays in loader:
+        yield ds.to_batch(arrays)

@@ -1,0 +1,91 @@
+"""One schema for a CTR dataset: a 0/1 label, dense float features, sparse categorical features.
+
+Every reader yields ``pyarrow.RecordBatch`` es in one *raw* layout described by a ``Schema``:
+
+- ``label`` (always this name, whatever the source calls it): float32, values 0.0 or 1.0, no nulls;
+- each dense feature: float32, null = missing (filled by preprocessing);
+- each single-id sparse feature: string or int64, null = missing;
+- each multi-id sparse feature: ``list<string>`` or ``list<int64>`` (empty list = missing);
+- a weighted multi-id feature also has ``{name}__w``: ``list<float32>`` aligned with the ids.
+
+Preprocessing (``recscale.data.preprocess``) maps this raw layout to integer ids and float arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+WEIGHT_SUFFIX = "__w"
+LABEL = "label"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DenseFeature(_Strict):
+    """A float feature. ``transform`` is applied after ``fill`` replaces missing values."""
+
+    name: str
+    transform: Literal["none", "log1p"] = "none"
+    fill: float = 0.0
+
+
+class SparseFeature(_Strict):
+    """A categorical feature: one id per row, or a list of ids (``multi``) with optional weights."""
+
+    name: str
+    multi: bool = False
+    weighted: bool = False
+    # Separator of ids inside one CSV cell for multi-id features, e.g. "a|b|c".
+    sep: str = "|"
+    # Vocabulary: ids seen fewer than min_count times in training map to the OOV id 0.
+    min_count: int = Field(1, ge=1)
+    # Optional cap on the vocabulary (most frequent ids kept).
+    max_vocab: int | None = Field(None, ge=1)
+    # Hash ids into this many buckets instead of building a vocabulary (huge vocabularies).
+    hash_buckets: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _weights_need_multi(self) -> SparseFeature:
+        if self.weighted and not self.multi:
+            raise ValueError(f"sparse feature '{self.name}': weighted=true needs multi=true")
+        return self
+
+
+class Schema(_Strict):
+    """The fields of a dataset, in model order."""
+
+    # Name of the label column in the source file; readers always output it as ``label``.
+    label: str = "label"
+    dense: list[DenseFeature] = []
+    sparse: list[SparseFeature] = []
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Schema:
+        names = [self.label] + self.dense_names + self.sparse_names
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"feature names must be unique; repeated: {', '.join(dup)}")
+        if not self.sparse and not self.dense:
+            raise ValueError("the schema has no features: list at least one dense or sparse feature")
+        return self
+
+    @property
+    def dense_names(self) -> list[str]:
+        return [f.name for f in self.dense]
+
+    @property
+    def sparse_names(self) -> list[str]:
+        return [f.name for f in self.sparse]
+
+    def column_names(self) -> list[str]:
+        """Raw column names in reader output order."""
+        cols = [LABEL, *self.dense_names]
+        for f in self.sparse:
+            cols.append(f.name)
+            if f.weighted:
+                cols.append(f.name + WEIGHT_SUFFIX)
+        return cols

@@ -1,0 +1,1 @@
+"""Distributed: process groups and topology, sharding, checkpoints. Wraps models without them knowing."""

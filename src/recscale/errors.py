@@ -1,0 +1,17 @@
+"""User-facing errors: the CLI prints these as one line and exits non-zero, no traceback."""
+
+
+class RecscaleError(Exception):
+    """A mistake the user can fix: the message says what was wrong, where, and how to fix it."""
+
+
+class DataError(RecscaleError):
+    """Bad input data: missing/empty file, malformed row, bad label or dense value."""
+
+
+class ConfigError(RecscaleError):
+    """An invalid config key, type or value."""
+
+
+class CheckpointError(RecscaleError):
+    """A missing, incomplete, truncated or tampered checkpoint or artifact."""

@@ -1,0 +1,1 @@
+"""Training: the loop, optimizers, metrics, checkpoints and the run directory."""

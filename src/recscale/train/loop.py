@@ -1,0 +1,417 @@
+"""The training loop: one config in, a trained run directory and a report out.
+
+    prepare data (fit preprocessing on train, materialise splits)
+    build model -> TorchRec DistributedModelParallel (tables sharded, fused optimizer in backward)
+    for each epoch, for each batch: forward, BCE loss, backward, clip, step; eval; early stop; checkpoint
+    restore the best weights, final evaluation, report
+
+Run directory::
+
+    config.yaml         the resolved config
+    preprocess.json     the fitted preprocessing artifact
+    data/{split}/       materialised splits (a cache; safe to delete)
+    metrics.jsonl       one JSON object per logged train window and per evaluation
+    tb/                 TensorBoard logs
+    ckpt/step_N/        checkpoints (model, optimizers, data position, RNG)
+    best/               the best model by the early-stopping metric
+    report.json         the final report
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed import DistributedModelParallel
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from recscale.config import DataConfig, RunConfig
+from recscale.data.dataset import ArrayDataset, epoch_batches, iterate, materialize, read_meta
+from recscale.data.preprocess import Preprocessor
+from recscale.data.readers import ReadStats
+from recscale.data.sources import open_split, source_fingerprint
+from recscale.distributed.env import DistEnv, init_distributed
+from recscale.errors import CheckpointError, RecscaleError
+from recscale.io import atomic_write_text
+from recscale.models.embedding import FeatureSet, SparseInput
+from recscale.models.registry import build_model
+from recscale.train.checkpoint import list_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint
+from recscale.train.metrics import binary_entropy, ctr_metrics
+from recscale.train.optim import dense_optimizer_factory, lr_factor, sparse_optimizer
+
+HIGHER_IS_BETTER = {"auc": True, "logloss": False, "ne": False}
+
+
+# ---------------------------------------------------------------- data
+def prepare_split(
+    data: DataConfig, pre: Preprocessor, split: str, path: str | None, out_dir: Path, progress: bool
+) -> tuple[ArrayDataset, ReadStats]:
+    """Materialise one split under ``out_dir`` unless an identical one is already there."""
+    fp = source_fingerprint(
+        data.format, path, split, {"options": data.options, "pre": pre.to_json(), "syn": _syn(data)}
+    )
+    stats = ReadStats()
+    meta = read_meta(out_dir)
+    if meta is None or meta.get("fingerprint") != fp:
+        batches = open_split(
+            data.format, path, split, pre.schema, data.options, synthetic=data.synthetic,
+            chunk_rows=data.chunk_rows, on_bad_row=data.on_bad_row, stats=stats,
+        )  # fmt: skip
+        materialize(batches, pre, out_dir, fingerprint=fp, progress=progress)
+    return ArrayDataset(out_dir), stats
+
+
+def _syn(data: DataConfig) -> Any:
+    return data.synthetic.model_dump() if data.synthetic is not None else None
+
+
+def fit_preprocessor(data: DataConfig) -> tuple[Preprocessor, ReadStats]:
+    stats = ReadStats()
+    batches = open_split(
+        data.format, data.train, "train", data.schema, data.options, synthetic=data.synthetic,
+        chunk_rows=data.chunk_rows, on_bad_row=data.on_bad_row, stats=stats,
+    )  # fmt: skip
+    return Preprocessor.fit(batches, data.schema), stats
+
+
+def feature_set(pre: Preprocessor) -> FeatureSet:
+    sparse = tuple(
+        SparseInput(f.name, pre.num_embeddings(f.name), "mean" if f.multi else "sum", f.weighted)
+        for f in pre.schema.sparse
+    )
+    return FeatureSet(sparse=sparse, num_dense=len(pre.schema.dense))
+
+
+# ---------------------------------------------------------------- model
+def build_dmp(cfg: RunConfig, pre: Preprocessor, env: DistEnv) -> tuple[DistributedModelParallel, CombinedOptimizer]:
+    """The model sharded by TorchRec, and one optimizer over fused (tables) and dense parameters."""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model.name, feature_set(pre), cfg.model.embedding, cfg.model.params)
+    opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer)
+    apply_optimizer_in_backward(opt_cls, model.embedding.ebc.parameters(), opt_kw)
+    dmp = DistributedModelParallel(model, device=env.device)
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        dense_optimizer_factory(cfg.train.dense_optimizer),
+    )
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def unwrap(dmp: DistributedModelParallel) -> nn.Module:
+    """The user's model inside DMP (and DDP)."""
+    m = dmp.module
+    return m.module if hasattr(m, "module") and not hasattr(m, "embedding") else m
+
+
+def count_parameters(dmp: DistributedModelParallel) -> dict[str, int]:
+    """Dense and sparse (embedding table) parameter counts of the whole, unsharded model."""
+    model = unwrap(dmp)
+    sparse = sum(c.num_embeddings * c.embedding_dim for c in model.embedding.ebc.embedding_bag_configs())
+    dense = sum(p.numel() for n, p in in_backward_optimizer_filter(dmp.named_parameters()))
+    return {"dense": int(dense), "sparse": int(sparse)}
+
+
+@torch.no_grad()  # not inference_mode: gloo collectives fail inside it
+def predict(dmp: DistributedModelParallel, ds: ArrayDataset, batch_size: int, num_workers: int) -> torch.Tensor:
+    """Logits (N,) for every row of ``ds`` in order."""
+    was_training = dmp.training
+    dmp.eval()
+    out = []
+    batches = epoch_batches(len(ds), batch_size, shuffle=False, seed=0, epoch=0, drop_last=False)
+    for b in iterate(ds, batches, num_workers):
+        out.append(dmp(b.dense, b.sparse).float().cpu())
+    dmp.train(was_training)
+    return torch.cat(out)
+
+
+def evaluate(dmp: DistributedModelParallel, ds: ArrayDataset, batch_size: int, num_workers: int) -> dict[str, float]:
+    return ctr_metrics(predict(dmp, ds, batch_size, num_workers), torch.from_numpy(ds.labels().copy()))
+
+
+# ---------------------------------------------------------------- state
+@dataclass
+class Progress:
+    """Where the run is: enough, with the checkpointed tensors, to continue exactly."""
+
+    epoch: int = 0
+    batch: int = 0  # batches of this epoch already trained
+    step: int = 0
+    best: float | None = None
+    best_step: int = 0
+    bad_evals: int = 0
+    train_seconds: float = 0.0
+    examples: int = 0
+    stopped_early: bool = False
+
+
+def _rng_state() -> dict[str, str]:
+    return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+
+
+def _set_rng_state(s: dict[str, str]) -> None:
+    torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(s["torch"]), dtype=np.uint8).copy()))
+
+
+class Trainer:
+    """Trains one config into one run directory."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False) -> None:
+        self.cfg, self.dir = cfg, Path(run_dir)
+        self.env = init_distributed()
+        self.main = self.env.is_main
+        self._prepare_dir(resume)
+        self._prepare_data()
+        self.dmp, self.opt = build_dmp(cfg, self.pre, self.env)
+        self.base_lrs = [g["lr"] for g in self.opt.optimizers[1][1].param_groups]
+        self.progress = Progress()
+        if resume:
+            self._resume()
+
+    # -------------------------------------------------- setup
+    def _prepare_dir(self, resume: bool) -> None:
+        cfg_path = self.dir / "config.yaml"
+        if resume:
+            if not cfg_path.is_file():
+                raise RecscaleError(f"--resume: {self.dir} is not a recscale run directory (no config.yaml)")
+        elif list_checkpoints(self.dir / "ckpt") or (self.dir / "report.json").exists():
+            raise RecscaleError(
+                f"{self.dir} already holds a run; pass --resume to continue it or choose another --out"
+            )
+        if self.main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(cfg_path, self.cfg.to_yaml())
+
+    def _prepare_data(self) -> None:
+        data, show = self.cfg.data, self.cfg.train.progress and self.main
+        pre_path = self.dir / "preprocess.json"
+        self.read_stats: dict[str, ReadStats] = {}
+        if pre_path.is_file():
+            self.pre = Preprocessor.load(pre_path)
+        else:
+            self.pre, self.read_stats["fit"] = fit_preprocessor(data)
+            if self.main:
+                self.pre.save(pre_path)
+        self.train_ds, self.read_stats["train"] = prepare_split(
+            data, self.pre, "train", data.train, self.dir / "data" / "train", show
+        )
+        self.valid_ds = None
+        if data.valid is not None or data.format == "synthetic":
+            self.valid_ds, self.read_stats["valid"] = prepare_split(
+                data, self.pre, "valid", data.valid, self.dir / "data" / "valid", show
+            )
+        self.test_ds = None
+        if data.test is not None or data.format == "synthetic":
+            self.test_ds, self.read_stats["test"] = prepare_split(
+                data, self.pre, "test", data.test, self.dir / "data" / "test", show
+            )
+
+    # -------------------------------------------------- checkpoints
+    def _state(self) -> dict[str, Any]:
+        return {
+            "model": self.dmp.state_dict(),
+            "optim": self.opt.state_dict(),
+            "progress": asdict(self.progress),
+            "rng": _rng_state(),
+        }
+
+    def save(self, path: Path) -> None:
+        save_checkpoint(path, self._state(), rank=self.env.rank)
+
+    def _resume(self) -> None:
+        ckpts = list_checkpoints(self.dir / "ckpt")
+        if not ckpts:
+            return  # nothing complete was saved: start from the beginning
+        # Adam's state is created lazily; create it so the checkpoint has tensors to load into.
+        self.opt.optimizers[1][1].init_state()
+        state = load_checkpoint(ckpts[-1], self._state())
+        self.opt.load_state_dict(state["optim"])
+        self.progress = Progress(**state["progress"])
+        _set_rng_state(state["rng"])
+
+    def load_best(self) -> None:
+        best = self.dir / "best"
+        if (best / ".metadata").is_file():
+            load_checkpoint(best, {"model": self.dmp.state_dict()})
+
+    # -------------------------------------------------- loop
+    def _log(self, record: dict[str, Any]) -> None:
+        if not self.main:
+            return
+        with open(self.dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if isinstance(v, int | float) and k not in ("step", "epoch"):
+                    self.tb.add_scalar(f"{record.get('split', 'train')}/{k}", v, record["step"])
+
+    def _evaluate_and_checkpoint(self) -> bool:
+        """Evaluate on valid, update early stopping, checkpoint. Returns True when training should stop."""
+        p, t = self.progress, self.cfg.train
+        stop = False
+        if self.valid_ds is not None:
+            m = evaluate(self.dmp, self.valid_ds, self._eval_batch(), self.cfg.data.num_workers)
+            self._log({"split": "valid", "step": p.step, "epoch": p.epoch, **m})
+            es = t.early_stopping
+            if es is not None:
+                value = m[es.metric]
+                sign = 1 if HIGHER_IS_BETTER[es.metric] else -1
+                if p.best is None or sign * (value - p.best) > es.min_delta:
+                    p.best, p.best_step, p.bad_evals = value, p.step, 0
+                    save_checkpoint(self.dir / "best", {"model": self.dmp.state_dict()}, rank=self.env.rank)
+                else:
+                    p.bad_evals += 1
+                    stop = p.bad_evals >= es.patience
+                    p.stopped_early = stop
+        self.save(self.dir / "ckpt" / f"step_{p.step:08d}")
+        if self.main:
+            prune_checkpoints(self.dir / "ckpt", t.keep_checkpoints)
+        return stop
+
+    def _eval_batch(self) -> int:
+        return max(self.cfg.train.batch_size, 8192)
+
+    def fit(self) -> dict[str, Any]:
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
+
+        cfg, t, p = self.cfg, self.cfg.train, self.progress
+        self.tb = SummaryWriter(str(self.dir / "tb")) if self.main else None
+        n = len(self.train_ds)
+        steps_per_epoch = n // t.batch_size + (1 if n % t.batch_size and n < t.batch_size else 0)
+        if steps_per_epoch == 0:
+            raise RecscaleError(f"train.batch_size {t.batch_size} is larger than the training set ({n} rows)")
+        total = min(t.epochs * steps_per_epoch, t.max_steps or 10**18)
+        dense_opt = self.opt.optimizers[1][1]
+        dense_params = [q for _, q in in_backward_optimizer_filter(self.dmp.named_parameters()) if q.requires_grad]
+        bar = tqdm(total=total, initial=p.step, desc="train", unit="step", disable=not (t.progress and self.main))
+        window_loss, window_n, window_t = 0.0, 0, time.perf_counter()
+        done = p.step >= total or p.stopped_early
+        self.dmp.train()
+        while not done and p.epoch < t.epochs:
+            batches = epoch_batches(
+                n, t.batch_size, shuffle=True, seed=cfg.seed, epoch=p.epoch, drop_last=n >= t.batch_size,
+                rank=self.env.rank, world_size=self.env.world_size,
+            )  # fmt: skip
+            for batch in iterate(self.train_ds, batches[p.batch :], cfg.data.num_workers):
+                batch = batch.to(self.env.device)
+                t0 = time.perf_counter()
+                f = lr_factor(t, p.step, total)
+                for g, lr in zip(dense_opt.param_groups, self.base_lrs, strict=True):
+                    g["lr"] = lr * f
+                logits = self.dmp(batch.dense, batch.sparse)
+                loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+                self.opt.zero_grad()
+                loss.backward()
+                if t.grad_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(dense_params, t.grad_clip)
+                self.opt.step()
+                p.train_seconds += time.perf_counter() - t0
+                p.step += 1
+                p.batch += 1
+                p.examples += batch.size * self.env.world_size
+                window_loss += loss.item()
+                window_n += 1
+                bar.update(1)
+                if p.step % t.log_every == 0:
+                    now = time.perf_counter()
+                    rate = window_n * t.batch_size / (now - window_t)
+                    self._log({"split": "train", "step": p.step, "epoch": p.epoch, "loss": window_loss / window_n,
+                               "lr": dense_opt.param_groups[0]["lr"], "examples_per_s": rate})  # fmt: skip
+                    bar.set_postfix(loss=f"{window_loss / window_n:.4f}")
+                    window_loss, window_n, window_t = 0.0, 0, now
+                end_of_epoch = p.batch >= len(batches)
+                if end_of_epoch:
+                    p.epoch, p.batch = p.epoch + 1, 0
+                hit_max = p.step >= total
+                if (t.eval_every and p.step % t.eval_every == 0) or end_of_epoch or hit_max:
+                    if self._evaluate_and_checkpoint() or hit_max:
+                        done = True
+                        break
+                    self.dmp.train()
+        bar.close()
+        return self.finish()
+
+    def finish(self) -> dict[str, Any]:
+        p = self.progress
+        self.load_best()
+        model = unwrap(self.dmp)
+        report: dict[str, Any] = {
+            "run_dir": str(self.dir.resolve()),
+            "model": self.cfg.model.name,
+            "parameters": count_parameters(self.dmp),
+            "mflops_per_example": model.flops_per_example() / 1e6,
+            "steps": p.step,
+            "epochs_completed": p.epoch,
+            "best_step": p.best_step,
+            "stopped_early": p.stopped_early,
+            "train_seconds": round(p.train_seconds, 2),
+            "examples_per_s": round(p.examples / p.train_seconds, 1) if p.train_seconds else None,
+            "skipped_rows": {k: s.skipped for k, s in self.read_stats.items() if s.skipped},
+        }
+        eb, nw = self._eval_batch(), self.cfg.data.num_workers
+        if self.valid_ds is not None:
+            report["valid"] = evaluate(self.dmp, self.valid_ds, eb, nw)
+        if self.test_ds is not None:
+            report["test"] = evaluate(self.dmp, self.test_ds, eb, nw)
+        if self.cfg.data.format == "synthetic":
+            from recscale.data.synthetic import bayes_logloss
+
+            split = "valid" if self.valid_ds is not None else "train"
+            floor = bayes_logloss(self.cfg.data.synthetic, split)
+            ctr = float(np.mean((self.valid_ds or self.train_ds).labels()))
+            report["bayes_logloss"] = floor
+            report["bayes_ne"] = floor / binary_entropy(ctr)
+        if self.main:
+            atomic_write_text(self.dir / "report.json", json.dumps(report, indent=2))
+            if self.tb is not None:
+                self.tb.close()
+        if dist.is_initialized():
+            dist.barrier()
+        return report
+
+
+def load_run(run_dir: Path) -> tuple[RunConfig, Preprocessor]:
+    """The resolved config and preprocessing artifact of a finished or running run."""
+    import yaml
+
+    from recscale.config import validate_config
+
+    run_dir = Path(run_dir)
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{run_dir}: not a recscale run directory (no config.yaml)")
+    cfg = validate_config(yaml.safe_load(cfg_path.read_text()))
+    return cfg, Preprocessor.load(run_dir / "preprocess.json")
+
+
+def eval_run(run_dir: Path, data_path: str, fmt: str | None = None, split: str = "test") -> dict[str, float]:
+    """Score the run's best (else latest) model on another file of the same format."""
+    import tempfile
+
+    run_dir = Path(run_dir)
+    cfg, pre = load_run(run_dir)
+    env = init_distributed()
+    dmp, _ = build_dmp(cfg, pre, env)
+    best = run_dir / "best"
+    ckpts = list_checkpoints(run_dir / "ckpt")
+    source = best if (best / ".metadata").is_file() else (ckpts[-1] if ckpts else None)
+    if source is None:
+        raise CheckpointError(f"{run_dir}: no complete checkpoint to evaluate; train the run first")
+    load_checkpoint(source, {"model": dmp.state_dict()})
+    data = cfg.data.model_copy(update={"format": fmt or cfg.data.format})
+    with tempfile.TemporaryDirectory(prefix="recscale-eval-") as tmp:
+        ds, stats = prepare_split(data, pre, split, data_path, Path(tmp) / "eval", progress=False)
+        m = evaluate(dmp, ds, 8192, 0)
+    if stats.skipped:
+        m["skipped_rows"] = stats.skipped
+    return m

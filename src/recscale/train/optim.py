@@ -1,0 +1,49 @@
+"""Optimizers: TorchRec fused optimizers for embedding tables, torch optimizers for the dense part.
+
+Embedding tables get their optimizer *in backward* (``apply_optimizer_in_backward``); when
+``DistributedModelParallel`` shards them, fbgemm fuses the update into the table-batched backward
+kernel (row-wise Adagrad by default), so dense gradients of huge tables are never materialised.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from recscale.config import OptimizerConfig, TrainConfig
+
+
+def sparse_optimizer(cfg: OptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict]:
+    """(optimizer class, kwargs) for ``apply_optimizer_in_backward`` on embedding tables."""
+    table = {
+        "rowwise_adagrad": (RowWiseAdagrad, {"lr": cfg.lr, "eps": cfg.eps, "weight_decay": cfg.weight_decay}),
+        "adagrad": (torch.optim.Adagrad, {"lr": cfg.lr, "eps": cfg.eps, "weight_decay": cfg.weight_decay}),
+        "sgd": (torch.optim.SGD, {"lr": cfg.lr, "weight_decay": cfg.weight_decay}),
+        "adam": (torch.optim.Adam, {"lr": cfg.lr, "eps": cfg.eps, "weight_decay": cfg.weight_decay}),
+    }
+    return table[cfg.name]
+
+
+def dense_optimizer_factory(cfg: OptimizerConfig) -> Callable[[Iterable], torch.optim.Optimizer]:
+    kw = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    return {
+        "adam": lambda p: torch.optim.Adam(p, eps=cfg.eps, **kw),
+        "adamw": lambda p: torch.optim.AdamW(p, eps=cfg.eps, **kw),
+        "sgd": lambda p: torch.optim.SGD(p, **kw),
+        "adagrad": lambda p: torch.optim.Adagrad(p, eps=cfg.eps, **kw),
+    }[cfg.name]
+
+
+def lr_factor(cfg: TrainConfig, step: int, total_steps: int) -> float:
+    """Multiplier of the dense learning rate at ``step``: linear warm-up, then none/linear/cosine decay."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_decay == "none" or total_steps <= cfg.warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    if cfg.lr_decay == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))

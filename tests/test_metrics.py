@@ -1,0 +1,44 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from recscale.train.metrics import binary_entropy, ctr_metrics
+
+
+def pairwise_auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Reference AUC: the fraction of (positive, negative) pairs ranked right, ties count one half."""
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    diff = pos[:, None] - neg[None, :]
+    return float(((diff > 0).sum() + 0.5 * (diff == 0).sum()) / diff.size)
+
+
+def test_metrics_match_references():
+    rng = np.random.default_rng(0)
+    labels = (rng.random(600) < 0.3).astype(np.float32)
+    logits = rng.normal(size=600).astype(np.float32) + 1.5 * labels
+    logits[:50] = np.round(logits[:50])  # ties
+    m = ctr_metrics(torch.from_numpy(logits), torch.from_numpy(labels))
+    p = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    logloss = -np.mean(labels * np.log(p) + (1 - labels) * np.log(1 - p))
+    ctr = labels.astype(np.float64).mean()
+    assert m["auc"] == pytest.approx(pairwise_auc(logits, labels), abs=1e-6)
+    assert m["logloss"] == pytest.approx(logloss, rel=1e-9)
+    assert m["ne"] == pytest.approx(logloss / binary_entropy(ctr), rel=1e-9)
+    assert m["calibration"] == pytest.approx(p.mean() / ctr, rel=1e-9)
+    assert m["rows"] == 600
+
+
+def test_ne_is_one_for_the_base_rate():
+    labels = torch.tensor([1.0, 0, 0, 0, 1, 0, 0, 0])
+    logit = math.log(0.25 / 0.75)
+    m = ctr_metrics(torch.full((8,), logit), labels)
+    assert m["ne"] == pytest.approx(1.0)
+    assert m["calibration"] == pytest.approx(1.0)
+    assert m["auc"] == pytest.approx(0.5)
+
+
+def test_binary_entropy_edges():
+    assert binary_entropy(0.0) == 0.0 and binary_entropy(1.0) == 0.0
+    assert binary_entropy(0.5) == pytest.approx(math.log(2))
