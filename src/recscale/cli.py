@@ -98,7 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may follow options (`train CFG --out D k=v`), which argparse leaves unparsed.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command != "train" or not all("=" in x and not x.startswith("-") for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides += extra
     _quiet()
     try:
         args.fn(args)

@@ -50,6 +50,7 @@ def init_distributed() -> DistEnv:
         if launched:
             dist.init_process_group(backend)
         else:
+            os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # TorchRec's planner reads it
             store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True)
             dist.init_process_group(backend, store=store, rank=0, world_size=1)
     return DistEnv(rank, world, local_rank, local_world, device, backend)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from recscale.errors import CheckpointError
@@ -70,7 +71,11 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and (name in self._ALLOWED_TORCH or isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
-        if module == "builtins" and name in ("set", "frozenset", "slice", "getattr"):
+        if (module, name) == ("torch.serialization", "_get_layout"):  # maps a layout name to torch.strided etc.
+            return super().find_class(module, name)
+        if module == "pathlib" and name in ("PosixPath", "PurePosixPath"):  # DCP records the checkpoint path
+            return super().find_class(module, name)
+        if module == "builtins" and name in ("set", "frozenset", "slice"):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"forbidden object {module}.{name} in checkpoint metadata")
 
@@ -137,11 +142,12 @@ def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{state_file}: truncated or corrupt ({e})") from None
     tensors, _ = split_state(template)
+    SafeReader(str(path)).read_metadata()  # fail with our message before DCP wraps it in its own
     try:
         dcp.load(tensors, storage_reader=SafeReader(str(path)))
     except CheckpointError:
         raise
-    except Exception as e:  # DCP wraps storage errors (truncated shard files) in its own types
+    except (Exception, CheckpointException) as e:  # DCP wraps storage errors in a BaseException subclass
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: checkpoint could not be read ({first[:200]})") from None
     try:

@@ -75,13 +75,13 @@ def _syn(data: DataConfig) -> Any:
     return data.synthetic.model_dump() if data.synthetic is not None else None
 
 
-def fit_preprocessor(data: DataConfig) -> tuple[Preprocessor, ReadStats]:
-    stats = ReadStats()
+def fit_preprocessor(data: DataConfig) -> Preprocessor:
+    """Fit on the training split; its bad rows are counted when the split is materialised."""
     batches = open_split(
         data.format, data.train, "train", data.schema, data.options, synthetic=data.synthetic,
-        chunk_rows=data.chunk_rows, on_bad_row=data.on_bad_row, stats=stats,
+        chunk_rows=data.chunk_rows, on_bad_row=data.on_bad_row,
     )  # fmt: skip
-    return Preprocessor.fit(batches, data.schema), stats
+    return Preprocessor.fit(batches, data.schema)
 
 
 def feature_set(pre: Preprocessor) -> FeatureSet:
@@ -93,10 +93,23 @@ def feature_set(pre: Preprocessor) -> FeatureSet:
 
 
 # ---------------------------------------------------------------- model
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Dense and sparse (embedding table) parameter counts of the unsharded model."""
+    ebc = model.embedding.ebc
+    sparse = sum(c.num_embeddings * c.embedding_dim for c in ebc.embedding_bag_configs())
+    table_ids = {id(p) for p in ebc.parameters()}
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in table_ids)
+    return {"dense": int(dense), "sparse": int(sparse)}
+
+
 def build_dmp(cfg: RunConfig, pre: Preprocessor, env: DistEnv) -> tuple[DistributedModelParallel, CombinedOptimizer]:
-    """The model sharded by TorchRec, and one optimizer over fused (tables) and dense parameters."""
+    """The model sharded by TorchRec, and one optimizer over fused (tables) and dense parameters.
+
+    The unsharded model's parameter counts are kept as ``dmp.recscale_parameters``.
+    """
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model.name, feature_set(pre), cfg.model.embedding, cfg.model.params)
+    counts = count_parameters(model)
     opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer)
     apply_optimizer_in_backward(opt_cls, model.embedding.ebc.parameters(), opt_kw)
     dmp = DistributedModelParallel(model, device=env.device)
@@ -104,6 +117,7 @@ def build_dmp(cfg: RunConfig, pre: Preprocessor, env: DistEnv) -> tuple[Distribu
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
         dense_optimizer_factory(cfg.train.dense_optimizer),
     )
+    dmp.recscale_parameters = counts
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
@@ -111,14 +125,6 @@ def unwrap(dmp: DistributedModelParallel) -> nn.Module:
     """The user's model inside DMP (and DDP)."""
     m = dmp.module
     return m.module if hasattr(m, "module") and not hasattr(m, "embedding") else m
-
-
-def count_parameters(dmp: DistributedModelParallel) -> dict[str, int]:
-    """Dense and sparse (embedding table) parameter counts of the whole, unsharded model."""
-    model = unwrap(dmp)
-    sparse = sum(c.num_embeddings * c.embedding_dim for c in model.embedding.ebc.embedding_bag_configs())
-    dense = sum(p.numel() for n, p in in_backward_optimizer_filter(dmp.named_parameters()))
-    return {"dense": int(dense), "sparse": int(sparse)}
 
 
 @torch.no_grad()  # not inference_mode: gloo collectives fail inside it
@@ -198,7 +204,7 @@ class Trainer:
         if pre_path.is_file():
             self.pre = Preprocessor.load(pre_path)
         else:
-            self.pre, self.read_stats["fit"] = fit_preprocessor(data)
+            self.pre = fit_preprocessor(data)
             if self.main:
                 self.pre.save(pre_path)
         self.train_ds, self.read_stats["train"] = prepare_split(
@@ -348,7 +354,7 @@ class Trainer:
         report: dict[str, Any] = {
             "run_dir": str(self.dir.resolve()),
             "model": self.cfg.model.name,
-            "parameters": count_parameters(self.dmp),
+            "parameters": self.dmp.recscale_parameters,
             "mflops_per_example": model.flops_per_example() / 1e6,
             "steps": p.step,
             "epochs_completed": p.epoch,

@@ -1,0 +1,104 @@
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from recscale.distributed.env import init_distributed, shutdown
+from recscale.errors import CheckpointError
+from recscale.io import atomic_dir
+from recscale.train.checkpoint import (
+    join_state,
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+    split_state,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def group():
+    init_distributed()
+    yield
+    shutdown()
+
+
+def state():
+    return {
+        "model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(3)},
+        "optim": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w"]}], "state": {"w": {"step": torch.tensor(3.0)}}},
+        "progress": {"epoch": 2, "best": None},
+    }
+
+
+def test_split_and_join_round_trip():
+    tensors, plain = split_state(state())
+    assert set(tensors) == {"/model/w", "/model/b", "/optim/state/w/step"}
+    back = join_state(plain, tensors)
+    assert back["optim"]["param_groups"][0]["betas"] == [0.9, 0.99]
+    assert torch.equal(back["model"]["w"], state()["model"]["w"])
+
+
+def test_save_load_round_trip(tmp_path):
+    save_checkpoint(tmp_path / "step_00000001", state())
+    template = state()
+    template["model"]["w"].zero_()
+    template["optim"]["state"]["w"]["step"].zero_()
+    loaded = load_checkpoint(tmp_path / "step_00000001", template)
+    assert torch.equal(loaded["model"]["w"], torch.arange(6.0).reshape(2, 3))
+    assert loaded["optim"]["state"]["w"]["step"].item() == 3.0
+    assert loaded["progress"] == {"epoch": 2, "best": None}
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/recscale_pwned",))
+
+
+def test_tampered_metadata_is_refused_without_running_code(tmp_path):
+    path = tmp_path / "step_00000001"
+    save_checkpoint(path, state())
+    (path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    if os.path.exists("/tmp/recscale_pwned"):
+        os.remove("/tmp/recscale_pwned")
+    with pytest.raises(CheckpointError, match="tampered"):
+        load_checkpoint(path, state())
+    assert not os.path.exists("/tmp/recscale_pwned")
+
+
+def test_truncated_files_are_clear_errors(tmp_path):
+    path = tmp_path / "step_00000001"
+    save_checkpoint(path, state())
+    meta = (path / ".metadata").read_bytes()
+    (path / ".metadata").write_bytes(meta[: len(meta) // 2])
+    with pytest.raises(CheckpointError):
+        load_checkpoint(path, state())
+    save_checkpoint(path, state())
+    shard = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:10])
+    with pytest.raises(CheckpointError):
+        load_checkpoint(path, state())
+
+
+def test_interrupted_write_leaves_no_checkpoint(tmp_path):
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom), atomic_dir(tmp_path / "ckpt" / "step_00000005") as tmp:
+        (tmp / "state.json").write_text("{}")
+        raise Boom
+    assert list_checkpoints(tmp_path / "ckpt") == []
+    assert not any((tmp_path / "ckpt").iterdir())
+
+
+def test_prune_keeps_the_newest(tmp_path):
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path / f"step_{step:08d}", state())
+    prune_checkpoints(tmp_path, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+
+
+def test_world_is_single_process():
+    assert dist.get_world_size() == 1

@@ -1,0 +1,71 @@
+"""User mistakes reach the user as one line on stderr and exit code 2, never a traceback."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recscale.cli import main
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+FRAPPE_HEADER = "label,user,item,daytime,weekday,isweekend,homework,cost,weather,country,city"
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def frappe_like(path: Path, rows: list[str]) -> Path:
+    path.write_text("\n".join([FRAPPE_HEADER, *rows]) + "\n")
+    return path
+
+
+GOOD = [f"{i % 2},{i % 7},{i % 11},1,2,3,4,5,6,7,8" for i in range(64)]
+
+
+@pytest.mark.parametrize(
+    "rows, words",
+    [
+        ([*GOOD, "x,1,2,3,4,5,6,7,8,9,10"], ["label"]),
+        ([*GOOD, "1,1,2,3"], ["column"]),
+        ([], ["no data rows", "empty"]),
+    ],
+)
+def test_bad_training_file_is_one_clear_line(tmp_path, capsys, rows, words):
+    train = frappe_like(tmp_path / "train.csv", rows)
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), "--out", str(tmp_path / "run"),
+                       f"data.train={train}", f"data.valid={train}", "train.max_steps=2", "train.progress=false")  # fmt: skip
+    assert code == 2
+    assert err.startswith("error: ") and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "train.csv" in err and any(w in err.lower() for w in words), err
+    assert not (tmp_path / "run" / "ckpt").exists() or not any((tmp_path / "run" / "ckpt").iterdir())
+
+
+def test_missing_file_and_bad_config(tmp_path, capsys):
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), "--out", str(tmp_path / "r"),
+                       f"data.train={tmp_path / 'nope.csv'}")  # fmt: skip
+    assert code == 2 and "nope.csv" in err and "Traceback" not in err
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), "train.batch_sise=3")
+    assert code == 2 and "train.batch_sise" in err
+    code, _, err = run(capsys, "eval", str(tmp_path / "no-run"), "--data", "x.csv")
+    assert code == 2 and "not a recscale run directory" in err
+
+
+def test_skip_counts_dropped_rows(tmp_path, capsys):
+    train = frappe_like(tmp_path / "train.csv", [*GOOD, "x,1,2,3,4,5,6,7,8,9,10", "1,1,2"])
+    code, out, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), "--out", str(tmp_path / "run"),
+                         f"data.train={train}", f"data.valid={train}", "data.on_bad_row=skip",
+                         "train.max_steps=2", "train.batch_size=16", "train.progress=false", "model.name=lr")  # fmt: skip
+    assert code == 0, err
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["skipped_rows"]["train"] == 2 and report["valid"]["rows"] == 64
+
+
+def test_help_for_each_command():
+    for argv in ([], ["train"], ["eval"], ["data", "inspect"]):
+        r = subprocess.run([sys.executable, "-m", "recscale.cli", *argv, "--help"], capture_output=True, text=True)
+        assert r.returncode == 0 and "usage: recscale" in r.stdout

@@ -1,0 +1,58 @@
+from pathlib import Path
+
+import pytest
+
+from recscale.config import load_config, validate_config
+from recscale.errors import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name", ["demo", "frappe", "movielens", "criteo"])
+def test_shipped_configs_validate(name):
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    assert cfg.model.params is not None
+    assert cfg.data.schema.sparse
+
+
+def test_overrides_are_typed():
+    cfg = load_config(CONFIGS / "frappe.yaml", ["train.max_steps=7", "train.dense_optimizer.lr=0.01", "model.name=dlrm"])
+    assert cfg.train.max_steps == 7 and cfg.train.dense_optimizer.lr == 0.01 and cfg.model.name == "dlrm"
+
+
+def base() -> dict:
+    return {"data": {"format": "synthetic"}, "model": {"name": "wukong"}}
+
+
+@pytest.mark.parametrize(
+    "patch, words",
+    [
+        ({"trian": {}}, ["trian", "unknown key"]),
+        ({"train": {"batch_size": "big"}}, ["train.batch_size", "integer"]),
+        ({"train": {"batch_size": 0}}, ["train.batch_size", "greater than or equal to 1"]),
+        ({"model": {"name": "nope"}}, ["unknown model 'nope'", "wukong"]),
+        ({"model": {"name": "wukong", "num_layrs": 3}}, ["model.num_layrs", "unknown key"]),
+        ({"data": {"format": "xml"}}, ["data.format", "csv"]),
+        ({"data": {"format": "csv"}}, ["data.train is required"]),
+        ({"train": {"sparse_optimizer": {"name": "lbfgs", "lr": 1}}}, ["sparse_optimizer", "rowwise_adagrad"]),
+    ],
+)
+def test_config_errors_name_the_key(patch, words):
+    raw = base()
+    raw.update(patch)
+    with pytest.raises(ConfigError) as e:
+        validate_config(raw)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "none.yaml")
+    (tmp_path / "bad.yaml").write_text("data: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(CONFIGS / "demo.yaml", ["train.max_steps"])
