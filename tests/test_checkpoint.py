@@ -28,7 +28,10 @@ def group():
 def state():
     return {
         "model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(3)},
-        "optim": {"param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w"]}], "state": {"w": {"step": torch.tensor(3.0)}}},
+        "optim": {
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w"]}],
+            "state": {"w": {"step": torch.tensor(3.0)}},
+        },
         "progress": {"epoch": 2, "best": None},
     }
 

@@ -67,5 +67,7 @@ def test_skip_counts_dropped_rows(tmp_path, capsys):
 
 def test_help_for_each_command():
     for argv in ([], ["train"], ["eval"], ["data", "inspect"]):
-        r = subprocess.run([sys.executable, "-m", "recscale.cli", *argv, "--help"], capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-m", "recscale.cli", *argv, "--help"], capture_output=True, text=True
+        )
         assert r.returncode == 0 and "usage: recscale" in r.stdout

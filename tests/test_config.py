@@ -16,7 +16,9 @@ def test_shipped_configs_validate(name):
 
 
 def test_overrides_are_typed():
-    cfg = load_config(CONFIGS / "frappe.yaml", ["train.max_steps=7", "train.dense_optimizer.lr=0.01", "model.name=dlrm"])
+    cfg = load_config(
+        CONFIGS / "frappe.yaml", ["train.max_steps=7", "train.dense_optimizer.lr=0.01", "model.name=dlrm"]
+    )
     assert cfg.train.max_steps == 7 and cfg.train.dense_optimizer.lr == 0.01 and cfg.model.name == "dlrm"
 
 
@@ -34,7 +36,10 @@ def base() -> dict:
         ({"model": {"name": "wukong", "num_layrs": 3}}, ["model.num_layrs", "unknown key"]),
         ({"data": {"format": "xml"}}, ["data.format", "csv"]),
         ({"data": {"format": "csv"}}, ["data.train is required"]),
-        ({"train": {"sparse_optimizer": {"name": "lbfgs", "lr": 1}}}, ["sparse_optimizer", "rowwise_adagrad"]),
+        (
+            {"train": {"sparse_optimizer": {"name": "lbfgs", "lr": 1}}},
+            ["sparse_optimizer", "rowwise_adagrad"],
+        ),
     ],
 )
 def test_config_errors_name_the_key(patch, words):

@@ -33,7 +33,14 @@ def raw(labels, x, a, g, w, h) -> pa.RecordBatch:
 
 
 TRAIN = [
-    raw([1, 0, 1], [0.0, None, 3.0], ["u", "u", "v"], [["p", "q"], [], ["q"]], [[1, 2], [], [0.5]], ["k1", None, "k2"]),
+    raw(
+        [1, 0, 1],
+        [0.0, None, 3.0],
+        ["u", "u", "v"],
+        [["p", "q"], [], ["q"]],
+        [[1, 2], [], [0.5]],
+        ["k1", None, "k2"],
+    ),
     raw([0, 0], [7.0, -2.0], ["u", "w"], [["q"], ["r", "q", "p"]], [[1], [1, 1, 3]], ["k1", "k3"]),
 ]
 
@@ -82,7 +89,11 @@ def test_int_vocabulary_round_trips(tmp_path):
     pre = Preprocessor.fit([batch], schema)
     pre.save(tmp_path / "p.json")
     back = Preprocessor.load(tmp_path / "p.json")
-    assert back.transform(batch).sparse["a"][0].tolist() == pre.transform(batch).sparse["a"][0].tolist() == [1, 2]
+    assert (
+        back.transform(batch).sparse["a"][0].tolist()
+        == pre.transform(batch).sparse["a"][0].tolist()
+        == [1, 2]
+    )
 
 
 def test_corrupt_artifact_is_a_clear_error(tmp_path):
@@ -125,7 +136,10 @@ def test_materialized_batches_match_transform(tmp_path):
 
 def test_epoch_batches_shard_a_global_batch_across_ranks():
     one = epoch_batches(103, 10, shuffle=True, seed=3, epoch=1, drop_last=True)
-    parts = [epoch_batches(103, 10, shuffle=True, seed=3, epoch=1, drop_last=True, rank=r, world_size=2) for r in (0, 1)]
+    parts = [
+        epoch_batches(103, 10, shuffle=True, seed=3, epoch=1, drop_last=True, rank=r, world_size=2)
+        for r in (0, 1)
+    ]
     assert len(one) == 10
     for i, b in enumerate(one):
         assert sorted(np.concatenate([parts[0][i], parts[1][i]]).tolist()) == sorted(b.tolist())

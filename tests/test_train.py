@@ -74,3 +74,15 @@ def test_frappe_slice_beats_logistic_regression(tmp_path, shared_data):
     # `recscale eval` scores the run on another file and agrees with the run's own validation.
     m = eval_run(tmp_path / "wukong", str(tmp_path / "valid.csv"))
     assert m["rows"] == 20_000 and m["auc"] == pytest.approx(auc["wukong"], abs=1e-6)
+
+
+def test_tables_are_trained_by_the_fused_sparse_optimizer(tmp_path):
+    """Every table is sharded with the fused kernel; none leaks into the dense optimizer."""
+    cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=1"])
+    tr = Trainer(cfg, tmp_path / "r")
+    fused, dense = tr.opt.optimizers[0][1], tr.opt.optimizers[1][1]
+    tables = {f"embedding.ebc.embedding_bags.t_{f.name}.weight" for f in tr.pre.schema.sparse}
+    assert set(fused.params) == tables
+    assert not any("ebc" in name for name in dense.params)
+    assert all(s.sharding_type == "table_wise" and s.compute_kernel == "fused"
+               for s in tr.dmp.plan.plan["embedding.ebc"].values())  # fmt: skip

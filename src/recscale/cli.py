@@ -34,9 +34,14 @@ def print_report(report: dict) -> None:
     for split in ("valid", "test"):
         if split in report:
             m = report[split]
-            lines.append(f"{split:5s}  " + "  ".join(f"{k} {_fmt(m[k])}" for k in ("auc", "logloss", "ne", "calibration", "rows")))
+            lines.append(
+                f"{split:5s}  "
+                + "  ".join(f"{k} {_fmt(m[k])}" for k in ("auc", "logloss", "ne", "calibration", "rows"))
+            )
     if "bayes_logloss" in report:
-        lines.append(f"Bayes floor (synthetic teacher): logloss {report['bayes_logloss']:.4f}  ne {report['bayes_ne']:.4f}")
+        lines.append(
+            f"Bayes floor (synthetic teacher): logloss {report['bayes_logloss']:.4f}  ne {report['bayes_ne']:.4f}"
+        )
     if report.get("skipped_rows"):
         lines.append(f"skipped bad rows: {report['skipped_rows']}")
     lines.append(f"run directory: {report['run_dir']}")
@@ -70,7 +75,9 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="recscale", description="Train and evaluate large-scale recommendation models.")
+    p = argparse.ArgumentParser(
+        prog="recscale", description="Train and evaluate large-scale recommendation models."
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model from a YAML config",

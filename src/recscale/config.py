@@ -50,7 +50,9 @@ class DataConfig(_Strict):
             if self.train is None:
                 raise ValueError("data.train is required: the path of the training file")
             if self.schema_ is None:
-                raise ValueError(f"data.schema is required for format '{self.format}': list the label and features")
+                raise ValueError(
+                    f"data.schema is required for format '{self.format}': list the label and features"
+                )
             if self.format == "movielens":
                 # One directory holds all splits; the split is a reader option.
                 self.valid = self.valid or self.train
@@ -114,11 +116,18 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _optimizers(self) -> TrainConfig:
-        dense_ok, sparse_ok = ("adam", "adamw", "sgd", "adagrad"), ("rowwise_adagrad", "adagrad", "sgd", "adam")
+        dense_ok, sparse_ok = (
+            ("adam", "adamw", "sgd", "adagrad"),
+            ("rowwise_adagrad", "adagrad", "sgd", "adam"),
+        )
         if self.dense_optimizer.name not in dense_ok:
-            raise ValueError(f"train.dense_optimizer.name '{self.dense_optimizer.name}': use one of {dense_ok}")
+            raise ValueError(
+                f"train.dense_optimizer.name '{self.dense_optimizer.name}': use one of {dense_ok}"
+            )
         if self.sparse_optimizer.name not in sparse_ok:
-            raise ValueError(f"train.sparse_optimizer.name '{self.sparse_optimizer.name}': use one of {sparse_ok}")
+            raise ValueError(
+                f"train.sparse_optimizer.name '{self.sparse_optimizer.name}': use one of {sparse_ok}"
+            )
         return self
 
 
@@ -129,7 +138,9 @@ class RunConfig(_Strict):
     train: TrainConfig = TrainConfig()
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json", by_alias=True, exclude_none=False), sort_keys=False)
+        return yaml.safe_dump(
+            self.model_dump(mode="json", by_alias=True, exclude_none=False), sort_keys=False
+        )
 
 
 def _format_error(e: ValidationError) -> str:

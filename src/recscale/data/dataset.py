@@ -36,7 +36,11 @@ FORMAT_VERSION = 1
 
 
 def materialize(
-    batches: Iterable[pa.RecordBatch], pre: Preprocessor, out_dir: Path, fingerprint: str = "", progress: bool = False
+    batches: Iterable[pa.RecordBatch],
+    pre: Preprocessor,
+    out_dir: Path,
+    fingerprint: str = "",
+    progress: bool = False,
 ) -> Path:
     """Preprocess ``batches`` into a split directory at ``out_dir`` (written atomically)."""
     schema = pre.schema
@@ -60,7 +64,9 @@ def materialize(
                 for f in schema.sparse:
                     values, lengths, weights = cols.sparse[f.name]
                     if not f.multi and not (lengths == 1).all():
-                        raise DataError(f"feature '{f.name}' has several ids in a row; declare it with multi: true")
+                        raise DataError(
+                            f"feature '{f.name}' has several ids in a row; declare it with multi: true"
+                        )
                     files[f"{f.name}.values"].write(values.tobytes())
                     if f.multi:
                         ends = offsets_end[f.name] + np.cumsum(lengths, dtype=np.int64)
@@ -113,7 +119,9 @@ class ArrayDataset:
         self.dir = Path(split_dir)
         meta = read_meta(self.dir)
         if meta is None:
-            raise DataError(f"{self.dir}: not a complete preprocessed split (meta.json missing or from another version)")
+            raise DataError(
+                f"{self.dir}: not a complete preprocessed split (meta.json missing or from another version)"
+            )
         self.meta = meta
         self.rows: int = meta["rows"]
         self.keys = [f["name"] for f in meta["sparse"]]
@@ -137,7 +145,9 @@ class ArrayDataset:
                 name = f["name"]
                 arrays[f"{name}.values"] = np.memmap(d / f"{name}.values.bin", np.int64, "r")
                 if f["multi"]:
-                    arrays[f"{name}.offsets"] = np.memmap(d / f"{name}.offsets.bin", np.int64, "r", shape=(n + 1,))
+                    arrays[f"{name}.offsets"] = np.memmap(
+                        d / f"{name}.offsets.bin", np.int64, "r", shape=(n + 1,)
+                    )
                 if f["weighted"]:
                     arrays[f"{name}.weights"] = np.memmap(d / f"{name}.weights.bin", np.float32, "r")
             self._arrays = arrays

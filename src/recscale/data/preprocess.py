@@ -59,7 +59,9 @@ def stable_hash(values: pa.Array) -> np.ndarray:
     """64-bit FNV-1a of each value's UTF-8 text, vectorised over character positions. (N,) uint64."""
     strings = pc.cast(values, pa.large_string()) if not pa.types.is_large_string(values.type) else values
     strings = pc.fill_null(strings, "")
-    offsets = np.frombuffer(strings.buffers()[1], dtype=np.int64)[strings.offset : strings.offset + len(strings) + 1]
+    offsets = np.frombuffer(strings.buffers()[1], dtype=np.int64)[
+        strings.offset : strings.offset + len(strings) + 1
+    ]
     data = strings.buffers()[2]
     chars = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
     starts, lengths = offsets[:-1], np.diff(offsets)
@@ -142,7 +144,9 @@ class Preprocessor:
                 col = np.log1p(np.maximum(col, 0.0))
             dense[:, j] = col
         if not np.isfinite(dense).all():
-            raise DataError("dense features hold NaN or infinite values after preprocessing; check the fill values")
+            raise DataError(
+                "dense features hold NaN or infinite values after preprocessing; check the fill values"
+            )
         sparse = {}
         for f in self.schema.sparse:
             ids, lengths = _values_and_lengths(batch.column(f.name))
@@ -183,6 +187,8 @@ class Preprocessor:
             obj = json.loads(Path(path).read_text())
             return cls.from_json(obj)
         except FileNotFoundError:
-            raise CheckpointError(f"{path}: preprocessing artifact not found; is this a recscale run directory?")
+            raise CheckpointError(
+                f"{path}: preprocessing artifact not found; is this a recscale run directory?"
+            ) from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{path}: preprocessing artifact is truncated or corrupt ({e})") from None

@@ -67,11 +67,20 @@ class _MetadataUnpickler(pickle.Unpickler):
     _ALLOWED_TORCH = {"Size", "device", "layout", "memory_format", "strided", "contiguous_format"}
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint.") or module in ("collections",) and name == "OrderedDict":
+        if (
+            module.startswith("torch.distributed.checkpoint.")
+            or module in ("collections",)
+            and name == "OrderedDict"
+        ):
             return super().find_class(module, name)
-        if module == "torch" and (name in self._ALLOWED_TORCH or isinstance(getattr(torch, name, None), torch.dtype)):
+        if module == "torch" and (
+            name in self._ALLOWED_TORCH or isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
-        if (module, name) == ("torch.serialization", "_get_layout"):  # maps a layout name to torch.strided etc.
+        if (module, name) == (
+            "torch.serialization",
+            "_get_layout",
+        ):  # maps a layout name to torch.strided etc.
             return super().find_class(module, name)
         if module == "pathlib" and name in ("PosixPath", "PurePosixPath"):  # DCP records the checkpoint path
             return super().find_class(module, name)
@@ -160,7 +169,9 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
     """Complete checkpoints under ``ckpt_dir``, oldest first (temporary dirs start with '.')."""
     if not Path(ckpt_dir).is_dir():
         return []
-    return sorted(p for p in Path(ckpt_dir).iterdir() if p.name.startswith("step_") and (p / STATE_FILE).is_file())
+    return sorted(
+        p for p in Path(ckpt_dir).iterdir() if p.name.startswith("step_") and (p / STATE_FILE).is_file()
+    )
 
 
 def prune_checkpoints(ckpt_dir: Path, keep: int) -> None:

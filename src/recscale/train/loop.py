@@ -41,6 +41,7 @@ from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import ReadStats
 from recscale.data.sources import open_split, source_fingerprint
 from recscale.distributed.env import DistEnv, init_distributed
+from recscale.distributed.sharding import plan_tables
 from recscale.errors import CheckpointError, RecscaleError
 from recscale.io import atomic_write_text
 from recscale.models.embedding import FeatureSet, SparseInput
@@ -102,7 +103,9 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
     return {"dense": int(dense), "sparse": int(sparse)}
 
 
-def build_dmp(cfg: RunConfig, pre: Preprocessor, env: DistEnv) -> tuple[DistributedModelParallel, CombinedOptimizer]:
+def build_dmp(
+    cfg: RunConfig, pre: Preprocessor, env: DistEnv
+) -> tuple[DistributedModelParallel, CombinedOptimizer]:
     """The model sharded by TorchRec, and one optimizer over fused (tables) and dense parameters.
 
     The unsharded model's parameter counts are kept as ``dmp.recscale_parameters``.
@@ -112,7 +115,8 @@ def build_dmp(cfg: RunConfig, pre: Preprocessor, env: DistEnv) -> tuple[Distribu
     counts = count_parameters(model)
     opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer)
     apply_optimizer_in_backward(opt_cls, model.embedding.ebc.parameters(), opt_kw)
-    dmp = DistributedModelParallel(model, device=env.device)
+    plan = plan_tables(model, env.device, local_world_size=env.local_world_size)
+    dmp = DistributedModelParallel(model, device=env.device, plan=plan)
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),
         dense_optimizer_factory(cfg.train.dense_optimizer),
@@ -128,7 +132,9 @@ def unwrap(dmp: DistributedModelParallel) -> nn.Module:
 
 
 @torch.no_grad()  # not inference_mode: gloo collectives fail inside it
-def predict(dmp: DistributedModelParallel, ds: ArrayDataset, batch_size: int, num_workers: int) -> torch.Tensor:
+def predict(
+    dmp: DistributedModelParallel, ds: ArrayDataset, batch_size: int, num_workers: int
+) -> torch.Tensor:
     """Logits (N,) for every row of ``ds`` in order."""
     was_training = dmp.training
     dmp.eval()
@@ -140,7 +146,9 @@ def predict(dmp: DistributedModelParallel, ds: ArrayDataset, batch_size: int, nu
     return torch.cat(out)
 
 
-def evaluate(dmp: DistributedModelParallel, ds: ArrayDataset, batch_size: int, num_workers: int) -> dict[str, float]:
+def evaluate(
+    dmp: DistributedModelParallel, ds: ArrayDataset, batch_size: int, num_workers: int
+) -> dict[str, float]:
     return ctr_metrics(predict(dmp, ds, batch_size, num_workers), torch.from_numpy(ds.labels().copy()))
 
 
@@ -298,8 +306,12 @@ class Trainer:
             raise RecscaleError(f"train.batch_size {t.batch_size} is larger than the training set ({n} rows)")
         total = min(t.epochs * steps_per_epoch, t.max_steps or 10**18)
         dense_opt = self.opt.optimizers[1][1]
-        dense_params = [q for _, q in in_backward_optimizer_filter(self.dmp.named_parameters()) if q.requires_grad]
-        bar = tqdm(total=total, initial=p.step, desc="train", unit="step", disable=not (t.progress and self.main))
+        dense_params = [
+            q for _, q in in_backward_optimizer_filter(self.dmp.named_parameters()) if q.requires_grad
+        ]
+        bar = tqdm(
+            total=total, initial=p.step, desc="train", unit="step", disable=not (t.progress and self.main)
+        )
         window_loss, window_n, window_t = 0.0, 0, time.perf_counter()
         done = p.step >= total or p.stopped_early
         self.dmp.train()

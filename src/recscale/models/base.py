@@ -1,0 +1,44 @@
+"""What every CTR model shares: the embedding layer, logits, FLOP accounting, strict params."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import Tensor, nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recscale.models.embedding import EmbeddingConfig, EmbeddingLayer, FeatureSet
+from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER, module_flops
+
+
+class ModelParams(BaseModel):
+    """Base of every model's hyperparameters: unknown keys are an error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class RecModel(nn.Module, ABC):
+    """(dense (B, n_dense), sparse KJT) -> logits (B,): the embedding layer gives X0 (B, n, d), then
+    ``interact`` does the model's own work."""
+
+    def __init__(self, features: FeatureSet, embedding: EmbeddingConfig, device: torch.device | None) -> None:
+        super().__init__()
+        self.embedding = EmbeddingLayer(features, embedding, device)
+
+    @abstractmethod
+    def interact(self, x0: Tensor) -> Tensor:
+        """(B, n, d) -> logits (B,)."""
+
+    def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
+        return self.interact(self.embedding(dense, sparse))
+
+    def flops_per_example(self) -> int:
+        """Analytic forward FLOPs per example of the dense computation, summed over the submodules
+        (each block counts its own; embedding lookups are free)."""
+        return sum(module_flops(child) for child in self.children())
+
+    def train_flops_per_example(self) -> int:
+        """Forward + backward FLOPs per example."""
+        return TRAIN_FLOPS_MULTIPLIER * self.flops_per_example()

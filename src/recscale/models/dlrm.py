@@ -1,0 +1,45 @@
+"""DLRM (Naumov et al. 2019): bottom MLP on dense features, dot-product interaction, top MLP.
+
+The bottom MLP is the embedding layer's dense MLP (``EmbeddingConfig.dense_hidden``), so the dense
+embeddings are the first ``num_dense_outputs`` rows of X0. The top MLP sees the dense embeddings
+concatenated with the dot products of all distinct pairs of embeddings (dense ones included).
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+from torch import Tensor
+
+from recscale.models.base import ModelParams, RecModel
+from recscale.models.blocks import MLP, DotInteraction, Norm
+from recscale.models.embedding import EmbeddingConfig, FeatureSet
+from recscale.models.registry import register
+
+
+class DLRMParams(ModelParams):
+    top_mlp: list[int] = [256, 128]
+    norm: Norm = "none"
+    dropout: float = Field(0.0, ge=0, lt=1)
+
+
+@register("dlrm", DLRMParams)
+class DLRM(RecModel):
+    """X0 (B, n, d) -> top_mlp([flatten(dense embeddings), triu(X0 X0ᵀ)]) -> (B,)."""
+
+    def __init__(
+        self,
+        features: FeatureSet,
+        embedding: EmbeddingConfig,
+        params: DLRMParams,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__(features, embedding, device)
+        n, d = self.embedding.num_outputs, self.embedding.dim
+        self.interaction = DotInteraction(n, d)
+        in_features = self.embedding.num_dense_outputs * d + self.interaction.out_features
+        self.top_mlp = MLP(in_features, params.top_mlp, 1, params.norm, params.dropout, device)
+
+    def interact(self, x0: Tensor) -> Tensor:
+        dense = x0[:, : self.embedding.num_dense_outputs].flatten(1)
+        return self.top_mlp(torch.cat([dense, self.interaction(x0)], dim=1)).squeeze(-1)

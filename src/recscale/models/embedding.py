@@ -1,0 +1,199 @@
+"""The embedding layer shared by all models: dense and sparse features -> X0 (B, n, d).
+
+X0 stacks, along the embedding axis, in this order:
+
+1. ``dense_embeddings`` vectors from an MLP on the dense features (DLRM's bottom MLP);
+2. one vector per sparse feature from its table, or ``m`` vectors for a multi-embedding feature
+   (table dim m·d, split into m vectors);
+3. ceil(k·small_dim/d) vectors mapped by a linear layer from the concatenated small-dim tables of the
+   k ``small_dim_features`` (Wukong's option for low-cardinality features).
+
+All tables live in one TorchRec ``EmbeddingBagCollection`` that is only ever called, so
+``DistributedModelParallel`` can shard and replace it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import pydantic
+import torch
+from pydantic import Field, field_validator
+from torch import Tensor, nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recscale.models.blocks.mlp import MLP
+
+# fbgemm's GPU kernels need every table dim to be a multiple of 4.
+_DIM_MULTIPLE = 4
+
+
+@dataclass(frozen=True)
+class SparseInput:
+    """A sparse feature as the model sees it."""
+
+    name: str
+    num_embeddings: int  # vocabulary size incl. the OOV id 0
+    pooling: Literal["sum", "mean"] = "sum"  # for multi-id features
+    weighted: bool = False
+
+
+@dataclass(frozen=True)
+class FeatureSet:
+    """The model's inputs: sparse features in KJT key order and the number of dense features."""
+
+    sparse: tuple[SparseInput, ...]
+    num_dense: int
+
+
+class EmbeddingConfig(pydantic.BaseModel, extra="forbid"):
+    """How features become the embedding matrix X0 (B, n, d)."""
+
+    dim: int = Field(16, gt=0)  # the one global embedding dim d
+    init_std: float = Field(1e-4, gt=0)
+    # How many d-vectors the dense-feature MLP emits; None = 1 if there are dense features else 0.
+    dense_embeddings: int | None = Field(None, ge=0)
+    dense_hidden: list[int] = []  # hidden widths of that MLP
+    # Feature -> number of embeddings m: its table has dim m·d and gives m vectors (Wukong's option).
+    multi_embedding: dict[str, int] = {}
+    # These features get small tables of dim small_dim; their concatenation is mapped by a linear
+    # layer to ceil(k·small_dim/d) d-vectors (Wukong's option for low-cardinality features).
+    small_dim_features: list[str] = []
+    small_dim: int = Field(4, gt=0)
+
+    @field_validator("dim", "small_dim")
+    @classmethod
+    def _fbgemm_dim(cls, v: int) -> int:
+        if v % _DIM_MULTIPLE:
+            raise ValueError(f"embedding dims must be multiples of {_DIM_MULTIPLE} (fbgemm), got {v}")
+        return v
+
+    @field_validator("multi_embedding")
+    @classmethod
+    def _positive_multiplicity(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = {f: m for f, m in v.items() if m < 1}
+        if bad:
+            raise ValueError(f"multi_embedding counts must be >= 1, got {bad}")
+        return v
+
+    @field_validator("dense_hidden")
+    @classmethod
+    def _positive_widths(cls, v: list[int]) -> list[int]:
+        if any(w < 1 for w in v):
+            raise ValueError(f"dense_hidden widths must be >= 1, got {v}")
+        return v
+
+
+class EmbeddingLayer(nn.Module):
+    """(dense (B, n_dense), sparse KJT) -> X0 (B, n, d).
+
+    Pooling: every table sum-pools, and "mean" features are divided by their bag size here
+    (the number of ids, or the sum of the weights when the collection is weighted), because
+    TorchRec's unsharded EBC cannot mean-pool with per-id weights. If any feature is weighted,
+    the KJT must carry weights for all keys (1.0 for ids of unweighted features).
+    """
+
+    def __init__(
+        self, features: FeatureSet, cfg: EmbeddingConfig, device: torch.device | None = None
+    ) -> None:
+        super().__init__()
+        names = [f.name for f in features.sparse]
+        if not names:
+            raise ValueError("the embedding layer needs at least one sparse feature")
+        small_names = set(cfg.small_dim_features)
+        for option, chosen in (
+            ("multi_embedding", set(cfg.multi_embedding)),
+            ("small_dim_features", small_names),
+        ):
+            unknown = sorted(chosen - set(names))
+            if unknown:
+                raise ValueError(f"{option} names unknown sparse features {unknown}; features: {names}")
+        both = sorted(small_names & set(cfg.multi_embedding))
+        if both:
+            raise ValueError(f"features {both} are in both multi_embedding and small_dim_features")
+        num_dense_outputs = (
+            cfg.dense_embeddings if cfg.dense_embeddings is not None else int(features.num_dense > 0)
+        )
+        if num_dense_outputs and not features.num_dense:
+            raise ValueError(
+                f"dense_embeddings={num_dense_outputs} but the feature set has no dense features"
+            )
+
+        d = self.dim = cfg.dim
+        # Full-dim tables first, then small ones, so the pooled KeyedTensor splits into two blocks.
+        full = [f for f in features.sparse if f.name not in small_names]
+        small = [f for f in features.sparse if f.name in small_names]
+        counts = [cfg.multi_embedding.get(f.name, 1) for f in full]
+        self._tables = full + small
+        self._table_dims = [m * d for m in counts] + [cfg.small_dim] * len(small)
+        self._full_width = sum(counts) * d
+        self._weighted = any(f.weighted for f in features.sparse)
+        self.ebc = EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(
+                    name=f"t_{f.name}",
+                    embedding_dim=dim,
+                    num_embeddings=f.num_embeddings,
+                    feature_names=[f.name],
+                    pooling=PoolingType.SUM,
+                    init_fn=functools.partial(torch.nn.init.normal_, mean=0.0, std=cfg.init_std),
+                )
+                for f, dim in zip(self._tables, self._table_dims, strict=True)
+            ],
+            is_weighted=self._weighted,
+            device=device,
+        )
+        self.dense_mlp = (
+            MLP(features.num_dense, cfg.dense_hidden, num_dense_outputs * d, device=device)
+            if num_dense_outputs
+            else None
+        )
+        num_small_outputs = math.ceil(len(small) * cfg.small_dim / d)
+        self.small_mlp = (
+            MLP(len(small) * cfg.small_dim, [], num_small_outputs * d, device=device) if small else None
+        )
+        self.num_dense_outputs = num_dense_outputs
+        self.num_outputs = num_dense_outputs + sum(counts) + num_small_outputs
+        # Where each full-dim feature's vectors sit in X0 (for models that condition on a field).
+        self.positions: dict[str, list[int]] = {}
+        start = num_dense_outputs
+        for f, m in zip(full, counts, strict=True):
+            self.positions[f.name] = list(range(start, start + m))
+            start += m
+
+    def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
+        if self._weighted and sparse.weights_or_none() is None:
+            raise ValueError("a sparse feature is weighted but the KeyedJaggedTensor has no weights")
+        pooled = self._mean_pool(self.ebc(sparse).values(), sparse)  # (B, Σ table dims), table order
+        b = pooled.shape[0]
+        parts = []
+        if self.dense_mlp is not None:
+            parts.append(self.dense_mlp(dense).view(b, -1, self.dim))
+        parts.append(pooled[:, : self._full_width].view(b, -1, self.dim))
+        if self.small_mlp is not None:
+            parts.append(self.small_mlp(pooled[:, self._full_width :]).view(b, -1, self.dim))
+        return torch.cat(parts, dim=1)
+
+    def _mean_pool(self, pooled: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
+        """Divide the sum-pooled columns of "mean" features by their bag sizes."""
+        if all(f.pooling == "sum" for f in self._tables):
+            return pooled
+        keys, lengths = sparse.keys(), sparse.lengths()
+        sizes = (
+            torch.segment_reduce(sparse.weights(), "sum", lengths=lengths)
+            if self._weighted
+            else lengths.to(pooled.dtype)
+        )
+        sizes = sizes.view(len(keys), -1)[[keys.index(f.name) for f in self._tables]]  # (tables, B)
+        is_mean = torch.tensor([f.pooling == "mean" for f in self._tables], device=pooled.device)
+        scale = torch.where(is_mean[:, None] & (sizes > 0), 1 / sizes, 1.0)
+        dims = torch.tensor(self._table_dims, device=pooled.device)
+        return pooled * scale.T.repeat_interleave(dims, dim=1, output_size=pooled.shape[1])
+
+    def flops_per_example(self) -> int:
+        return sum(m.flops_per_example() for m in (self.dense_mlp, self.small_mlp) if m is not None)

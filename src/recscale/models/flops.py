@@ -1,0 +1,48 @@
+"""Analytic FLOP counting conventions and a measured counter to check them against.
+
+A FLOP count here is what ``torch.utils.flop_counter.FlopCounterMode`` reports: 2·m·n·k per matrix
+product (matmul, linear, bmm, 1x1 conv); element-wise ops, norms, softmax and embedding lookups are
+free. Models report forward FLOPs per example; training is counted as 3× forward (backward computes
+two matmuls per forward matmul: one for the input gradient, one for the weight gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+TRAIN_FLOPS_MULTIPLIER = 3
+
+
+def matmul_flops(m: int, n: int, k: int) -> int:
+    """FLOPs of an (m, k) @ (k, n) product."""
+    return 2 * m * n * k
+
+
+def linear_flops(layer: nn.Linear) -> int:
+    """Forward FLOPs of ``layer`` on one input row (bias adds are free)."""
+    return matmul_flops(1, layer.out_features, layer.in_features)
+
+
+def module_flops(module: nn.Module) -> int:
+    """Forward FLOPs per example of a block (its ``flops_per_example()``), an ``nn.Linear``, or a
+    container of those (summed over its children; parameter-free children such as norms are free).
+
+    A module whose matmuls are not one pass per child must define ``flops_per_example()``;
+    the FlopCounterMode tests catch one that does not.
+    """
+    if hasattr(module, "flops_per_example"):
+        return module.flops_per_example()
+    if isinstance(module, nn.Linear):
+        return linear_flops(module)
+    return sum(module_flops(child) for child in module.children())
+
+
+@torch.no_grad()
+def measured_flops_per_example(model: nn.Module, dense: Tensor, sparse: KeyedJaggedTensor) -> float:
+    """Forward FLOPs per example of ``model(dense, sparse)`` as counted by ``FlopCounterMode``."""
+    with FlopCounterMode(display=False) as counter:
+        model(dense, sparse)
+    return counter.get_total_flops() / dense.shape[0]

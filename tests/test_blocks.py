@@ -1,0 +1,150 @@
+"""Blocks and the embedding layer against their definitions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+from torch import Tensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recscale.models import EmbeddingConfig, EmbeddingLayer, FeatureSet, SparseInput
+from recscale.models.blocks import (
+    CIN,
+    CrossNet,
+    DotInteraction,
+    LinearCompressBlock,
+    MultiHeadSelfAttention,
+    OptimizedFM,
+    fm_pairwise,
+)
+
+
+def test_optimized_fm_equals_explicit_product() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 9, 8, dtype=torch.float64)
+    fm = OptimizedFM(n=9, k=3, dim=8).double()
+    torch.testing.assert_close(fm(x), (x @ x.transpose(1, 2)) @ fm.y)
+
+
+def test_fm_pairwise_and_dot_interaction() -> None:
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    pairs = [(i, j) for i in range(5) for j in range(i + 1, 5)]
+    explicit = torch.stack([(x[:, i] * x[:, j]).sum(-1) for i, j in pairs], dim=1)  # (B, 10), row-major triu
+    torch.testing.assert_close(DotInteraction(5, 4)(x), explicit)
+    torch.testing.assert_close(fm_pairwise(x), explicit.sum(1))
+
+
+def test_lcb_and_cross_net() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 4)
+    lcb = LinearCompressBlock(5, 3, 4)
+    torch.testing.assert_close(lcb(x), torch.einsum("on,bnd->bod", lcb.weight, x))
+
+    cross = CrossNet(6, num_layers=2)
+    x0 = torch.randn(3, 6)
+    x1 = x0 * cross.layers[0](x0) + x0
+    torch.testing.assert_close(cross(x0), x0 * cross.layers[1](x1) + x1)
+
+
+def test_cin_matches_definition() -> None:
+    torch.manual_seed(0)
+    x0 = torch.randn(2, 3, 4)
+    cin = CIN(num_fields=3, dim=4, layer_sizes=[4, 2], split_half=True)
+    assert cin.out_features == 2 + 2
+    # Layer 1: X1_h = Σ_ij W_hij (X0_i ∘ X0_j); half goes on, half is pooled.
+    w1, b1 = cin.convs[0].weight.squeeze(-1).view(4, 3, 3), cin.convs[0].bias
+    x1 = torch.einsum("hij,bid,bjd->bhd", w1, x0, x0) + b1[:, None]
+    w2, b2 = cin.convs[1].weight.squeeze(-1).view(2, 2, 3), cin.convs[1].bias
+    x2 = torch.einsum("hij,bid,bjd->bhd", w2, x1[:, :2], x0) + b2[:, None]
+    torch.testing.assert_close(cin(x0), torch.cat([x1[:, 2:].sum(-1), x2.sum(-1)], dim=1))
+    with pytest.raises(ValueError, match="even"):
+        CIN(3, 4, [5, 2])
+
+
+def test_self_attention_is_permutation_equivariant() -> None:
+    torch.manual_seed(0)
+    att = MultiHeadSelfAttention(n=5, in_dim=4, heads=2, head_dim=3)
+    x = torch.randn(2, 5, 4)
+    perm = torch.tensor([3, 0, 4, 1, 2])
+    assert att(x).shape == (2, 5, 6)
+    torch.testing.assert_close(att(x[:, perm]), att(x)[:, perm])
+
+
+# --- embedding layer ----------------------------------------------------------------------------
+
+FEATURES = FeatureSet(
+    sparse=(
+        SparseInput("a", 10),
+        SparseInput("bag", 12, pooling="mean", weighted=True),
+        SparseInput("s1", 5),
+        SparseInput("s2", 5),
+        SparseInput("s3", 5),
+    ),
+    num_dense=2,
+)
+
+
+def table(layer: EmbeddingLayer, feature: str) -> Tensor:
+    return layer.ebc.embedding_bags[f"t_{feature}"].weight
+
+
+def test_embedding_layer_layout_and_pooling() -> None:
+    torch.manual_seed(0)
+    cfg = EmbeddingConfig(
+        dim=8,
+        init_std=0.1,
+        dense_embeddings=2,
+        multi_embedding={"a": 3},
+        small_dim_features=["s1", "s2", "s3"],
+    )
+    layer = EmbeddingLayer(FEATURES, cfg)
+    # 2 dense + 3 for "a" + 1 for "bag" + ceil(3 * 4 / 8) = 2 for the small-dim group
+    assert (layer.num_outputs, layer.dim, layer.num_dense_outputs) == (8, 8, 2)
+    assert layer.positions == {"a": [2, 3, 4], "bag": [5]}
+    keys = ["bag", "s3", "a", "s1", "s2"]  # KJT key order need not match the tables'
+    lengths = torch.tensor([2, 0, 1, 1, 1, 1, 1, 1, 1, 1])  # bag: rows of 2 and 0 ids
+    values = torch.tensor([3, 7, 1, 2, 4, 9, 0, 3, 2, 2])
+    weights = torch.tensor([0.5, 1.5, 1, 1, 1, 1, 1, 1, 1, 1])
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys, values, lengths, weights)
+    x0 = layer(torch.randn(2, 2), kjt)
+    assert x0.shape == (2, 8, 8)
+    torch.testing.assert_close(x0[:, 2:5], table(layer, "a")[[4, 9]].view(2, 3, 8))
+    weighted_mean = (0.5 * table(layer, "bag")[3] + 1.5 * table(layer, "bag")[7]) / 2.0
+    torch.testing.assert_close(x0[0, 5], weighted_mean)
+    torch.testing.assert_close(x0[1, 5], torch.zeros(8))  # empty bag
+    small = torch.cat([table(layer, "s1")[[0, 3]], table(layer, "s2")[[2, 2]], table(layer, "s3")[[1, 2]]], 1)
+    torch.testing.assert_close(x0[:, 6:].flatten(1), layer.small_mlp(small))
+    with pytest.raises(ValueError, match="no weights"):
+        layer(torch.randn(2, 2), KeyedJaggedTensor.from_lengths_sync(keys, values, lengths))
+
+
+def test_unweighted_mean_pooling() -> None:
+    features = FeatureSet(sparse=(SparseInput("a", 10, pooling="mean"), SparseInput("b", 10)), num_dense=0)
+    layer = EmbeddingLayer(features, EmbeddingConfig(dim=4, init_std=0.1))
+    assert layer.num_outputs == 2 and layer.dense_mlp is None
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        ["a", "b"], torch.tensor([1, 2, 3, 4, 5]), torch.tensor([3, 0, 1, 1])
+    )
+    x0 = layer(torch.empty(2, 0), kjt)
+    torch.testing.assert_close(x0[:, 0], torch.stack([table(layer, "a")[[1, 2, 3]].mean(0), torch.zeros(4)]))
+    torch.testing.assert_close(x0[:, 1], table(layer, "b")[[4, 5]])
+
+
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        ({"dim": 10}, "multiples of 4"),
+        ({"small_dim": 6}, "multiples of 4"),
+        ({"multi_embedding": {"a": 0}}, ">= 1"),
+        ({"multi_embedding": {"nope": 2}}, "unknown sparse features"),
+        ({"small_dim_features": ["a"], "multi_embedding": {"a": 2}}, "both"),
+        ({"dense_embeddings": 1}, "no dense features"),
+    ],
+)
+def test_embedding_config_errors(cfg: dict, match: str) -> None:
+    features = FeatureSet(sparse=(SparseInput("a", 10),), num_dense=0)
+    with pytest.raises(ValueError, match=match):  # pydantic's ValidationError is a ValueError
+        EmbeddingLayer(features, EmbeddingConfig(**cfg))
+    with pytest.raises(ValidationError):
+        EmbeddingConfig(unknown_key=1)

@@ -1,0 +1,62 @@
+"""Analytic ``flops_per_example()`` against torch's FlopCounterMode, for every model and variant."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from test_models import EMBEDDING, FEATURES, SMALL, VARIANT_IDS, VARIANTS, random_batch, single_thread  # noqa: F401
+from torch.utils.flop_counter import FlopCounterMode
+
+from recscale.models import EmbeddingConfig, FeatureSet, SparseInput, build_model, model_names
+from recscale.models.blocks import OptimizedFM
+from recscale.models.flops import measured_flops_per_example
+
+# A Frappe-sized input: 10 single-id fields with a few thousand ids in all, no dense features.
+FRAPPE = FeatureSet(sparse=tuple(SparseInput(f"f{i}", 500) for i in range(10)), num_dense=0)
+
+
+def check(model: torch.nn.Module, features: FeatureSet, batch_size: int = 16) -> None:
+    model.eval()
+    dense, sparse = random_batch(features, batch_size, torch.Generator().manual_seed(0))
+    measured = measured_flops_per_example(model, dense, sparse)
+    analytic = model.flops_per_example()
+    assert analytic == pytest.approx(measured, rel=0.1), (analytic, measured)
+    assert model.train_flops_per_example() == 3 * analytic
+
+
+@pytest.mark.parametrize(("name", "params"), VARIANTS, ids=VARIANT_IDS)
+def test_small_models(name: str, params: dict[str, Any]) -> None:
+    check(build_model(name, FEATURES, EMBEDDING, params), FEATURES)
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+@pytest.mark.parametrize("dim", [16, 64])
+def test_default_models(name: str, dim: int) -> None:
+    check(build_model(name, FRAPPE, EmbeddingConfig(dim=dim), {}), FRAPPE)
+
+
+def test_all_models_covered() -> None:
+    assert {name for name, _ in VARIANTS} == set(model_names())
+
+
+def counted(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn(x)
+    return counter.get_total_flops() // x.shape[0]
+
+
+def test_optimized_fm_is_linear_in_n() -> None:
+    k, d = 4, 16
+    cost = {}
+    for n in (32, 64):
+        x = torch.randn(2, n, d)
+        fm = OptimizedFM(n, k, d)
+        cost[n] = counted(fm, x)
+        assert cost[n] == fm.flops_per_example() == 4 * n * k * d
+        # The same product taken as (X Xᵀ) Y is quadratic in n.
+        naive = counted(lambda x, y=fm.y: torch.bmm(x, x.transpose(1, 2)) @ y, x)
+        assert naive == 2 * n * n * (d + k)
+    assert cost[64] == 2 * cost[32]

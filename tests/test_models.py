@@ -1,0 +1,281 @@
+"""Every registered model: shapes, gradients, determinism, learning planted interactions, DMP."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torchrec
+from pydantic import ValidationError
+from torch import Tensor, nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recscale.models import EmbeddingConfig, FeatureSet, SparseInput, build_model, model_names, params_class
+from recscale.models.lr import LRParams
+
+# Single-id, multi-id sum, multi-id mean, and a feature whose table is split into 2 vectors.
+FEATURES = FeatureSet(
+    sparse=(
+        SparseInput("user", 50),
+        SparseInput("item", 40),
+        SparseInput("tags", 30, pooling="mean"),
+        SparseInput("hist", 20),
+        SparseInput("city", 6),
+    ),
+    num_dense=3,
+)
+MULTI_ID = {"tags", "hist"}
+# The same features with the multi-id ones weighted.
+WEIGHTED = FeatureSet(
+    sparse=tuple(replace(f, weighted=f.name in MULTI_ID) for f in FEATURES.sparse),
+    num_dense=FEATURES.num_dense,
+)
+EMBEDDING = EmbeddingConfig(
+    dim=8, init_std=0.05, dense_hidden=[8], multi_embedding={"item": 2}, small_dim_features=["city"]
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread() -> Iterator[None]:
+    """These tiny ops gain nothing from intra-op threads and slow down a lot on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# Small hyperparameters per model, and variants that exercise each structural option.
+SMALL: dict[str, dict[str, Any]] = {
+    "lr": {},
+    "fm": {},
+    "wukong": {"num_layers": 2, "n_f": 4, "n_l": 3, "k": 3, "fmb_mlp": [16], "final_mlp": [16]},
+    "dlrm": {"top_mlp": [16, 8]},
+    "dcnv2": {"num_cross_layers": 2, "mlp": [16]},
+    "dhen": {"num_layers": 2, "num_embeddings": 5, "module_mlp": [16], "final_mlp": [16]},
+    "finalmlp": {"mlp1": [16, 16], "mlp2": [8], "fs_hidden": [8], "fusion_heads": 2},
+    "masknet": {"num_blocks": 2, "block_dim": 16, "mlp": [16]},
+    "autoint": {"attention_layers": 2, "heads": 2, "head_dim": 4, "mlp": [16]},
+    "xdeepfm": {"cin_layers": [6, 4], "mlp": [16]},
+}
+VARIANTS: list[tuple[str, dict[str, Any]]] = [
+    *SMALL.items(),
+    ("wukong", {**SMALL["wukong"], "fm": "full", "n_f": 5, "n_l": 5, "dropout": 0.1}),
+    ("dcnv2", {**SMALL["dcnv2"], "structure": "stacked", "low_rank": 4, "norm": "batch"}),
+    ("dhen", {**SMALL["dhen"], "modules": ["dot", "cross", "self_attention", "linear", "mlp"]}),
+    ("finalmlp", {**SMALL["finalmlp"], "fs1_context": ["user"], "fs2_context": ["item", "tags"]}),
+    ("masknet", {**SMALL["masknet"], "mode": "serial", "norm": "layer"}),
+    ("autoint", {**SMALL["autoint"], "mlp": []}),
+    ("xdeepfm", {**SMALL["xdeepfm"], "split_half": False}),
+]
+VARIANT_IDS = [f"{name}-{i}" for i, (name, _) in enumerate(VARIANTS)]
+
+
+def random_batch(
+    features: FeatureSet, batch_size: int, gen: torch.Generator
+) -> tuple[Tensor, KeyedJaggedTensor]:
+    """Dense (B, num_dense) and a KJT: 1 id per row for single-id features, 0-3 ids for MULTI_ID ones,
+    weights (1.0 for unweighted features) when any feature is weighted."""
+    lengths, values, weights = [], [], []
+    for f in features.sparse:
+        if f.name in MULTI_ID:
+            n = torch.randint(0, 4, (batch_size,), generator=gen)
+        else:
+            n = torch.ones(batch_size, dtype=torch.long)
+        ids = torch.randint(0, f.num_embeddings, (int(n.sum()),), generator=gen)
+        lengths.append(n)
+        values.append(ids)
+        weights.append(torch.rand(len(ids), generator=gen) + 0.5 if f.weighted else torch.ones(len(ids)))
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f.name for f in features.sparse],
+        values=torch.cat(values),
+        lengths=torch.cat(lengths),
+        weights=torch.cat(weights) if any(f.weighted for f in features.sparse) else None,
+    )
+    return torch.randn(batch_size, features.num_dense, generator=gen), kjt
+
+
+def build(name: str, params: dict[str, Any], features: FeatureSet = FEATURES, **kw: Any) -> nn.Module:
+    return build_model(name, features, kw.pop("embedding", EMBEDDING), params, **kw)
+
+
+def test_registry() -> None:
+    names = model_names()
+    assert names == sorted(SMALL)
+    for name in names:
+        assert params_class(name)() == params_class(name).model_validate({})  # all fields have defaults
+    with pytest.raises(ValueError, match="known models: autoint, dcnv2"):
+        build_model("nope", FEATURES, EMBEDDING, {})
+    with pytest.raises(ValidationError):
+        build("wukong", {"n_layers": 3})
+    with pytest.raises(ValueError, match="takes WukongParams"):
+        build("wukong", LRParams())
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_default_params_build(name: str) -> None:
+    model = build_model(name, FEATURES, EmbeddingConfig(), {})
+    dense, sparse = random_batch(FEATURES, 4, torch.Generator().manual_seed(0))
+    assert model(dense, sparse).shape == (4,)
+    assert model.train_flops_per_example() == 3 * model.flops_per_example() > 0
+
+
+@pytest.mark.parametrize(("name", "params"), VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("features", [FEATURES, WEIGHTED], ids=["unweighted", "weighted"])
+def test_forward_backward(name: str, params: dict[str, Any], features: FeatureSet) -> None:
+    torch.manual_seed(0)
+    model = build(name, params, features)
+    assert model.embedding.num_outputs == 7  # 1 dense + user + 2 item + tags + hist + 1 for small-dim city
+    dense, sparse = random_batch(features, 8, torch.Generator().manual_seed(1))
+    logits = model(dense, sparse)
+    assert logits.shape == (8,) and logits.dtype == torch.float32
+    nn.functional.binary_cross_entropy_with_logits(logits, torch.rand(8).round()).backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None, f"{pname} is unused"
+        assert torch.isfinite(p.grad).all(), pname
+    zero_grad = {pname for pname, p in model.named_parameters() if not p.grad.any()}
+    # FinalMLP's shared gate context starts at 0 (as in the authors' code): no gradient for the weight
+    # it multiplies until the context has moved.
+    shared_context = {
+        f"gates.{i}.gate.0.weight" for i, g in enumerate(getattr(model, "gates", [])) if not g.context
+    }
+    assert zero_grad == shared_context
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_deterministic(name: str) -> None:
+    def run() -> tuple[Tensor, dict[str, Tensor]]:
+        torch.manual_seed(123)
+        params = dict(SMALL[name])
+        if "dropout" in params_class(name).model_fields:
+            params["dropout"] = 0.2  # dropout masks come from the seeded global RNG too
+        model = build(name, params)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(7)
+        for _ in range(3):
+            dense, sparse = random_batch(FEATURES, 16, gen)
+            loss = nn.functional.binary_cross_entropy_with_logits(model(dense, sparse), torch.ones(16))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return model(dense, sparse), {k: v.clone() for k, v in model.state_dict().items()}
+
+    (out1, state1), (out2, state2) = run(), run()
+    assert torch.equal(out1, out2)
+    assert state1.keys() == state2.keys()
+    assert all(torch.equal(state1[k], state2[k]) for k in state1)
+
+
+# --- learning planted interactions ------------------------------------------------------------
+
+PLANTED_VOCAB = 8
+# No dense features: an O(1) dense embedding of pure noise next to O(init_std) sparse ones slows the
+# escape from the initial plateau for several models, which only makes this test slower.
+PLANTED = FeatureSet(sparse=tuple(SparseInput(f"f{i}", PLANTED_VOCAB + 1) for i in range(6)), num_dense=0)
+
+
+def planted_data(n: int, gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """ids (n, 6) in 1..V, empty dense (n, 0), labels (n,) ~ Bernoulli(σ(logit)) where the logit is two
+    pairwise terms (f0,f1), (f2,f3) and a triple (f1,f3,f4) term, all with zero main effects, so LR
+    learns nothing; f5 is noise."""
+    table_gen = torch.Generator().manual_seed(99)
+
+    def centered(*shape: int) -> Tensor:
+        t = torch.randn(*shape, generator=table_gen)
+        for axis in range(len(shape)):
+            t = t - t.mean(axis, keepdim=True)
+        return t / t.std()
+
+    p01, p23 = centered(PLANTED_VOCAB, PLANTED_VOCAB), centered(PLANTED_VOCAB, PLANTED_VOCAB)
+    sign = torch.tensor([1.0, -1.0]).repeat(PLANTED_VOCAB // 2)
+    x = torch.randint(0, PLANTED_VOCAB, (n, 6), generator=gen)
+    logit = (
+        1.5 * (p01[x[:, 0], x[:, 1]] + p23[x[:, 2], x[:, 3]])
+        + 1.5 * sign[x[:, 1]] * sign[x[:, 3]] * sign[x[:, 4]]
+    )
+    labels = torch.bernoulli(torch.sigmoid(logit), generator=gen)
+    return x + 1, torch.empty(n, 0), labels
+
+
+def to_kjt(ids: Tensor) -> KeyedJaggedTensor:
+    """(B, F) single ids -> KJT keyed f0..f{F-1}."""
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=[f.name for f in PLANTED.sparse],
+        values=ids.T.reshape(-1),
+        lengths=torch.ones(ids.numel(), dtype=torch.long),
+    )
+
+
+def auc(scores: Tensor, labels: Tensor) -> float:
+    """ROC AUC by the rank-sum formula (ties have probability ~0 for float scores)."""
+    ranks = torch.empty_like(scores)
+    ranks[scores.argsort()] = torch.arange(1, len(scores) + 1, dtype=scores.dtype)
+    pos = labels.bool()
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+@pytest.fixture(scope="module")
+def planted_aucs() -> dict[str, float]:
+    """Validation AUC of every model after 300 Adam steps of 256 examples on planted data."""
+    steps, batch = 300, 256
+    ids, dense, labels = planted_data(steps * batch + 4000, torch.Generator().manual_seed(0))
+    split = steps * batch
+    val_dense, val_sparse, val_labels = dense[split:], to_kjt(ids[split:]), labels[split:]
+    aucs = {}
+    for name in model_names():
+        torch.manual_seed(0)
+        model = build_model(name, PLANTED, EmbeddingConfig(dim=8, init_std=0.01), SMALL[name])
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for i in range(0, split, batch):
+            logits = model(dense[i : i + batch], to_kjt(ids[i : i + batch]))
+            loss = nn.functional.binary_cross_entropy_with_logits(logits, labels[i : i + batch])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            aucs[name] = auc(model(val_dense, val_sparse), val_labels)
+    return aucs
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(SMALL) if n != "lr"])
+def test_learns_planted_interactions(name: str, planted_aucs: dict[str, float]) -> None:
+    assert planted_aucs["lr"] < 0.6, planted_aucs
+    assert planted_aucs[name] > planted_aucs["lr"] + 0.1, planted_aucs
+
+
+# --- DistributedModelParallel -----------------------------------------------------------------
+
+
+def test_distributed_model_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each model built on meta is materialised and sharded by DMP (gloo, world size 1) and trains."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        dense, sparse = random_batch(WEIGHTED, 8, torch.Generator().manual_seed(0))
+        for name in model_names():
+            model = build_model(name, WEIGHTED, EMBEDDING, SMALL[name], device=torch.device("meta"))
+            assert all(p.is_meta for p in model.parameters())
+            torchrec.optim.apply_optimizer_in_backward(
+                torchrec.optim.RowWiseAdagrad, model.embedding.ebc.parameters(), {"lr": 0.05}
+            )
+            dmp = DistributedModelParallel(model, device=torch.device("cpu"))
+            assert not isinstance(dmp.module.embedding.ebc, torchrec.EmbeddingBagCollection)  # sharded
+            logits = dmp(dense, sparse)
+            assert logits.shape == (8,) and torch.isfinite(logits).all()
+            logits.sum().backward()
+            dense_params = [p for n, p in dmp.named_parameters() if "ebc" not in n]
+            assert dense_params and all(torch.isfinite(p).all() for p in dense_params), name
+            assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in dense_params), name
+    finally:
+        dist.destroy_process_group()
