@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torchrec
 from pydantic import ValidationError
 from torch import Tensor, nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recscale.distributed.env import init_distributed
 from recscale.models import EmbeddingConfig, FeatureSet, SparseInput, build_model, model_names, params_class
 from recscale.models.lr import LRParams
 
@@ -253,29 +252,21 @@ def test_learns_planted_interactions(name: str, planted_aucs: dict[str, float]) 
 # --- DistributedModelParallel -----------------------------------------------------------------
 
 
-def test_distributed_model_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_distributed_model_parallel() -> None:
     """Each model built on meta is materialised and sharded by DMP (gloo, world size 1) and trains."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        dense, sparse = random_batch(WEIGHTED, 8, torch.Generator().manual_seed(0))
-        for name in model_names():
-            model = build_model(name, WEIGHTED, EMBEDDING, SMALL[name], device=torch.device("meta"))
-            assert all(p.is_meta for p in model.parameters())
-            torchrec.optim.apply_optimizer_in_backward(
-                torchrec.optim.RowWiseAdagrad, model.embedding.ebc.parameters(), {"lr": 0.05}
-            )
-            dmp = DistributedModelParallel(model, device=torch.device("cpu"))
-            assert not isinstance(dmp.module.embedding.ebc, torchrec.EmbeddingBagCollection)  # sharded
-            logits = dmp(dense, sparse)
-            assert logits.shape == (8,) and torch.isfinite(logits).all()
-            logits.sum().backward()
-            dense_params = [p for n, p in dmp.named_parameters() if "ebc" not in n]
-            assert dense_params and all(torch.isfinite(p).all() for p in dense_params), name
-            assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in dense_params), name
-    finally:
-        dist.destroy_process_group()
+    init_distributed()  # a group of one; reused if an earlier test started it
+    dense, sparse = random_batch(WEIGHTED, 8, torch.Generator().manual_seed(0))
+    for name in model_names():
+        model = build_model(name, WEIGHTED, EMBEDDING, SMALL[name], device=torch.device("meta"))
+        assert all(p.is_meta for p in model.parameters())
+        torchrec.optim.apply_optimizer_in_backward(
+            torchrec.optim.RowWiseAdagrad, model.embedding.ebc.parameters(), {"lr": 0.05}
+        )
+        dmp = DistributedModelParallel(model, device=torch.device("cpu"))
+        assert not isinstance(dmp.module.embedding.ebc, torchrec.EmbeddingBagCollection)  # sharded
+        logits = dmp(dense, sparse)
+        assert logits.shape == (8,) and torch.isfinite(logits).all()
+        logits.sum().backward()
+        dense_params = [p for n, p in dmp.named_parameters() if "ebc" not in n]
+        assert dense_params and all(torch.isfinite(p).all() for p in dense_params), name
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in dense_params), name

@@ -1,0 +1,261 @@
+"""``recscale data inspect``: describe a data file without a user schema.
+
+``inspect_file`` guesses the format (unless given), infers a schema, streams the file once and
+returns a JSON-able summary: rows, bad rows, positive rate, and per column its type, number of
+distinct non-null values (for multi-id columns: distinct ids) and missing values.
+
+Inferred schemas: csv/parquet: a column named ``label`` is the label; numeric columns holding a
+non-integer value (parquet: float columns) are dense; text cells containing ``|`` (parquet: list
+columns) are multi; the rest sparse. criteo: its fixed layout. libsvm: ``fields`` mode with one
+feature per token position (``f1``, ``f2``, ...) when the first lines agree on a token count,
+else ``bag`` mode (one weighted multi feature ``features``). movielens: every joined column,
+``float`` ones dense (but ``rating``, the label's source), ``token_seq`` ones multi; split ``all``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from recscale.data.readers import FORMATS, ReadStats, read_batches, validate_options
+from recscale.data.readers.base import (
+    MAX_EXAMPLES,
+    check_file,
+    column_of,
+    first_line,
+    is_list,
+    iter_chunks,
+    iter_text_tables,
+    lines_of,
+    parse_floats,
+    read_header,
+)
+from recscale.data.readers.criteo import COLUMNS as CRITEO_COLUMNS
+from recscale.data.readers.movielens import KEYS, RATING, files_of
+from recscale.data.schema import LABEL, WEIGHT_SUFFIX, DenseFeature, Schema, SparseFeature
+from recscale.errors import DataError
+
+LIBSVM_LINE = re.compile(rb"^\S+(\s+[^\s:]+:\S+)+\s*$")
+MULTI_SEP = "|"
+# Merge the per-batch distinct values every this many batches (bounds the duplicates held).
+MERGE_EVERY = 64
+
+
+def guess_format(path: str | Path) -> str:
+    """The format of ``path`` from its name, else its first bytes / first line."""
+    path = Path(path)
+    if path.is_dir() or path.suffix == ".inter":
+        return "movielens"
+    check_file(path)
+    suffixes = [s for s in path.suffixes if s not in (".gz", ".bz2", ".zst")]
+    last = suffixes[-1] if suffixes else ""
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if last in (".parquet", ".pq") or magic == b"PAR1":
+        return "parquet"
+    if last == ".csv":
+        return "csv"
+    line = first_line(path)
+    if line.count(b"\t") == len(CRITEO_COLUMNS) - 1:
+        return "criteo"
+    if LIBSVM_LINE.match(line):
+        return "libsvm"
+    if b"," in line:
+        return "csv"
+    raise DataError(f"{path}: cannot tell its format; pass one of: {', '.join(FORMATS)}")
+
+
+class _Distinct:
+    """Distinct non-null values of a stream of arrays, merged with pyarrow (no per-value Python)."""
+
+    def __init__(self) -> None:
+        self.parts: list[pa.Array] = []
+
+    def add(self, values: pa.Array) -> None:
+        self.parts.append(pc.unique(values.drop_null()))
+        if len(self.parts) >= MERGE_EVERY:
+            self.parts = [self._merged()]
+
+    def _merged(self) -> pa.Array:
+        return pc.unique(pa.chunked_array(self.parts))
+
+    def count(self) -> int:
+        return len(self._merged()) if self.parts else 0
+
+
+class _Column:
+    """Running statistics of one column; ``kind`` None means: infer it from text cells."""
+
+    def __init__(self, name: str, kind: str | None) -> None:
+        self.name, self.kind = name, kind
+        self.missing = 0
+        self.distinct = _Distinct()
+        self.positives = self.labelled = 0
+        self.numeric, self.integral, self.has_sep = True, True, False
+
+    def add(self, values: pa.Array) -> None:
+        if is_list(values.type):  # missing = null or empty list
+            filled = pc.sum(pc.greater(pc.list_value_length(values), 0)).as_py() or 0
+            self.missing += len(values) - filled
+            self.distinct.add(values.flatten())
+            return
+        self.missing += values.null_count
+        if self.kind == LABEL:
+            v = parse_floats(values)[0].to_numpy(zero_copy_only=False)
+            self.positives += int((v == 1).sum())
+            self.labelled += int(((v == 0) | (v == 1)).sum())
+        elif self.kind is None:
+            values = self._observe(values)
+        self.distinct.add(values)
+
+    def _observe(self, cells: pa.Array) -> pa.Array:
+        """Track whether text cells look numeric/integral/multi; return the ids to count."""
+        if self.numeric:  # once a cell is not a number, the column is not dense
+            floats, not_number = parse_floats(cells)
+            self.numeric = not_number is None or not not_number.any()
+            finite = floats.filter(pc.is_finite(floats))
+            if len(finite) and not pc.all(pc.equal(pc.floor(finite), finite)).as_py():
+                self.integral = False
+        if pc.any(pc.match_substring(cells, MULTI_SEP)).as_py():
+            self.has_sep = True
+            return pc.split_pattern(cells, MULTI_SEP).flatten()
+        return cells
+
+    def report(self) -> dict[str, Any]:
+        kind = self.kind
+        if kind is None:
+            kind = "multi" if self.has_sep else "dense" if self.numeric and not self.integral else "sparse"
+        cardinality = self.distinct.count()
+        return {"name": self.name, "type": kind, "cardinality": cardinality, "missing": self.missing}
+
+
+def _take(batches: Iterator[pa.RecordBatch], max_rows: int | None) -> Iterator[pa.RecordBatch]:
+    """The first ``max_rows`` rows of a stream (all when None)."""
+    left = max_rows
+    for batch in batches:
+        if left is not None:
+            if left <= 0:
+                return
+            batch = batch.slice(0, left)
+            left -= batch.num_rows
+        yield batch
+
+
+def _csv_tables(path: Path, delimiter: str) -> tuple[list[str], Iterator[pa.RecordBatch], ReadStats]:
+    """Every column of a CSV as strings; rows with a wrong column count counted as bad."""
+    check_file(path)
+    names = read_header(path, delimiter, quote=True)
+    stats = ReadStats()
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        chunks = iter_text_tables(path, names, names, delimiter=delimiter, quote=True, skip_header=True)
+        for chunk in chunks:
+            stats.skipped += len(chunk.rejected)
+            room = MAX_EXAMPLES - len(stats.examples)
+            stats.examples += [f"{path} line {line}: {why}" for line, why in chunk.rejected[:room]]
+            cells = column_of(chunk.table)
+            yield pa.RecordBatch.from_arrays([cells(n) for n in names], names=names)
+
+    return names, batches(), stats
+
+
+def _libsvm_options(path: Path, options: dict) -> tuple[dict, Schema]:
+    """The libsvm mode (fields when the first lines agree on a token count) and its schema."""
+    check_file(path)
+    first, chunk = next(iter_chunks(path))
+    head = chunk[: chunk.rfind(b"\n", 0, 1 << 20) + 1] or chunk  # whole lines of the first MiB
+    lines = pc.ascii_trim_whitespace(lines_of(head, path, first))
+    lines = lines.filter(pc.not_equal(lines, ""))[:1000]
+    counts = np.unique(pc.list_value_length(pc.ascii_split_whitespace(lines)).to_numpy() - 1)
+    mode = options.get("mode", "fields" if len(counts) == 1 else "bag")
+    if mode == "bag":
+        sparse = [SparseFeature(name="features", multi=True, weighted=True)]
+    else:
+        sparse = [SparseFeature(name=f"f{k + 1}") for k in range(int(counts.max()))]
+    return {**options, "mode": mode}, Schema(sparse=sparse)
+
+
+def _movielens_schema(path: Path) -> Schema:
+    """Every column of the joined MovieLens files (keys once), typed by their headers."""
+    dense, sparse = [], []
+    for part, file in files_of(path).items():
+        for name, kind in file.types.items():
+            if name == RATING or (part in KEYS and name == KEYS[part]):
+                continue
+            if kind == "float":
+                dense.append(DenseFeature(name=name))
+            else:
+                sparse.append(SparseFeature(name=name, multi=kind == "token_seq"))
+    return Schema(dense=dense, sparse=sparse)
+
+
+def inspect_file(
+    path: str | Path, fmt: str | None = None, options: dict | None = None, max_rows: int | None = None
+) -> dict[str, Any]:
+    """Summarise a data file: format, rows, bad rows, positive rate and per-column statistics.
+
+    Streams the file; with ``max_rows`` the counts cover only its first ``max_rows`` rows. No
+    schema is needed (see the module doc for the inferred one).
+    """
+    path = Path(path)
+    fmt = fmt or guess_format(path)
+    options = dict(options or {})
+    validate_options(fmt, options)
+    stats = ReadStats()
+    if fmt == "csv":
+        names, batches, stats = _csv_tables(path, options.get("delimiter", ","))
+        columns = [_Column(n, LABEL if n == LABEL else None) for n in names]
+    elif fmt == "parquet":
+        check_file(path)
+        try:
+            file = pq.ParquetFile(path)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DataError(f"{path} is not a readable parquet file: {e}") from None
+        columns = [
+            _Column(f.name, LABEL if f.name == LABEL else _parquet_kind(f.type)) for f in file.schema_arrow
+        ]
+        batches = file.iter_batches()
+    else:
+        if fmt == "criteo":
+            schema = Schema(
+                dense=[DenseFeature(name=c) for c in CRITEO_COLUMNS[1:14]],
+                sparse=[SparseFeature(name=c) for c in CRITEO_COLUMNS[14:]],
+            )
+        elif fmt == "libsvm":
+            options, schema = _libsvm_options(path, options)
+        else:  # movielens: validate_options above rejected unknown formats
+            options = {"split": "all", **options}
+            schema = _movielens_schema(path)
+        batches = read_batches(path, fmt, schema, options, on_bad_row="skip", stats=stats)
+        kinds = {LABEL: LABEL} | dict.fromkeys(schema.dense_names, "dense")
+        kinds |= {f.name: "multi" if f.multi else "sparse" for f in schema.sparse}
+        columns = [_Column(n, kinds[n]) for n in schema.column_names() if not n.endswith(WEIGHT_SUFFIX)]
+    rows = 0
+    for batch in _take(batches, max_rows):
+        rows += batch.num_rows
+        for col in columns:
+            col.add(batch.column(col.name))
+    label = next((c for c in columns if c.kind == LABEL), None)
+    return {
+        "path": str(path),
+        "format": fmt,
+        "options": options,
+        "rows": rows,
+        "bad_rows": stats.skipped,
+        "bad_row_examples": stats.examples,
+        "positive_rate": label.positives / label.labelled if label and label.labelled else None,
+        "columns": [c.report() for c in columns],
+    }
+
+
+def _parquet_kind(dtype: pa.DataType) -> str:
+    if is_list(dtype):
+        return "multi"
+    return "dense" if pa.types.is_floating(dtype) else "sparse"

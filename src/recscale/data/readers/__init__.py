@@ -1,0 +1,95 @@
+"""Readers: stream a dataset file as ``pyarrow.RecordBatch`` es in the raw layout of a ``Schema``.
+
+``read_batches(path, fmt, schema)`` is the entry point; ``fmt`` is one of ``FORMATS`` and
+``options`` are validated by ``options_model(fmt)``. Every batch has exactly the columns
+``schema.column_names()`` with the types of ``raw_arrow_schema(schema)`` and at most
+``chunk_rows`` rows. Bad rows raise a one-line ``DataError`` naming file and line, or are dropped
+and counted in ``ReadStats`` under ``on_bad_row="skip"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pyarrow as pa
+import pydantic
+
+from recscale.data.readers import criteo, csv, libsvm, movielens, parquet
+from recscale.data.readers.base import BadRows, OnBadRow, ReadStats, raw_arrow_schema, rechunk
+from recscale.data.schema import Schema
+from recscale.errors import ConfigError, DataError
+
+__all__ = ["FORMATS", "ReadStats", "options_model", "raw_arrow_schema", "read_batches", "validate_options"]
+
+_MODULES: dict[str, ModuleType] = {
+    "csv": csv,
+    "libsvm": libsvm,
+    "criteo": criteo,
+    "movielens": movielens,
+    "parquet": parquet,
+}
+FORMATS: tuple[str, ...] = tuple(_MODULES)
+
+
+def _module(fmt: str) -> ModuleType:
+    if fmt not in _MODULES:
+        raise DataError(f"unknown data format '{fmt}'; known formats: {', '.join(FORMATS)}")
+    return _MODULES[fmt]
+
+
+def options_model(fmt: str) -> type[pydantic.BaseModel]:
+    """The pydantic model validating ``options`` for format ``fmt`` (unknown keys are errors)."""
+    return _module(fmt).Options
+
+
+def validate_options(fmt: str, options: dict | None) -> pydantic.BaseModel:
+    """``options`` checked against ``options_model(fmt)``; a ConfigError names the bad key."""
+    try:
+        return options_model(fmt).model_validate(options or {})
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "options"
+        raise ConfigError(f"data options for format '{fmt}': {where}: {first['msg']}") from None
+
+
+def read_batches(
+    path: str | Path,
+    fmt: str,
+    schema: Schema,
+    options: dict | None = None,
+    chunk_rows: int = 65536,
+    on_bad_row: OnBadRow = "error",
+    stats: ReadStats | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """Stream ``path`` (format ``fmt``) as raw-layout batches of at most ``chunk_rows`` rows.
+
+    The file, its columns and the options are checked at once (``DataError``/``ConfigError``);
+    bad rows are found while streaming. ``stats`` (if given) counts rows and skipped bad rows.
+    A read that yields no row at all (empty file, header only, or every row bad) is a DataError.
+    """
+    module = _module(fmt)
+    opts = validate_options(fmt, options)
+    if on_bad_row not in ("error", "skip"):
+        raise ConfigError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
+    if chunk_rows < 1:
+        raise ConfigError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    path = Path(path)
+    stats = ReadStats() if stats is None else stats
+    bad = BadRows(path, "row" if fmt == "parquet" else "line", on_bad_row, stats)
+    extra = (chunk_rows,) if fmt == "parquet" else ()
+    return _counted(module.read(path, schema, opts, bad, *extra), path, chunk_rows, stats)
+
+
+def _counted(
+    batches: Iterator[pa.RecordBatch], path: Path, chunk_rows: int, stats: ReadStats
+) -> Iterator[pa.RecordBatch]:
+    rows = 0
+    for batch in rechunk(batches, chunk_rows):
+        rows += batch.num_rows
+        stats.rows += batch.num_rows
+        yield batch
+    if not rows:
+        dropped = f" ({stats.skipped} bad rows dropped)" if stats.skipped else ""
+        raise DataError(f"{path} has no data rows{dropped}")

@@ -1,0 +1,51 @@
+"""Raw Criteo display-ads TSV: no header, 40 tab-separated fields per line, empty = missing.
+
+Fields: ``label`` (0/1), ``I1``..``I13`` (integer counts, may be negative), ``C1``..``C26``
+(hexadecimal category hashes). The schema picks among these names (normally dense I1..I13 and
+sparse C1..C26, label ``label``). Errors and dropped rows name 1-based file lines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict
+
+from recscale.data.readers.base import (
+    BadRows,
+    check_file,
+    column_of,
+    convert,
+    iter_text_tables,
+    make_batch,
+    missing_columns_error,
+)
+from recscale.data.readers.csv import source_columns
+from recscale.data.schema import Schema
+
+COLUMNS = ["label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27))]
+
+
+class Options(BaseModel):
+    """``data.options`` for ``format: criteo``: none, the layout is fixed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator[pa.RecordBatch]:
+    """Check the file and the schema's names now; return the stream of raw-layout batches."""
+    check_file(path)
+    wanted = source_columns(schema)
+    missing = [c for c in wanted if c not in COLUMNS]
+    if missing:
+        raise missing_columns_error(path, missing, COLUMNS)
+    return _batches(path, schema, bad, wanted)
+
+
+def _batches(path: Path, schema: Schema, bad: BadRows, wanted: list[str]) -> Iterator[pa.RecordBatch]:
+    for chunk in iter_text_tables(path, COLUMNS, wanted, delimiter="\t", quote=False, skip_header=False):
+        arrays, problems = convert(column_of(chunk.table), schema)
+        keep = bad.keep(chunk.table.num_rows, problems, chunk.locate, chunk.rejected)
+        yield make_batch(arrays, schema, keep)

@@ -1,0 +1,62 @@
+"""BARS/FuxiCTR-style CSV with a header line (e.g. Frappe_x1 ``train.csv``), optionally ``.gz``.
+
+The schema's label column is read as ``label``; its other features are looked up by name in the
+header. Empty cells are missing values. A multi-id cell joins ids with the feature's ``sep``
+(``a|b|c``); a weighted one writes ``id:weight`` entries (``a:0.5|b:2``; a bare id weighs 1).
+Cells may be quoted (``"a,b"``) but hold no line breaks. Errors and dropped rows name 1-based
+file lines (the header is line 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field
+
+from recscale.data.readers.base import (
+    BadRows,
+    check_file,
+    column_of,
+    convert,
+    iter_text_tables,
+    make_batch,
+    missing_columns_error,
+    read_header,
+)
+from recscale.data.schema import Schema
+
+
+class Options(BaseModel):
+    """``data.options`` for ``format: csv``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    delimiter: str = Field(",", min_length=1, max_length=1)
+
+
+def source_columns(schema: Schema) -> list[str]:
+    """The file columns a schema reads: its label column, then its features."""
+    return [schema.label, *schema.dense_names, *schema.sparse_names]
+
+
+def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator[pa.RecordBatch]:
+    """Check the file and its header now; return the stream of raw-layout batches."""
+    check_file(path)
+    names = read_header(path, options.delimiter, quote=True)
+    wanted = source_columns(schema)
+    missing = [c for c in wanted if c not in names]
+    if missing:
+        raise missing_columns_error(path, missing, names)
+    return _batches(path, schema, options, bad, names, wanted)
+
+
+def _batches(
+    path: Path, schema: Schema, options: Options, bad: BadRows, names: list[str], wanted: list[str]
+) -> Iterator[pa.RecordBatch]:
+    chunks = iter_text_tables(path, names, wanted, delimiter=options.delimiter, quote=True, skip_header=True)
+    for chunk in chunks:
+        arrays, problems = convert(column_of(chunk.table), schema)
+        keep = bad.keep(chunk.table.num_rows, problems, chunk.locate, chunk.rejected)
+        yield make_batch(arrays, schema, keep)

@@ -1,0 +1,127 @@
+"""`data inspect`: format guessing, inferred column types, counts, and the real datasets."""
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from recscale.data.inspect import guess_format, inspect_file
+from recscale.errors import DataError
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture
+def data_dir() -> Path:
+    if not DATA.is_dir():
+        pytest.skip("../shared/data is not beside the repository")
+    return DATA
+
+
+def write(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def criteo_line(label: str = "1", i1: str = "5", c1: str = "68fd1e64") -> str:
+    return "\t".join([label, i1, *(str(i) for i in range(12)), c1, *(f"{i:08x}" for i in range(25))])
+
+
+def columns(report: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in report["columns"]}
+
+
+def test_guess_format(tmp_path):
+    assert guess_format(write(tmp_path / "a.csv", ["label,a", "1,2"])) == "csv"
+    assert guess_format(write(tmp_path / "a.txt", ["label,a", "1,2"])) == "csv"
+    assert guess_format(write(tmp_path / "day_0", [criteo_line()])) == "criteo"
+    assert guess_format(write(tmp_path / "a.libfm", ["-1 3:1 7:1"])) == "libsvm"
+    pq.write_table(pa.table({"label": [1]}), tmp_path / "a.bin")
+    assert guess_format(tmp_path / "a.bin") == "parquet"  # by its magic bytes
+    assert guess_format(tmp_path) == "movielens"
+    assert guess_format(tmp_path / "x.inter") == "movielens"
+    with pytest.raises(DataError, match="cannot tell its format"):
+        guess_format(write(tmp_path / "a.dat", ["hello"]))
+    with pytest.raises(DataError, match="no such file"):
+        guess_format(tmp_path / "missing.csv")
+
+
+def test_inspect_csv_infers_types(tmp_path):
+    path = write(
+        tmp_path / "t.csv",
+        ["label,price,user,tags,note", "1,1.5,7,a|b,x", "0,2,7,,y", "1,,8,b|c,", "bad,row"],
+    )
+    report = inspect_file(path)
+    json.dumps(report)  # JSON-able
+    assert (report["format"], report["rows"], report["bad_rows"]) == ("csv", 3, 1)
+    assert report["bad_row_examples"] == [f"{path} line 5: has 2 columns, expected 5"]
+    assert report["positive_rate"] == pytest.approx(2 / 3)
+    cols = columns(report)
+    assert [c["type"] for c in report["columns"]] == ["label", "dense", "sparse", "multi", "sparse"]
+    assert cols["price"] == {"name": "price", "type": "dense", "cardinality": 2, "missing": 1}
+    assert cols["user"]["cardinality"] == 2 and cols["user"]["missing"] == 0
+    assert cols["tags"]["cardinality"] == 3 and cols["tags"]["missing"] == 1  # distinct ids a, b, c
+    assert cols["note"]["cardinality"] == 2 and cols["note"]["missing"] == 1
+
+
+def test_inspect_max_rows(tmp_path):
+    path = write(tmp_path / "t.csv", ["label,a"] + [f"{i % 2},{i}" for i in range(100)])
+    report = inspect_file(path, max_rows=10)
+    assert report["rows"] == 10 and columns(report)["a"]["cardinality"] == 10
+
+
+def test_inspect_criteo(tmp_path):
+    path = write(tmp_path / "day_0", [criteo_line("0", "", "")] + [criteo_line()] * 3)
+    report = inspect_file(path)
+    assert (report["format"], report["rows"], report["positive_rate"]) == ("criteo", 4, 0.75)
+    cols = columns(report)
+    assert len(cols) == 40 and cols["I1"]["type"] == "dense" and cols["C26"]["type"] == "sparse"
+    assert cols["I1"]["missing"] == 1 and cols["C1"] == {
+        "name": "C1",
+        "type": "sparse",
+        "cardinality": 1,
+        "missing": 1,
+    }
+
+
+def test_inspect_libsvm_fields_and_bag(tmp_path):
+    fields = inspect_file(write(tmp_path / "a.libfm", ["1 3:1 7:1", "-1 4:1 7:1", "-1 5:1 8:1"]))
+    assert fields["options"] == {"mode": "fields"} and fields["positive_rate"] == pytest.approx(1 / 3)
+    assert [(c["name"], c["cardinality"]) for c in fields["columns"]] == [("label", 2), ("f1", 3), ("f2", 2)]
+    bag = inspect_file(write(tmp_path / "b.svm", ["1 3:0.5 7:1", "0 4:1", "1"]))
+    assert bag["options"] == {"mode": "bag"}
+    assert columns(bag)["features"] == {"name": "features", "type": "multi", "cardinality": 3, "missing": 1}
+
+
+def test_inspect_parquet(tmp_path):
+    table = pa.table(
+        {
+            "label": [1, 0, 0, 0],
+            "x": [0.5, None, 1.5, 1.5],
+            "id": [1, 2, 2, None],
+            "t": [[1], [], [2, 3], None],
+        }
+    )
+    pq.write_table(table, tmp_path / "t.parquet")
+    report = inspect_file(tmp_path / "t.parquet")
+    assert report["positive_rate"] == 0.25
+    assert report["columns"] == [
+        {"name": "label", "type": "label", "cardinality": 2, "missing": 0},
+        {"name": "x", "type": "dense", "cardinality": 2, "missing": 1},
+        {"name": "id", "type": "sparse", "cardinality": 2, "missing": 1},
+        {"name": "t", "type": "multi", "cardinality": 3, "missing": 2},
+    ]
+
+
+def test_inspect_real_frappe_and_movielens(data_dir):
+    frappe = inspect_file(data_dir / "frappe" / "valid.csv")
+    assert frappe["rows"] == 57_722 and frappe["positive_rate"] == pytest.approx(19_063 / 57_722)
+    assert all(c["type"] == "sparse" for c in frappe["columns"][1:]) and len(frappe["columns"]) == 11
+    ml = inspect_file(data_dir / "movielens-100k")
+    assert (ml["format"], ml["rows"], ml["positive_rate"]) == ("movielens", 100_000, 0.55375)
+    cols = columns(ml)
+    assert cols["user_id"]["cardinality"] == 943 and cols["item_id"]["cardinality"] == 1682
+    assert cols["class"]["type"] == "multi" and cols["timestamp"]["type"] == "dense"
+    assert "rating" not in cols  # the label's source

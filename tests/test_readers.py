@@ -1,0 +1,470 @@
+"""Readers: every format's happy path, streaming, the real Frappe/MovieLens files, and bad input."""
+
+import gzip
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from recscale.data.readers import FORMATS, ReadStats, options_model, raw_arrow_schema, read_batches
+from recscale.data.schema import DenseFeature, Schema, SparseFeature
+from recscale.errors import ConfigError, DataError
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+FRAPPE_COLUMNS = "user,item,daytime,weekday,isweekend,homework,cost,weather,country,city".split(",")
+
+
+@pytest.fixture
+def data_dir() -> Path:
+    if not DATA.is_dir():
+        pytest.skip("../shared/data is not beside the repository")
+    return DATA
+
+
+def make_schema(dense=(), sparse=(), multi=(), weighted=(), label="label") -> Schema:
+    return Schema(
+        label=label,
+        dense=[DenseFeature(name=n) for n in dense],
+        sparse=[SparseFeature(name=n) for n in sparse]
+        + [SparseFeature(name=n, multi=True) for n in multi]
+        + [SparseFeature(name=n, multi=True, weighted=True) for n in weighted],
+    )
+
+
+def read_all(path, fmt, schema, options=None, chunk_rows=65536, **kw) -> pa.Table:
+    """All batches as one table; checks every batch has the raw layout and the size bound."""
+    batches = list(read_batches(path, fmt, schema, options, chunk_rows=chunk_rows, **kw))
+    for b in batches:
+        assert b.schema == raw_arrow_schema(schema)
+        assert b.num_rows <= chunk_rows
+    return pa.Table.from_batches(batches, schema=raw_arrow_schema(schema))
+
+
+def write(path: Path, lines: list[str], newline: str = "\n") -> Path:
+    path.write_bytes(newline.join(lines).encode() + newline.encode())
+    return path
+
+
+# ---------------------------------------------------------------- csv
+
+CSV_SCHEMA = make_schema(
+    dense=["price"], sparse=["user", "city"], multi=["tags"], weighted=["hist"], label="click"
+)
+
+
+def test_csv_happy_path_crlf_multi_and_weighted(tmp_path):
+    path = write(
+        tmp_path / "t.csv",
+        [
+            "city,click,user,price,tags,hist,unused",
+            "7,1,007,1.5,a|b,x:0.5|y:2,z",
+            "8,0,12,,,x,z",
+            "9,1,3,-2e3,c||d|,,z",
+        ],
+        newline="\r\n",
+    )
+    t = read_all(path, "csv", CSV_SCHEMA).to_pydict()
+    assert list(t) == ["label", "price", "user", "city", "tags", "hist", "hist__w"]
+    assert t["label"] == [1.0, 0.0, 1.0]
+    assert t["price"] == [1.5, None, -2000.0]
+    assert t["user"] == ["007", "12", "3"]  # ids stay strings, leading zeros kept
+    assert t["city"] == ["7", "8", "9"]
+    assert t["tags"] == [["a", "b"], [], ["c", "d"]]
+    assert t["hist"] == [["x", "y"], ["x"], []]
+    assert t["hist__w"] == [[0.5, 2.0], [1.0], []]
+
+
+def test_csv_streams_in_chunks(tmp_path):
+    path = write(tmp_path / "t.csv", ["label,a"] + [f"{i % 2},{i}" for i in range(10)])
+    batches = list(read_batches(path, "csv", make_schema(sparse=["a"]), chunk_rows=3))
+    assert [b.num_rows for b in batches] == [3, 3, 3, 1]
+    assert [x for b in batches for x in b.column("a").to_pylist()] == [str(i) for i in range(10)]
+
+
+def test_csv_delimiter_option_and_gzip(tmp_path):
+    path = tmp_path / "t.csv.gz"
+    path.write_bytes(gzip.compress(b"label;a;x\n1;p;0.25\n0;q;3\n"))
+    t = read_all(path, "csv", make_schema(dense=["x"], sparse=["a"]), {"delimiter": ";"}).to_pydict()
+    assert t == {"label": [1.0, 0.0], "x": [0.25, 3.0], "a": ["p", "q"]}
+
+
+def test_csv_many_blocks_keep_exact_lines(tmp_path, monkeypatch):
+    # Small text chunks so rows cross chunk boundaries; the bad row's line must still be exact.
+    monkeypatch.setattr("recscale.data.readers.base.BLOCK_BYTES", 64)
+    lines = ["label,a"] + [f"{i % 2},{i}" for i in range(200)]
+    lines[150] = "maybe,x"
+    path = write(tmp_path / "t.csv", lines)
+    with pytest.raises(DataError, match=r"t\.csv line 151: label 'maybe' is not 0 or 1"):
+        read_all(path, "csv", make_schema(sparse=["a"]))
+    stats = ReadStats()
+    t = read_all(path, "csv", make_schema(sparse=["a"]), on_bad_row="skip", stats=stats, chunk_rows=7)
+    assert (t.num_rows, stats.rows, stats.skipped) == (199, 199, 1)
+
+
+# ---------------------------------------------------------------- libsvm
+
+
+def test_libsvm_fields_mode(tmp_path):
+    path = write(tmp_path / "t.libfm", ["1 3:1 10:1 20:1", "-1 4:1 11:1 21:1", "", "0 5:1 12:1 22:1"])
+    t = read_all(path, "libsvm", make_schema(sparse=["u", "i", "c"])).to_pydict()
+    assert t == {
+        "label": [1.0, 0.0, 0.0],
+        "u": ["3", "4", "5"],
+        "i": ["10", "11", "12"],
+        "c": ["20", "21", "22"],
+    }
+
+
+def test_libsvm_bag_mode(tmp_path):
+    path = write(tmp_path / "t.svm", ["-1 1:0.5 7:2", "+1 3:1", "1"], newline="\r\n")
+    t = read_all(path, "libsvm", make_schema(weighted=["f"]), {"mode": "bag"}).to_pydict()
+    assert t == {"label": [0.0, 1.0, 1.0], "f": [["1", "7"], ["3"], []], "f__w": [[0.5, 2.0], [1.0], []]}
+
+
+def test_libsvm_streams_in_chunks(tmp_path):
+    path = write(tmp_path / "t.svm", [f"{2 * (i % 2) - 1} {i}:1" for i in range(25)])
+    batches = list(read_batches(path, "libsvm", make_schema(sparse=["a"]), chunk_rows=10))
+    assert [b.num_rows for b in batches] == [10, 10, 5]
+    assert sum(pa.compute.sum(b.column("label")).as_py() for b in batches) == 12
+
+
+@pytest.mark.parametrize(
+    ("options", "schema"),
+    [
+        ({"mode": "bag"}, make_schema(multi=["f"])),  # bag needs weighted
+        ({"mode": "bag"}, make_schema(weighted=["f", "g"])),  # bag needs exactly one feature
+        ({}, make_schema(multi=["f"])),  # fields reads single ids
+        ({}, make_schema(dense=["x"], sparse=["f"])),  # no dense features in libsvm
+    ],
+)
+def test_libsvm_schema_must_fit_mode(tmp_path, options, schema):
+    path = write(tmp_path / "t.svm", ["1 1:1"])
+    with pytest.raises(DataError, match="libsvm"):
+        read_batches(path, "libsvm", schema, options)
+
+
+# ---------------------------------------------------------------- criteo
+
+CRITEO_SCHEMA = make_schema(dense=[f"I{i}" for i in range(1, 14)], sparse=[f"C{i}" for i in range(1, 27)])
+
+
+def criteo_line(label="1", ints=None, cats=None) -> str:
+    ints = ints if ints is not None else [str(i) for i in range(13)]
+    cats = cats if cats is not None else [f"{i:08x}" for i in range(26)]
+    return "\t".join([label, *ints, *cats])
+
+
+def test_criteo_tsv(tmp_path):
+    ints = ["-1", ""] + [str(i) for i in range(11)]
+    cats = ["68fd1e64", ""] + [f"{i:08x}" for i in range(24)]
+    path = write(tmp_path / "day_0.txt", [criteo_line("0", ints, cats), criteo_line()])
+    t = read_all(path, "criteo", CRITEO_SCHEMA).to_pydict()
+    assert t["label"] == [0.0, 1.0]
+    assert t["I1"] == [-1.0, 0.0] and t["I2"] == [None, 1.0]
+    assert t["C1"] == ["68fd1e64", "00000000"] and t["C2"] == [None, "00000001"]
+    assert len(t) == 40
+
+
+def test_criteo_subset_of_columns(tmp_path):
+    path = write(tmp_path / "t.txt", [criteo_line()] * 5)
+    t = read_all(path, "criteo", make_schema(dense=["I3"], sparse=["C26"]), chunk_rows=2)
+    assert t.column_names == ["label", "I3", "C26"] and t.num_rows == 5
+
+
+def test_criteo_unknown_feature_is_an_error(tmp_path):
+    path = write(tmp_path / "t.txt", [criteo_line()])
+    with pytest.raises(DataError, match=r"'I14'.*label, I1, I2"):
+        read_batches(path, "criteo", make_schema(dense=["I14"]))
+
+
+# ---------------------------------------------------------------- parquet
+
+
+def test_parquet(tmp_path):
+    table = pa.table(
+        {
+            "label": pa.array([1, 0, 1, 0, 1], pa.int64()),
+            "price": [1.0, None, 2.5, 3.0, 4.0],
+            "user": pa.array([10, 11, None, 13, 14], pa.int64()),
+            "city": pa.array(["a", "b", "c", "d", "e"], pa.large_string()),
+            "tags": [[1, 2], [], None, [3], [4, 5]],
+            "hist": [["x"], ["y", "z"], [], None, ["w"]],
+            "hist__w": [[0.5], [1.0, 2.0], [], None, [3.0]],
+            "extra": [0] * 5,
+        }
+    )
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path, row_group_size=2)
+    schema = make_schema(dense=["price"], sparse=["user", "city"], multi=["tags"], weighted=["hist"])
+    batches = list(read_batches(path, "parquet", schema, chunk_rows=2))
+    assert [b.num_rows for b in batches] == [2, 2, 1]
+    t = read_all(path, "parquet", schema, chunk_rows=2).to_pydict()
+    assert t["label"] == [1.0, 0.0, 1.0, 0.0, 1.0]
+    assert t["price"] == [1.0, None, 2.5, 3.0, 4.0]
+    assert t["user"] == ["10", "11", None, "13", "14"]
+    assert t["city"] == ["a", "b", "c", "d", "e"]
+    assert t["tags"] == [["1", "2"], [], [], ["3"], ["4", "5"]]
+    assert t["hist__w"] == [[0.5], [1.0, 2.0], [], [], [3.0]]
+
+
+def test_parquet_misaligned_weights_are_bad_rows(tmp_path):
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"label": [1, 0], "h": [["a", "b"], ["c"]], "h__w": [[1.0], [2.0]]}), path)
+    with pytest.raises(DataError, match=r"row 1: sparse feature 'h' has 2 ids but 1 weights"):
+        read_all(path, "parquet", make_schema(weighted=["h"]))
+    stats = ReadStats()
+    assert (
+        read_all(path, "parquet", make_schema(weighted=["h"]), on_bad_row="skip", stats=stats).num_rows == 1
+    )
+
+
+def test_not_a_parquet_file(tmp_path):
+    path = write(tmp_path / "t.parquet", ["label,a", "1,2"])
+    with pytest.raises(DataError, match="not a readable parquet file"):
+        read_batches(path, "parquet", make_schema(sparse=["a"]))
+
+
+# ---------------------------------------------------------------- movielens (small, written here)
+
+
+def write_movielens(root: Path, inter_rows: list[str]) -> Path:
+    root.mkdir()
+    write(root / "ml.inter", ["user_id:token\titem_id:token\trating:float\ttimestamp:float", *inter_rows])
+    write(root / "ml.user", ["user_id:token\tage:token\tgender:token", "1\t24\tM", "2\t53\tF"])
+    write(root / "ml.item", ["item_id:token\tclass:token_seq", "10\tAction Comedy", "11\t"])
+    return root
+
+
+ML_SCHEMA = make_schema(sparse=["user_id", "item_id", "gender"], multi=["class"])
+
+
+def test_movielens_small_join_label_and_split(tmp_path):
+    rows = [f"{1 + i % 3}\t{10 + i % 2}\t{1 + i % 5}\t{1000 - i}" for i in range(10)]
+    root = write_movielens(tmp_path / "ml", rows)
+    t = read_all(root, "movielens", ML_SCHEMA, {"split": "all", "rating_threshold": 3}).to_pydict()
+    # Sorted by timestamp: the last written row (timestamp 991) comes first.
+    assert t["user_id"][0] == str(1 + 9 % 3) and t["item_id"][0] == str(10 + 9 % 2)
+    assert t["label"] == [float(1 + i % 5 >= 3) for i in reversed(range(10))]
+    by_user = dict(zip(t["user_id"], t["gender"], strict=True))
+    assert by_user == {"1": "M", "2": "F", "3": None}  # user 3 has no row in ml.user
+    assert {tuple(c) for c in t["class"]} == {("Action", "Comedy"), ()}
+    parts = {
+        s: read_all(root, "movielens", ML_SCHEMA, {"split": s, "fractions": [0.6, 0.2, 0.2]})
+        for s in ("train", "valid", "test")
+    }
+    assert [parts[s].num_rows for s in ("train", "valid", "test")] == [6, 2, 2]
+
+
+def test_movielens_schema_must_match_column_types(tmp_path):
+    root = write_movielens(tmp_path / "ml", ["1\t10\t5\t1"])
+    with pytest.raises(DataError, match=r"column 'class' is token_seq"):
+        read_batches(root, "movielens", make_schema(sparse=["class"]))
+    with pytest.raises(DataError, match=r"column 'age' is token"):
+        read_batches(root, "movielens", make_schema(dense=["age"]))
+    with pytest.raises(DataError, match=r"'nope'.*user_id, item_id, rating, timestamp, age, gender, class"):
+        read_batches(root, "movielens", make_schema(sparse=["nope"]))
+
+
+def test_movielens_options_are_validated(tmp_path):
+    root = write_movielens(tmp_path / "ml", ["1\t10\t5\t1"])
+    with pytest.raises(ConfigError, match="fractions"):
+        read_batches(root, "movielens", ML_SCHEMA, {"fractions": [0.5, 0.1, 0.1]})
+    with pytest.raises(ConfigError, match="split"):
+        read_batches(root, "movielens", ML_SCHEMA, {"split": "dev"})
+
+
+# ---------------------------------------------------------------- real data
+
+
+def test_frappe_real_files(data_dir):
+    schema = make_schema(sparse=FRAPPE_COLUMNS)
+    for split, rows, positives in (("train", 202_027, 67_604), ("valid", 57_722, 19_063)):
+        stats = ReadStats()
+        t = read_all(data_dir / "frappe" / f"{split}.csv", "csv", schema, stats=stats)
+        assert (t.num_rows, stats.rows, stats.skipped) == (rows, rows, 0)
+        assert pa.compute.sum(t.column("label")).as_py() == positives
+        assert t.column("user").null_count == 0
+
+
+def test_movielens_real_time_split(data_dir):
+    schema = make_schema(
+        dense=["timestamp"],
+        sparse=["user_id", "item_id", "age", "gender", "occupation", "zip_code", "release_year"],
+        multi=["class"],
+    )
+    root = data_dir / "movielens-100k"
+    parts = {s: read_all(root, "movielens", schema, {"split": s}) for s in ("train", "valid", "test")}
+    assert [parts[s].num_rows for s in ("train", "valid", "test")] == [80_000, 10_000, 10_000]
+    pairs = {
+        s: set(zip(t["user_id"].to_pylist(), t["item_id"].to_pylist(), strict=True)) for s, t in parts.items()
+    }
+    assert len(pairs["train"] | pairs["valid"] | pairs["test"]) == 100_000  # disjoint, nothing lost
+    ts = {s: t.column("timestamp").to_numpy() for s, t in parts.items()}
+    assert all((np.diff(x) >= 0).all() for x in ts.values())
+    assert ts["train"].max() <= ts["valid"].min() and ts["valid"].max() <= ts["test"].min()
+    everything = read_all(root / "ml-100k.inter", "movielens", schema, {"split": "all"})
+    assert everything.num_rows == 100_000
+    assert pa.compute.sum(everything.column("label")).as_py() == 55_375  # ratings >= 4
+    assert everything.column("age").null_count == 0 and everything.column("class").null_count == 0
+    assert ["Animation", "Children's", "Comedy"] in everything.column("class").to_pylist()
+
+
+# ---------------------------------------------------------------- bad input: always errors
+
+
+def test_unknown_format_lists_known_ones(tmp_path):
+    with pytest.raises(DataError, match="known formats: csv, libsvm, criteo, movielens, parquet"):
+        read_batches(tmp_path / "x.csv", "tsv", make_schema(sparse=["a"]))
+    assert FORMATS == ("csv", "libsvm", "criteo", "movielens", "parquet")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_missing_and_empty_files(tmp_path, fmt):
+    with pytest.raises(DataError, match="no such file"):
+        read_batches(tmp_path / "nope.x", fmt, make_schema(sparse=["a"]))
+    empty = tmp_path / ("empty.inter" if fmt == "movielens" else "empty.x")
+    empty.write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty\..* is empty"):
+        read_batches(empty, fmt, make_schema(sparse=["a"]))
+
+
+def test_header_only_files_have_no_rows(tmp_path):
+    path = write(tmp_path / "t.csv", ["label,a"])
+    with pytest.raises(DataError, match=r"t\.csv has no data rows"):
+        read_all(path, "csv", make_schema(sparse=["a"]))
+    root = tmp_path / "ml"
+    root.mkdir()
+    write(root / "ml.inter", ["user_id:token\titem_id:token\trating:float\ttimestamp:float"])
+    with pytest.raises(DataError, match=r"ml\.inter has no data rows"):
+        read_all(root, "movielens", make_schema(sparse=["user_id"]))
+
+
+def test_missing_column_is_named_with_the_file_columns(tmp_path):
+    path = write(tmp_path / "t.csv", ["label,user,item", "1,2,3"])
+    with pytest.raises(DataError, match=r"t\.csv: column\(s\) 'city'.*its columns are: label, user, item"):
+        read_batches(path, "csv", make_schema(sparse=["user", "city"]))
+    with pytest.raises(DataError, match=r"'click'"):
+        read_batches(path, "csv", make_schema(sparse=["user"], label="click"))
+    pq.write_table(pa.table({"label": [1], "user": [2]}), tmp_path / "t.parquet")
+    with pytest.raises(DataError, match=r"'city'.*its columns are: label, user"):
+        read_batches(tmp_path / "t.parquet", "parquet", make_schema(sparse=["city"]))
+
+
+def test_options_are_validated():
+    assert set(options_model("libsvm").model_fields) == {"mode"}
+    with pytest.raises(ConfigError, match="delimtier"):
+        read_batches("x.csv", "csv", make_schema(sparse=["a"]), {"delimtier": ";"})
+    with pytest.raises(ConfigError, match="mode"):
+        read_batches("x.svm", "libsvm", make_schema(sparse=["a"]), {"mode": "dense"})
+    with pytest.raises(ConfigError, match="on_bad_row"):
+        read_batches("x.csv", "csv", make_schema(sparse=["a"]), on_bad_row="ignore")
+    with pytest.raises(ConfigError, match="chunk_rows"):
+        read_batches("x.csv", "csv", make_schema(sparse=["a"]), chunk_rows=0)
+
+
+# ---------------------------------------------------------------- bad rows: error and skip modes
+
+# (format, schema, options, good line, bad line, the expected reason)
+BAD_ROWS = [
+    ("csv", make_schema(dense=["x"], sparse=["a"]), {}, "1,2.5,a", "1,2.5", "has 2 columns, expected 3"),
+    ("csv", make_schema(dense=["x"], sparse=["a"]), {}, "1,2.5,a", "0,1,a,b", "has 4 columns, expected 3"),
+    ("csv", make_schema(dense=["x"], sparse=["a"]), {}, "1,2.5,a", "yes,1,a", "label 'yes' is not 0 or 1"),
+    ("csv", make_schema(dense=["x"], sparse=["a"]), {}, "1,2.5,a", "2,1,a", "label '2' is not 0 or 1"),
+    ("csv", make_schema(dense=["x"], sparse=["a"]), {}, "1,2.5,a", ",1,a", "label is missing"),
+    ("csv", make_schema(dense=["x"], sparse=["a"]), {}, "1,2.5,a", "1,abc,a", "value 'abc' is not a number"),
+    (
+        "csv",
+        make_schema(dense=["x"], sparse=["a"]),
+        {},
+        "1,2.5,a",
+        "1,nan,a",
+        "value 'nan' is NaN or infinite",
+    ),
+    ("csv", make_schema(dense=["x"], sparse=["a"]), {}, "1,2.5,a", "1,-inf,a", "'-inf' is NaN or infinite"),
+    ("csv", make_schema(dense=["x"], sparse=["a"]), {}, "1,2.5,a", "1,1e39,a", "'1e39' is NaN or infinite"),
+    ("csv", make_schema(weighted=["h"]), {}, "1,a:1", "1,a:w", "weight 'w' is not a finite number"),
+    ("criteo", CRITEO_SCHEMA, {}, criteo_line(), criteo_line()[:-9], "has 39 columns, expected 40"),
+    ("criteo", CRITEO_SCHEMA, {}, criteo_line(), criteo_line("x"), "label 'x' is not 0 or 1"),
+    (
+        "criteo",
+        CRITEO_SCHEMA,
+        {},
+        criteo_line(),
+        criteo_line(ints=["1a"] * 13),
+        "'I1' value '1a' is not a number",
+    ),
+    ("libsvm", make_schema(sparse=["a", "b"]), {}, "1 1:1 2:1", "1 1:1", "has 1 idx:val tokens, expected 2"),
+    ("libsvm", make_schema(sparse=["a", "b"]), {}, "1 1:1 2:1", "1 1:1 2", "token '2' is not idx:val"),
+    ("libsvm", make_schema(sparse=["a", "b"]), {}, "-1 1:1 2:1", "2 1:1 2:1", "label '2' is not -1, 0 or 1"),
+    ("libsvm", make_schema(sparse=["a", "b"]), {}, "-1 1:1 2:1", "1:1 2:1", "label '1:1' is not -1, 0 or 1"),
+    (
+        "libsvm",
+        make_schema(sparse=["a", "b"]),
+        {},
+        "-1 1:1 2:1",
+        "1 1:1:1 2:1",
+        "token '1:1:1' is not idx:val",
+    ),
+    (
+        "libsvm",
+        make_schema(weighted=["f"]),
+        {"mode": "bag"},
+        "1 1:1",
+        "1 1:x",
+        "token '1:x': val 'x' is not a finite",
+    ),
+]
+
+
+@pytest.mark.parametrize(("fmt", "schema", "options", "good", "bad", "reason"), BAD_ROWS)
+def test_bad_rows_error_and_skip(tmp_path, fmt, schema, options, good, bad, reason):
+    header = [",".join(["label", *schema.dense_names, *schema.sparse_names])] if fmt == "csv" else []
+    # The bad rows are body lines 3 and 6 (file lines 4 and 7 under a header); a blank line between.
+    body = [good, good, bad, good, "", bad, good]
+    path = write(tmp_path / f"data.{fmt}", header + body, newline="\r\n")
+    offset = len(header)
+    with pytest.raises(DataError) as err:
+        read_all(path, fmt, schema, options)
+    message = str(err.value)
+    assert message.startswith(f"{path} line {3 + offset}: ")
+    assert reason in message and "on_bad_row: skip" in message and "\n" not in message
+    stats = ReadStats()
+    t = read_all(path, fmt, schema, options, on_bad_row="skip", stats=stats, chunk_rows=2)
+    assert (t.num_rows, stats.rows, stats.skipped) == (4, 4, 2)
+    assert [e.split(": ", 1)[0] for e in stats.examples] == [f"{path} line {n + offset}" for n in (3, 6)]
+    assert all(reason in e for e in stats.examples)
+
+
+def test_skip_keeps_at_most_five_examples_and_all_bad_is_an_error(tmp_path):
+    path = write(tmp_path / "t.csv", ["label,a"] + ["x,1"] * 8)
+    stats = ReadStats()
+    with pytest.raises(DataError, match=r"t\.csv has no data rows \(8 bad rows dropped\)"):
+        read_all(path, "csv", make_schema(sparse=["a"]), on_bad_row="skip", stats=stats)
+    assert stats.skipped == 8 and len(stats.examples) == 5
+    assert stats.examples[0] == f"{path} line 2: label 'x' is not 0 or 1"
+
+
+def test_parquet_bad_rows_name_the_row(tmp_path):
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"label": [1, 0, 2, 1], "x": [1.0, math.nan, 3.0, 4.0]}), path, row_group_size=2)
+    with pytest.raises(DataError, match=r"t\.parquet row 2: dense feature 'x' value nan is NaN or infinite"):
+        read_all(path, "parquet", make_schema(dense=["x"]))
+    stats = ReadStats()
+    t = read_all(path, "parquet", make_schema(dense=["x"]), on_bad_row="skip", stats=stats)
+    assert t.to_pydict() == {"label": [1.0, 1.0], "x": [1.0, 4.0]}
+    assert stats.skipped == 2 and "row 3: label 2 is not 0 or 1" in stats.examples[1]
+
+
+def test_movielens_bad_rows(tmp_path):
+    root = write_movielens(tmp_path / "ml", ["1\t10\t5\t1", "1\t11\tfive\t2", "2\t10\t3", "2\t11\t4\t4"])
+    with pytest.raises(
+        DataError, match=r"ml\.inter line 3: dense feature 'rating' value 'five' is not a number"
+    ):
+        read_all(root, "movielens", ML_SCHEMA, {"split": "all"})
+    stats = ReadStats()
+    t = read_all(root, "movielens", ML_SCHEMA, {"split": "all"}, on_bad_row="skip", stats=stats)
+    assert t.num_rows == 2 and stats.skipped == 2
+    assert "ml.inter line 4: has 3 columns, expected 4" in stats.examples[1]
