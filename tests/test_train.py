@@ -58,17 +58,18 @@ def test_aborted_run_leaves_nothing_to_trust(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_frappe_slice_beats_logistic_regression(tmp_path, shared_data):
-    """Wukong on 60k Frappe rows reaches a validation AUC clearly above LR trained the same way."""
+    """Wukong on 100k Frappe rows reaches a validation AUC clearly above LR trained the same way."""
     rng = np.random.default_rng(0)
-    for split, n in (("train", 60_000), ("valid", 20_000)):
+    for split, n in (("train", 100_000), ("valid", 20_000)):
         table = pacsv.read_csv(shared_data / "frappe" / f"{split}.csv")
         pacsv.write_csv(table.take(rng.choice(table.num_rows, n, replace=False)), tmp_path / f"{split}.csv")
     over = [f"data.train={tmp_path / 'train.csv'}", f"data.valid={tmp_path / 'valid.csv'}", "train.progress=false",
-            "train.epochs=8", "train.batch_size=1024", "data.num_workers=0"]  # fmt: skip
+            "train.epochs=10", "train.batch_size=1024", "data.num_workers=0"]  # fmt: skip
     auc = {}
     for name in ("lr", "wukong"):
         cfg = load_config(CONFIGS / "frappe.yaml", [*over, f"model.name={name}"])
         auc[name] = Trainer(cfg, tmp_path / name).fit()["valid"]["auc"]
+    print("frappe slice AUC", auc)
     assert auc["lr"] > 0.85  # LR itself learns (published full-data LR: 0.9356)
     assert auc["wukong"] > auc["lr"] + 0.02, auc
     # `recscale eval` scores the run on another file and agrees with the run's own validation.
