@@ -108,6 +108,9 @@ class TrainConfig(_Strict):
     warmup_steps: int = Field(0, ge=0)
     lr_decay: Literal["none", "cosine", "linear"] = "none"
     grad_clip: float | None = Field(None, gt=0)
+    # L2 penalty on the batch's embedding vectors X0, added to the loss: regularises the looked-up
+    # rows of the tables (frequent ids more), the way FuxiCTR's embedding_regularizer is used.
+    embedding_l2: float = Field(0.0, ge=0)
     eval_every: int | None = Field(None, ge=1)  # steps; None = once per epoch
     early_stopping: EarlyStopping | None = EarlyStopping()
     keep_checkpoints: int = Field(2, ge=1)
@@ -127,6 +130,11 @@ class TrainConfig(_Strict):
         if self.sparse_optimizer.name not in sparse_ok:
             raise ValueError(
                 f"train.sparse_optimizer.name '{self.sparse_optimizer.name}': use one of {sparse_ok}"
+            )
+        if self.sparse_optimizer.weight_decay:
+            raise ValueError(
+                "train.sparse_optimizer.weight_decay: fbgemm's fused embedding kernels ignore it; "
+                "regularise tables with train.embedding_l2 instead"
             )
         return self
 

@@ -187,6 +187,9 @@ class Trainer:
         self._prepare_data()
         self.dmp, self.opt = build_dmp(cfg, self.pre, self.env)
         self.base_lrs = [g["lr"] for g in self.opt.optimizers[1][1].param_groups]
+        self._x0: torch.Tensor | None = None
+        if cfg.train.embedding_l2 > 0:  # keep X0 of the current forward for the penalty
+            unwrap(self.dmp).embedding.register_forward_hook(lambda m, i, out: setattr(self, "_x0", out))
         self.progress = Progress()
         if resume:
             self._resume()
@@ -328,8 +331,11 @@ class Trainer:
                     g["lr"] = lr * f
                 logits = self.dmp(batch.dense, batch.sparse)
                 loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+                objective = loss
+                if self._x0 is not None:
+                    objective = loss + t.embedding_l2 * self._x0.square().sum() / batch.size
                 self.opt.zero_grad()
-                loss.backward()
+                objective.backward()
                 if t.grad_clip is not None:
                     torch.nn.utils.clip_grad_norm_(dense_params, t.grad_clip)
                 self.opt.step()

@@ -17,12 +17,16 @@ from recscale.config import OptimizerConfig, TrainConfig
 
 
 def sparse_optimizer(cfg: OptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict]:
-    """(optimizer class, kwargs) for ``apply_optimizer_in_backward`` on embedding tables."""
+    """(optimizer class, kwargs) for ``apply_optimizer_in_backward`` on embedding tables.
+
+    No weight decay here: fbgemm-gpu-cpu 1.8's fused kernels ignore it (measured), so tables are
+    regularised through the loss instead (``train.embedding_l2``).
+    """
     table = {
-        "rowwise_adagrad": (RowWiseAdagrad, {"lr": cfg.lr, "eps": cfg.eps, "weight_decay": cfg.weight_decay}),
-        "adagrad": (torch.optim.Adagrad, {"lr": cfg.lr, "eps": cfg.eps, "weight_decay": cfg.weight_decay}),
-        "sgd": (torch.optim.SGD, {"lr": cfg.lr, "weight_decay": cfg.weight_decay}),
-        "adam": (torch.optim.Adam, {"lr": cfg.lr, "eps": cfg.eps, "weight_decay": cfg.weight_decay}),
+        "rowwise_adagrad": (RowWiseAdagrad, {"lr": cfg.lr, "eps": cfg.eps}),
+        "adagrad": (torch.optim.Adagrad, {"lr": cfg.lr, "eps": cfg.eps}),
+        "sgd": (torch.optim.SGD, {"lr": cfg.lr}),
+        "adam": (torch.optim.Adam, {"lr": cfg.lr, "eps": cfg.eps}),
     }
     return table[cfg.name]
 
