@@ -1,0 +1,113 @@
+"""Quality benchmark: train each model on a dataset over several seeds; table next to published figures.
+
+    python bench/quality.py bench/quality_frappe.yaml              # every model, seeds 0 1 2
+    python bench/quality.py bench/quality_frappe.yaml --models wukong dlrm --seeds 0
+
+A suite file names the dataset's shipped config and, per model, the tuned overrides; each run is the
+command ``recscale train CONFIG OVERRIDES seed=S``, printed as it starts, so any row reproduces by
+hand. Runs go to runs/quality/<suite>/<model>/seed<S>; a finished run (report.json) is not redone.
+Writes <out>.csv (one row per run) and <out>.md (mean ± std per model, published figures beside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_one(config: str, overrides: list[str], out: Path) -> dict:
+    report = out / "report.json"
+    if not report.is_file():
+        cmd = ["recscale", "train", config, "--out", str(out), "train.progress=false", *overrides]
+        print("$", shlex.join(cmd), flush=True)
+        exe = Path(sys.executable).with_name("recscale")
+        subprocess.run([str(exe), *cmd[1:]], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    return json.loads(report.read_text())
+
+
+def published(reference: str | None) -> dict[str, dict[str, str]]:
+    """Model name (lower case) -> row of the BARS reference CSV."""
+    if not reference or not (REPO / reference).is_file():
+        return {}
+    with open(REPO / reference) as f:
+        return {row["Model"].lower().replace("+", "_plus"): row for row in csv.DictReader(f)}
+
+
+def mean_std(values: list[float], digits: int = 4) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("suite", help="suite YAML: config, reference, models: {name: [overrides]}")
+    ap.add_argument("--models", nargs="*", help="subset of the suite's models")
+    ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
+    ap.add_argument("--out", help="output path prefix (default docs/quality_<suite>)")
+    args = ap.parse_args()
+
+    suite_path = Path(args.suite)
+    suite = yaml.safe_load(suite_path.read_text())
+    name = suite_path.stem.removeprefix("quality_")
+    models: dict[str, list[str]] = suite["models"]
+    chosen = args.models or list(models)
+    out = Path(args.out) if args.out else REPO / "docs" / f"quality_{name}"
+    ref = published(suite.get("reference"))
+    extra_ref = suite.get("published", {})  # figures not in the BARS table (e.g. Wukong's paper)
+
+    rows = []
+    for model in chosen:
+        for seed in args.seeds:
+            overrides = [*models[model], f"seed={seed}"]
+            r = run_one(suite["config"], overrides, REPO / "runs" / "quality" / name / model / f"seed{seed}")
+            m = r[suite.get("split", "valid")]
+            rows.append({
+                "model": model, "seed": seed, "auc": m["auc"], "logloss": m["logloss"], "ne": m["ne"],
+                "dense_params": r["parameters"]["dense"], "sparse_params": r["parameters"]["sparse"],
+                "mflops_per_example": r["mflops_per_example"], "train_seconds": r["train_seconds"],
+                "steps": r["steps"], "best_step": r["best_step"],
+                "command": shlex.join(["recscale", "train", suite["config"], *overrides]),
+            })  # fmt: skip
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+    lines = [
+        f"| model | AUC ({suite.get('split', 'valid')}) | LogLoss | NE | dense params | sparse params "
+        "| MFLOP/ex | train s | published AUC | published LogLoss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model in chosen:
+        rs = [r for r in rows if r["model"] == model]
+        pub = ref.get(model, {}) or extra_ref.get(model, {})
+        lines.append(
+            f"| {model} | {mean_std([r['auc'] for r in rs])} | {mean_std([r['logloss'] for r in rs])} "
+            f"| {mean_std([r['ne'] for r in rs])} | {rs[0]['dense_params']:,} | {rs[0]['sparse_params']:,} "
+            f"| {rs[0]['mflops_per_example']:.3f} | {mean_std([r['train_seconds'] for r in rs], 1)} "
+            f"| {pub.get('AUC', '')} | {pub.get('Logloss', '')} |"
+        )
+    seeds = " ".join(map(str, args.seeds))
+    cmd = f"python bench/quality.py {args.suite} --seeds {seeds}" + (
+        f" --models {' '.join(chosen)}" if args.models else ""
+    )
+    text = "\n".join([*lines, "", f"Mean ± std over seeds {seeds}. Command: `{cmd}`"])
+    out.with_suffix(".md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
