@@ -101,3 +101,17 @@ def test_embedding_l2_shrinks_the_tables(tmp_path):
         state = tr.dmp.state_dict()
         norms[l2] = sum(v.local_shards()[0].tensor.norm().item() for k, v in state.items() if ".ebc." in k)
     assert norms[1.0] < 0.8 * norms[0.0], norms
+
+
+def test_learning_rates_drop_on_plateau(tmp_path):
+    es = "train.early_stopping={metric: logloss, patience: 10, min_delta: 1.0, reduce_lr_factor: 0.5}"
+    cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.eval_every=5", "train.max_steps=15", es])
+    tr = Trainer(cfg, tmp_path / "r")
+    tr.fit()
+    assert tr.progress.lr_scale == 0.25  # evaluations at steps 10 and 15 did not improve
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    lr = {r["step"]: r["lr"] for r in rows if r["split"] == "train"}
+    base = cfg.train.dense_optimizer.lr
+    assert lr[10] == pytest.approx(base) and lr[11] == pytest.approx(base * 0.5)
+    sparse = tr.opt.optimizers[0][1].param_groups[0]["lr"]
+    assert sparse == pytest.approx(cfg.train.sparse_optimizer.lr * 0.5)

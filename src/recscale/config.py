@@ -97,6 +97,8 @@ class EarlyStopping(_Strict):
     metric: Literal["auc", "logloss", "ne"] = "auc"
     patience: int = Field(2, ge=1)
     min_delta: float = Field(0.0, ge=0)
+    # Multiply every learning rate (dense and tables) by this on each evaluation without improvement.
+    reduce_lr_factor: float | None = Field(None, gt=0, lt=1)
 
 
 class TrainConfig(_Strict):

@@ -163,6 +163,7 @@ class Progress:
     best: float | None = None
     best_step: int = 0
     bad_evals: int = 0
+    lr_scale: float = 1.0  # reduced on plateau
     train_seconds: float = 0.0
     examples: int = 0
     stopped_early: bool = False
@@ -187,6 +188,7 @@ class Trainer:
         self._prepare_data()
         self.dmp, self.opt = build_dmp(cfg, self.pre, self.env)
         self.base_lrs = [g["lr"] for g in self.opt.optimizers[1][1].param_groups]
+        self.sparse_base_lrs = [g["lr"] for g in self.opt.optimizers[0][1].param_groups]
         self._x0: torch.Tensor | None = None
         if cfg.train.embedding_l2 > 0:  # keep X0 of the current forward for the penalty
             unwrap(self.dmp).embedding.register_forward_hook(lambda m, i, out: setattr(self, "_x0", out))
@@ -288,6 +290,8 @@ class Trainer:
                 else:
                     p.bad_evals += 1
                     stop = p.bad_evals >= es.patience
+                    if es.reduce_lr_factor is not None:
+                        p.lr_scale *= es.reduce_lr_factor
                     p.stopped_early = stop
         self.save(self.dir / "ckpt" / f"step_{p.step:08d}")
         if self.main:
@@ -308,7 +312,7 @@ class Trainer:
         if steps_per_epoch == 0:
             raise RecscaleError(f"train.batch_size {t.batch_size} is larger than the training set ({n} rows)")
         total = min(t.epochs * steps_per_epoch, t.max_steps or 10**18)
-        dense_opt = self.opt.optimizers[1][1]
+        sparse_opt, dense_opt = self.opt.optimizers[0][1], self.opt.optimizers[1][1]
         dense_params = [
             q for _, q in in_backward_optimizer_filter(self.dmp.named_parameters()) if q.requires_grad
         ]
@@ -326,9 +330,12 @@ class Trainer:
             for batch in iterate(self.train_ds, batches[p.batch :], cfg.data.num_workers):
                 batch = batch.to(self.env.device)
                 t0 = time.perf_counter()
-                f = lr_factor(t, p.step, total)
+                f = lr_factor(t, p.step, total) * p.lr_scale
                 for g, lr in zip(dense_opt.param_groups, self.base_lrs, strict=True):
                     g["lr"] = lr * f
+                # The fused optimizer hands its lr to fbgemm in zero_grad(), before this backward.
+                for g, lr in zip(sparse_opt.param_groups, self.sparse_base_lrs, strict=True):
+                    g["lr"] = lr * p.lr_scale
                 logits = self.dmp(batch.dense, batch.sparse)
                 loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
                 objective = loss
