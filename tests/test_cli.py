@@ -71,3 +71,10 @@ def test_help_for_each_command():
             [sys.executable, "-m", "recscale.cli", *argv, "--help"], capture_output=True, text=True
         )
         assert r.returncode == 0 and "usage: recscale" in r.stdout
+
+
+def test_sparse_optimizer_without_a_cpu_kernel_is_a_clear_error(tmp_path, capsys):
+    code, _, err = run(capsys, "train", str(CONFIGS / "demo.yaml"), "--out", str(tmp_path / "r"),
+                       "data.synthetic.rows={train: 500, valid: 100, test: 100}", "train.max_steps=1",
+                       "train.sparse_optimizer={name: adam, lr: 0.001}")  # fmt: skip
+    assert code == 2 and "no fused CPU kernel" in err and "rowwise_adagrad" in err

@@ -113,7 +113,7 @@ def build_dmp(
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model.name, feature_set(pre), cfg.model.embedding, cfg.model.params)
     counts = count_parameters(model)
-    opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer)
+    opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer, env.device)
     apply_optimizer_in_backward(opt_cls, model.embedding.ebc.parameters(), opt_kw)
     plan = plan_tables(model, env.device, local_world_size=env.local_world_size)
     dmp = DistributedModelParallel(model, device=env.device, plan=plan)

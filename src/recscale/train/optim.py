@@ -14,14 +14,23 @@ import torch
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from recscale.config import OptimizerConfig, TrainConfig
+from recscale.errors import ConfigError
+
+# fbgemm's CPU kernels implement only these fused table optimizers (GPU adds adam and others).
+CPU_SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
 
 
-def sparse_optimizer(cfg: OptimizerConfig) -> tuple[type[torch.optim.Optimizer], dict]:
+def sparse_optimizer(cfg: OptimizerConfig, device: torch.device) -> tuple[type[torch.optim.Optimizer], dict]:
     """(optimizer class, kwargs) for ``apply_optimizer_in_backward`` on embedding tables.
 
     No weight decay here: fbgemm-gpu-cpu 1.8's fused kernels ignore it (measured), so tables are
     regularised through the loss instead (``train.embedding_l2``).
     """
+    if device.type == "cpu" and cfg.name not in CPU_SPARSE_OPTIMIZERS:
+        raise ConfigError(
+            f"train.sparse_optimizer.name '{cfg.name}' has no fused CPU kernel in fbgemm; "
+            f"on CPU use one of {', '.join(CPU_SPARSE_OPTIMIZERS)}"
+        )
     table = {
         "rowwise_adagrad": (RowWiseAdagrad, {"lr": cfg.lr, "eps": cfg.eps}),
         "adagrad": (torch.optim.Adagrad, {"lr": cfg.lr, "eps": cfg.eps}),
