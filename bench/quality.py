@@ -35,6 +35,11 @@ def run_one(config: str, overrides: list[str], out: Path) -> dict:
     return json.loads(report.read_text())
 
 
+def flatten(items: list) -> list[str]:
+    """Overrides may nest one level (a shared YAML anchor inside a model's list)."""
+    return [x for item in items for x in (item if isinstance(item, list) else [item])]
+
+
 def published(reference: str | None) -> dict[str, dict[str, str]]:
     """Model name (lower case) -> row of the BARS reference CSV."""
     if not reference or not (REPO / reference).is_file():
@@ -60,7 +65,7 @@ def main() -> None:
     suite_path = Path(args.suite)
     suite = yaml.safe_load(suite_path.read_text())
     name = suite_path.stem.removeprefix("quality_")
-    models: dict[str, list[str]] = suite["models"]
+    models = {name: flatten(items) for name, items in suite["models"].items()}
     chosen = args.models or list(models)
     out = Path(args.out) if args.out else REPO / "docs" / f"quality_{name}"
     ref = published(suite.get("reference"))
