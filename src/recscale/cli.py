@@ -59,7 +59,26 @@ def cmd_train(args: argparse.Namespace) -> None:
     else:
         cfg = load_config(args.config, args.overrides)
     out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
-    print_report(Trainer(cfg, out, resume=args.resume).fit())
+    if args.nproc is not None:
+        _launch(args, out)
+        return
+    if args.local_world_size is not None or args.max_restarts:
+        raise RecscaleError("train: --local-world-size and --max-restarts go with --nproc")
+    trainer = Trainer(cfg, out, resume=args.resume)
+    report = trainer.fit()
+    if trainer.main:
+        print_report(report)
+
+
+def _launch(args: argparse.Namespace, out: Path) -> None:
+    """Re-run this command as --nproc local processes (see recscale.distributed.launch)."""
+    from recscale.distributed.launch import launch
+
+    if "RANK" in os.environ:
+        raise RecscaleError("train: --nproc starts its own processes; under torchrun leave it out")
+    worker = ["-m", "recscale.cli", "train", *([args.config] if args.config else []), *args.overrides]
+    worker += ["--out", str(out), *(["--resume"] if args.resume else [])]
+    launch(worker, args.nproc, args.local_world_size, args.max_restarts)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -86,6 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="key=value overrides of config keys")
     t.add_argument("--out", help="run directory (default runs/<config name>)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    t.add_argument("--nproc", type=int, help="train with N local processes (ranks), as torchrun would")
+    t.add_argument(
+        "--local-world-size",
+        type=int,
+        help="with --nproc: ranks per simulated host, e.g. --nproc 4 --local-world-size 2 is 2 hosts x 2",
+    )
+    t.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="with --nproc: restart the ranks this often after a failure, resuming from the last checkpoint",
+    )
     t.set_defaults(fn=cmd_train)
 
     e = sub.add_parser("eval", help="score a trained run on a data file; prints one JSON line")
@@ -121,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        from recscale.distributed.env import lost_peer
+
+        if (line := lost_peer(e)) is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -9,7 +9,7 @@ names the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -141,11 +141,47 @@ class TrainConfig(_Strict):
         return self
 
 
+ShardingTypeName = Literal[
+    "data_parallel", "table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise"
+]
+
+
+class TablePlan(_Strict):
+    """Where one feature's table goes. Unset placements are chosen to balance the ranks."""
+
+    type: ShardingTypeName
+    ranks: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)  # column_wise: one per shard
+    host: int | None = Field(None, ge=0)  # table_row_wise / table_column_wise: the host holding the table
+
+    @model_validator(mode="after")
+    def _placement(self) -> TablePlan:
+        if self.ranks is not None and self.type not in ("table_wise", "column_wise"):
+            raise ValueError(f"ranks applies to table_wise and column_wise tables, not {self.type}")
+        if self.ranks is not None and self.type == "table_wise" and len(self.ranks) != 1:
+            raise ValueError(f"a table_wise table lives on one rank; got ranks {self.ranks}")
+        if self.host is not None and self.type not in ("table_row_wise", "table_column_wise"):
+            raise ValueError(f"host applies to table_row_wise and table_column_wise tables, not {self.type}")
+        return self
+
+
+class DistributedConfig(_Strict):
+    """How a multi-process run splits the model: tables sharded by TorchRec, the dense part data-parallel."""
+
+    # Every table not listed in ``tables``: one sharding type, or "planner" for TorchRec's planner
+    # (restricted to fused kernels; on CPU it offers table_wise, column_wise and table_column_wise).
+    sharding: Literal["planner"] | ShardingTypeName = "table_wise"
+    tables: dict[str, TablePlan] = {}  # sparse feature name -> its table's explicit plan
+    dense: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard, for dense networks too big to replicate
+    # Seconds a rank waits on a collective (and on rank 0 preprocessing the data) before failing.
+    timeout_s: float = Field(1800, gt=0)
+
+
 class RunConfig(_Strict):
     seed: int = 0
     data: DataConfig
     model: ModelConfig
     train: TrainConfig = TrainConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(

@@ -1,46 +1,243 @@
-"""Sharding plans for embedding tables: TorchRec's planner, constrained to fused kernels.
+"""Sharding plans for embedding tables: explicit per-table plans, or TorchRec's planner on fused kernels.
 
-Without constraints TorchRec 1.8 plans small tables on CPU as ``data_parallel`` with the dense
-kernel: the tables are then replicated, trained by the dense optimizer, and the fused row-wise
-Adagrad never runs. Constraining every table to a fused kernel keeps the sparse optimizer in the
-fbgemm backward kernel, as in production DLRM training.
+Every sharding type is available on CPU and GPU: TorchRec 1.8's planner offers no row-wise types on
+CPU, yet its sharders run hand-written row-wise and table-row-wise plans on gloo, so explicit plans
+are built here shard by shard (``ParameterSharding`` with an ``EnumerableShardingSpec``).
+
+Kernels: every model-parallel table uses the fused kernel, so the table optimizer (row-wise Adagrad
+by default) runs inside fbgemm's backward. Unconstrained, TorchRec 1.8 plans small tables on CPU as
+``data_parallel`` with the dense kernel, which silently hands the tables to the dense optimizer.
+``data_parallel`` tables do need the dense kernel (TorchRec has no fused one for them); the trainer
+gives them the table optimizer itself (``replicated_tables``).
+
+Initial weights: on CPU, TorchRec initialises each shard on its own, so the values would depend on
+the plan and the world size. ``load_full_tables`` copies the unsharded model's tables into the
+shards, so every plan at every world size starts from the same weights.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
-from torch import nn
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.types import ShardingPlan, ShardingType
+from torch import Tensor, nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.model_parallel import get_unwrapped_module
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner import Topology as PlannerTopology
+from torchrec.distributed.sharding_plan import calculate_shard_sizes_and_offsets, placement
+from torchrec.distributed.types import (
+    Awaitable,
+    EmbeddingModuleShardingPlan,
+    EnumerableShardingSpec,
+    ParameterSharding,
+    ShardingPlan,
+    ShardingType,
+    ShardMetadata,
+)
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
+from torchrec.sparse.jagged_tensor import KeyedTensor
 
-FUSED = "fused"
+from recscale.config import DistributedConfig, TablePlan
+from recscale.distributed.dense import dense_wrapper
+from recscale.distributed.env import DistEnv
+from recscale.distributed.topology import Topology
+from recscale.errors import ConfigError
+
+FUSED, DENSE = "fused", "dense"
+# fbgemm's kernels need every column shard to be a multiple of this many columns.
+_COLUMN_MULTIPLE = 4
+
+
+def embedding_collections(model: nn.Module) -> dict[str, EmbeddingBagCollection]:
+    """Module path -> EBC, the modules DMP shards."""
+    return {path: m for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
 
 
 def table_names(model: nn.Module) -> list[str]:
-    return [
-        cfg.name
-        for m in model.modules()
-        if isinstance(m, EmbeddingBagCollection)
-        for cfg in m.embedding_bag_configs()
-    ]
+    return [c.name for ebc in embedding_collections(model).values() for c in ebc.embedding_bag_configs()]
 
 
-def plan_tables(
-    model: nn.Module,
-    device: torch.device,
-    sharding_type: str = ShardingType.TABLE_WISE.value,
-    local_world_size: int | None = None,
-) -> ShardingPlan:
-    """A plan that shards every table of ``model`` with ``sharding_type`` and the fused kernel."""
-    world = dist.get_world_size()
-    constraints = {
-        name: ParameterConstraints(sharding_types=[sharding_type], compute_kernels=[FUSED])
-        for name in table_names(model)
+def table_keys(plan: ShardingPlan) -> dict[str, str]:
+    """State-dict key of every planned table -> its sharding type."""
+    return {
+        f"{path}.embedding_bags.{table}.weight": ps.sharding_type
+        for path, module_plan in plan.plan.items()
+        for table, ps in module_plan.items()
     }
-    topology = Topology(
-        world_size=world, compute_device=device.type, local_world_size=local_world_size or world
+
+
+def plan_tables(model: nn.Module, env: DistEnv, cfg: DistributedConfig) -> ShardingPlan:
+    """The plan for every table of ``model``: the planner's or the configured type, then the
+    per-feature entries of ``cfg.tables``."""
+    collections = embedding_collections(model)
+    configs = [c for ebc in collections.values() for c in ebc.embedding_bag_configs()]
+    by_feature = {f: c.name for c in configs for f in c.feature_names}
+    unknown = sorted(set(cfg.tables) - set(by_feature))
+    if unknown:
+        raise ConfigError(
+            f"distributed.tables names unknown sparse features {unknown}; features: {sorted(by_feature)}"
+        )
+    explicit = {by_feature[f]: spec for f, spec in cfg.tables.items()}
+    plan = _planner_plan(model, env) if cfg.sharding == "planner" else ShardingPlan({})
+    builder = _ExplicitPlanner(env)
+    for path, ebc in collections.items():
+        module_plan = plan.plan.setdefault(path, EmbeddingModuleShardingPlan())
+        for i, c in enumerate(ebc.embedding_bag_configs()):
+            spec = explicit.get(c.name)
+            if spec is None and cfg.sharding != "planner":
+                spec = TablePlan(type=cfg.sharding)
+            if spec is not None:
+                module_plan[c.name] = builder.sharding(c, spec, i)
+    return plan
+
+
+def _planner_plan(model: nn.Module, env: DistEnv) -> ShardingPlan:
+    # Only fused kernels: the planner then picks among the sharding types it offers on the device.
+    constraints = {name: ParameterConstraints(compute_kernels=[FUSED]) for name in table_names(model)}
+    topology = PlannerTopology(
+        world_size=env.world_size, compute_device=env.device.type, local_world_size=env.local_world_size
     )
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
     return planner.collective_plan(model, pg=dist.GroupMember.WORLD)
+
+
+class _ExplicitPlanner:
+    """Builds one table's ``ParameterSharding``; unset placements balance the tables over ranks."""
+
+    def __init__(self, env: DistEnv) -> None:
+        self.hosts: Topology = env.topology
+        self.world = env.world_size
+        self.device_type = env.device.type
+        self.load = [0] * env.world_size  # bytes of table shards placed on each rank so far
+
+    def sharding(self, table: EmbeddingBagConfig, spec: TablePlan, index: int) -> ParameterSharding:
+        rows, cols = table.num_embeddings, table.embedding_dim
+        where = f"distributed: table of feature {table.feature_names[0]!r}"
+        kind = spec.type
+        if kind == ShardingType.DATA_PARALLEL.value:
+            return ParameterSharding(kind, DENSE, list(range(self.world)), None)
+        if spec.ranks is not None and max(spec.ranks) >= self.world:
+            raise ConfigError(f"{where}: ranks {spec.ranks} do not exist in a world of {self.world} ranks")
+        if spec.host is not None and spec.host >= self.hosts.num_hosts:
+            raise ConfigError(f"{where}: host {spec.host} does not exist; the job has {self.hosts.num_hosts}")
+        host = spec.host if spec.host is not None else index % self.hosts.num_hosts
+        if kind == ShardingType.TABLE_WISE.value:
+            rank = spec.ranks[0] if spec.ranks else min(range(self.world), key=lambda r: self.load[r])
+            return self._build(kind, [([rows, cols], [0, 0], rank)])
+        if kind in (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value):
+            pool = (
+                list(range(self.world))
+                if kind == ShardingType.COLUMN_WISE.value
+                else self.hosts.ranks_of_host(host)
+            )
+            ranks = spec.ranks or self._column_ranks(cols, pool)
+            width, rest = divmod(cols, len(ranks))
+            if rest or width % _COLUMN_MULTIPLE:
+                raise ConfigError(
+                    f"{where}: {cols} columns do not split into {len(ranks)} shards of a multiple of "
+                    f"{_COLUMN_MULTIPLE} columns"
+                )
+            return self._build(kind, [([rows, width], [0, i * width], r) for i, r in enumerate(ranks)])
+        # row_wise over all ranks, table_row_wise over the ranks of one host
+        pool = (
+            list(range(self.world)) if kind == ShardingType.ROW_WISE.value else self.hosts.ranks_of_host(host)
+        )
+        # TorchRec's row-wise kernels assume its own block split: ceil(rows / ranks) rows per rank.
+        sizes, offsets = calculate_shard_sizes_and_offsets(
+            torch.empty(rows, cols, device="meta"), self.world, len(pool), kind
+        )
+        return self._build(kind, [(s, o, r) for s, o, r in zip(sizes, offsets, pool, strict=True)])
+
+    def _column_ranks(self, cols: int, pool: list[int]) -> list[int]:
+        """As many column shards as ``pool`` allows, on its least-loaded ranks."""
+        k = max(
+            n for n in range(1, len(pool) + 1) if cols % n == 0 and (cols // n) % _COLUMN_MULTIPLE == 0
+        ) if cols % _COLUMN_MULTIPLE == 0 else 1  # fmt: skip
+        return sorted(sorted(pool, key=lambda r: self.load[r])[:k])
+
+    def _build(self, kind: str, shards: list[tuple[list[int], list[int], int]]) -> ParameterSharding:
+        for size, _, rank in shards:
+            self.load[rank] += size[0] * size[1]
+        spec = EnumerableShardingSpec(
+            [
+                ShardMetadata(
+                    shard_sizes=size,
+                    shard_offsets=offset,
+                    placement=placement(self.device_type, rank, self.hosts.local_world_size),
+                )
+                for size, offset, rank in shards
+            ]
+        )
+        return ParameterSharding(kind, FUSED, [rank for _, _, rank in shards], spec)
+
+
+def _keys_in_order(keys: list[str]) -> Callable[[nn.Module, Any, Any], KeyedTensor]:
+    """Forward hook on a sharded EBC: its pooled embeddings in the unsharded EBC's key order.
+
+    A sharded EBC orders its output by sharding type and rank, not by table; models read the
+    columns of ``values()`` by position, as the unsharded EBC lays them out.
+    """
+
+    def hook(module: nn.Module, inputs: Any, out: Any) -> KeyedTensor:
+        kt = out.wait() if isinstance(out, Awaitable) else out
+        if kt.keys() == keys:
+            return kt
+        cols = dict(zip(kt.keys(), kt.values().split(kt.length_per_key(), dim=1), strict=True))
+        return KeyedTensor(
+            keys=keys,
+            length_per_key=[cols[k].shape[1] for k in keys],
+            values=torch.cat([cols[k] for k in keys], dim=1),
+        )
+
+    return hook
+
+
+@torch.no_grad()
+def load_full_tables(sharded: dict[str, Tensor], full: dict[str, Tensor]) -> None:
+    """Copy full (unsharded) tables into the sharded state ``sharded`` (from ``dmp.state_dict()``)."""
+    for key, src in full.items():
+        dst = sharded[key]
+        if isinstance(dst, ShardedTensor):
+            for shard in dst.local_shards():
+                m = shard.metadata
+                index = tuple(slice(o, o + s) for o, s in zip(m.shard_offsets, m.shard_sizes, strict=True))
+                shard.tensor.copy_(src[index])
+        else:  # data_parallel: a replica of the whole table
+            dst.copy_(src)
+
+
+def shard_model(
+    model: nn.Module,
+    env: DistEnv,
+    cfg: DistributedConfig,
+    table_optimizer: tuple[type[torch.optim.Optimizer], dict],
+) -> tuple[DistributedModelParallel, KeyedOptimizer]:
+    """``model`` under DMP: tables sharded by ``plan_tables`` starting from the unsharded model's
+    values, the dense part wrapped per ``cfg.dense``. Returns DMP and the tables' optimizer: the
+    fused one, plus ``table_optimizer`` (class, kwargs) over the data_parallel tables' replicas."""
+    plan = plan_tables(model, env, cfg)
+    kinds = table_keys(plan)
+    full = {k: v for k, v in model.state_dict().items() if k in kinds}
+    orders = {
+        path: [f for c in ebc.embedding_bag_configs() for f in c.feature_names]
+        for path, ebc in embedding_collections(model).items()
+    }
+    dmp = DistributedModelParallel(
+        model, device=env.device, plan=plan, data_parallel_wrapper=dense_wrapper(cfg.dense)
+    )
+    load_full_tables(dmp.state_dict(), full)
+    unwrapped = get_unwrapped_module(dmp)
+    for path, keys in orders.items():
+        unwrapped.get_submodule(path).register_forward_hook(_keys_in_order(keys))
+    replicated = {n: p for n, p in dmp.named_parameters() if kinds.get(n) == ShardingType.DATA_PARALLEL.value}
+    if not replicated:
+        return dmp, dmp.fused_optimizer
+    opt_cls, kwargs = table_optimizer
+    replicas = KeyedOptimizerWrapper(replicated, lambda params: opt_cls(params, **kwargs))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, replicas])

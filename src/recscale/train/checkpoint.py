@@ -140,7 +140,11 @@ def save_checkpoint(path: Path, state: dict[str, Any], rank: int = 0) -> None:
 def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     """Load into ``template`` (a state of the same structure, with tensors of the right shapes/sharding).
 
-    Returns the loaded state: tensors filled in place from DCP, plain values from state.json.
+    Returns the loaded state. A top-level entry holding tensors keeps the template's own structure
+    with its tensors filled from DCP: sharded tables and their optimizer state have different keys
+    on different ranks and world sizes, and DCP reshards the saved tensors into whatever this rank
+    holds now (so a checkpoint saved by N ranks loads on M). An entry without tensors (the
+    progress, the RNG states) is returned as state.json saved it.
     """
     path = Path(path)
     state_file = path / STATE_FILE
@@ -160,7 +164,12 @@ def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: checkpoint could not be read ({first[:200]})") from None
     try:
-        return join_state(plain, tensors)
+        saved = dict(plain["__dict__"])
+        out = {}
+        for key, value in template.items():
+            own_tensors, own_plain = split_state(value, f"/{key}")
+            out[key] = join_state(own_plain, tensors) if own_tensors else join_state(saved[key], {})
+        return out
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"{state_file}: does not match the model's state ({e})") from None
 
@@ -177,3 +186,21 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
 def prune_checkpoints(ckpt_dir: Path, keep: int) -> None:
     for old in list_checkpoints(ckpt_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_partial_checkpoints(run_dir: Path) -> None:
+    """Clean up after a run killed while writing a checkpoint: drop the temporary directories of
+    unfinished writes, and put back a checkpoint that was set aside (``.NAME.old``) to be replaced
+    when its replacement never arrived."""
+    for parent in (Path(run_dir), Path(run_dir) / "ckpt"):
+        if not parent.is_dir():
+            continue
+        for p in parent.iterdir():
+            if p.name.startswith(".") and p.name.endswith(".tmp") and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.name.startswith(".") and p.name.endswith(".old") and p.is_dir():
+                target = p.with_name(p.name[1 : -len(".old")])
+                if target.exists():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.rename(target)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,13 +41,21 @@ from recscale.data.dataset import ArrayDataset, epoch_batches, iterate, material
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import ReadStats
 from recscale.data.sources import open_split, source_fingerprint
+from recscale.distributed import comms
 from recscale.distributed.env import DistEnv, init_distributed
-from recscale.distributed.sharding import plan_tables
-from recscale.errors import CheckpointError, RecscaleError
+from recscale.distributed.gather import eval_batches, gather_scores
+from recscale.distributed.sharding import shard_model
+from recscale.errors import CheckpointError, ConfigError, RecscaleError
 from recscale.io import atomic_write_text
 from recscale.models.embedding import FeatureSet, SparseInput
 from recscale.models.registry import build_model
-from recscale.train.checkpoint import list_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint
+from recscale.train.checkpoint import (
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    remove_partial_checkpoints,
+    save_checkpoint,
+)
 from recscale.train.metrics import binary_entropy, ctr_metrics
 from recscale.train.optim import dense_optimizer_factory, lr_factor, sparse_optimizer
 
@@ -114,15 +123,15 @@ def build_dmp(
     model = build_model(cfg.model.name, feature_set(pre), cfg.model.embedding, cfg.model.params)
     counts = count_parameters(model)
     opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer, env.device)
+    table_kw = dict(opt_kw)  # apply_optimizer_in_backward adds its own keys to opt_kw
     apply_optimizer_in_backward(opt_cls, model.embedding.ebc.parameters(), opt_kw)
-    plan = plan_tables(model, env.device, local_world_size=env.local_world_size)
-    dmp = DistributedModelParallel(model, device=env.device, plan=plan)
+    dmp, tables = shard_model(model, env, cfg.distributed, (opt_cls, table_kw))
     dense = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        {n: q for n, q in in_backward_optimizer_filter(dmp.named_parameters()) if n not in tables.params},
         dense_optimizer_factory(cfg.train.dense_optimizer),
     )
     dmp.recscale_parameters = counts
-    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+    return dmp, CombinedOptimizer([tables, dense])
 
 
 def unwrap(dmp: DistributedModelParallel) -> nn.Module:
@@ -135,15 +144,15 @@ def unwrap(dmp: DistributedModelParallel) -> nn.Module:
 def predict(
     dmp: DistributedModelParallel, ds: ArrayDataset, batch_size: int, num_workers: int
 ) -> torch.Tensor:
-    """Logits (N,) for every row of ``ds`` in order."""
+    """Logits (N,) for every row of ``ds`` in order, on every rank (each rank scores a slice)."""
     was_training = dmp.training
     dmp.eval()
+    rank, world = dist.get_rank(), dist.get_world_size()
     out = []
-    batches = epoch_batches(len(ds), batch_size, shuffle=False, seed=0, epoch=0, drop_last=False)
-    for b in iterate(ds, batches, num_workers):
+    for b in iterate(ds, eval_batches(len(ds), batch_size, rank, world), num_workers):
         out.append(dmp(b.dense, b.sparse).float().cpu())
     dmp.train(was_training)
-    return torch.cat(out)
+    return gather_scores(torch.cat(out), len(ds), batch_size, world)
 
 
 def evaluate(
@@ -182,11 +191,25 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False) -> None:
         self.cfg, self.dir = cfg, Path(run_dir)
-        self.env = init_distributed()
+        self.env = init_distributed(cfg.distributed.timeout_s)
         self.main = self.env.is_main
+        if cfg.train.batch_size % self.env.world_size:
+            raise ConfigError(
+                f"train.batch_size {cfg.train.batch_size} must be a multiple of the {self.env.world_size} "
+                "ranks: each rank trains on an equal slice of the global batch"
+            )
+        # Restarted by torchrun (--max-restarts): continue from the last complete checkpoint.
+        resume = resume or (self.env.restart_count > 0 and (self.dir / "config.yaml").is_file())
         self._prepare_dir(resume)
+        # Rank 0 preprocesses; the others wait, then find its artifacts and materialised splits.
+        if not self.main:
+            self._barrier()
         self._prepare_data()
+        if self.main:
+            self._barrier()
         self.dmp, self.opt = build_dmp(cfg, self.pre, self.env)
+        comms.install()
+        self.comm = comms.CommMeter(self.env.topology, self.env.rank)
         self.base_lrs = [g["lr"] for g in self.opt.optimizers[1][1].param_groups]
         self.sparse_base_lrs = [g["lr"] for g in self.opt.optimizers[0][1].param_groups]
         self._x0: torch.Tensor | None = None
@@ -234,13 +257,20 @@ class Trainer:
                 data, self.pre, "test", data.test, self.dir / "data" / "test", show
             )
 
+    def _barrier(self) -> None:
+        if self.env.world_size > 1:
+            dist.barrier()
+
     # -------------------------------------------------- checkpoints
     def _state(self) -> dict[str, Any]:
+        rng = [_rng_state()] * self.env.world_size
+        if self.env.world_size > 1:  # every rank's generator, so a resume at the same size is exact
+            dist.all_gather_object(rng, rng[0])
         return {
             "model": self.dmp.state_dict(),
             "optim": self.opt.state_dict(),
             "progress": asdict(self.progress),
-            "rng": _rng_state(),
+            "rng": rng,
         }
 
     def save(self, path: Path) -> None:
@@ -248,14 +278,34 @@ class Trainer:
 
     def _resume(self) -> None:
         ckpts = list_checkpoints(self.dir / "ckpt")
-        if not ckpts:
-            return  # nothing complete was saved: start from the beginning
-        # Adam's state is created lazily; create it so the checkpoint has tensors to load into.
-        self.opt.optimizers[1][1].init_state()
-        state = load_checkpoint(ckpts[-1], self._state())
-        self.opt.load_state_dict(state["optim"])
-        self.progress = Progress(**state["progress"])
-        _set_rng_state(state["rng"])
+        if ckpts:
+            # Adam's state is created lazily; create it so the checkpoint has tensors to load into.
+            self.opt.optimizers[1][1].init_state()
+            state = load_checkpoint(ckpts[-1], self._state())
+            self.opt.load_state_dict(state["optim"])
+            self.progress = Progress(**state["progress"])
+            if self.env.rank < len(state["rng"]):  # at another world size, new ranks keep their seed
+                _set_rng_state(state["rng"][self.env.rank])
+            if self.main and self.env.restart_count:
+                print(f"restart {self.env.restart_count}: resumed from {ckpts[-1]}", file=sys.stderr)
+        # else nothing complete was saved: start from the beginning
+        if self.main:  # forget what a killed attempt did after its last checkpoint
+            remove_partial_checkpoints(self.dir)
+            self._truncate_metrics(self.progress.step)
+        self._barrier()
+
+    def _truncate_metrics(self, step: int) -> None:
+        path = self.dir / "metrics.jsonl"
+        if not path.is_file():
+            return
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line + "\n")
+            except json.JSONDecodeError:  # a line cut short by the kill
+                continue
+        atomic_write_text(path, "".join(keep))
 
     def load_best(self) -> None:
         best = self.dir / "best"
@@ -298,6 +348,15 @@ class Trainer:
             prune_checkpoints(self.dir / "ckpt", t.keep_checkpoints)
         return stop
 
+    def _window_totals(self, loss_sum: float, steps: int) -> tuple[float, dict[str, Any]]:
+        """The window's mean loss over all ranks and its communication per step; resets the meter."""
+        local = torch.cat([torch.tensor([loss_sum], dtype=torch.float64), self.comm.totals().flatten()])
+        if self.env.world_size > 1:
+            dist.all_reduce(local)
+        self.comm.reset()
+        world = self.env.world_size
+        return local[0].item() / (steps * world), comms.summarize(local[1:].view(-1, 2), steps)
+
     def _eval_batch(self) -> int:
         return max(self.cfg.train.batch_size, 8192)
 
@@ -313,9 +372,7 @@ class Trainer:
             raise RecscaleError(f"train.batch_size {t.batch_size} is larger than the training set ({n} rows)")
         total = min(t.epochs * steps_per_epoch, t.max_steps or 10**18)
         sparse_opt, dense_opt = self.opt.optimizers[0][1], self.opt.optimizers[1][1]
-        dense_params = [
-            q for _, q in in_backward_optimizer_filter(self.dmp.named_parameters()) if q.requires_grad
-        ]
+        dense_params = [q for q in dense_opt.params.values() if q.requires_grad]
         bar = tqdm(
             total=total, initial=p.step, desc="train", unit="step", disable=not (t.progress and self.main)
         )
@@ -336,16 +393,17 @@ class Trainer:
                 # The fused optimizer hands its lr to fbgemm in zero_grad(), before this backward.
                 for g, lr in zip(sparse_opt.param_groups, self.sparse_base_lrs, strict=True):
                     g["lr"] = lr * p.lr_scale
-                logits = self.dmp(batch.dense, batch.sparse)
-                loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
-                objective = loss
-                if self._x0 is not None:
-                    objective = loss + t.embedding_l2 * self._x0.square().sum() / batch.size
-                self.opt.zero_grad()
-                objective.backward()
-                if t.grad_clip is not None:
-                    torch.nn.utils.clip_grad_norm_(dense_params, t.grad_clip)
-                self.opt.step()
+                with self.comm.recording():
+                    logits = self.dmp(batch.dense, batch.sparse)
+                    loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+                    objective = loss
+                    if self._x0 is not None:
+                        objective = loss + t.embedding_l2 * self._x0.square().sum() / batch.size
+                    self.opt.zero_grad()
+                    objective.backward()
+                    if t.grad_clip is not None:
+                        torch.nn.utils.clip_grad_norm_(dense_params, t.grad_clip)
+                    self.opt.step()
                 p.train_seconds += time.perf_counter() - t0
                 p.step += 1
                 p.batch += 1
@@ -356,9 +414,10 @@ class Trainer:
                 if p.step % t.log_every == 0:
                     now = time.perf_counter()
                     rate = window_n * t.batch_size / (now - window_t)
-                    self._log({"split": "train", "step": p.step, "epoch": p.epoch, "loss": window_loss / window_n,
-                               "lr": dense_opt.param_groups[0]["lr"], "examples_per_s": rate})  # fmt: skip
-                    bar.set_postfix(loss=f"{window_loss / window_n:.4f}")
+                    mean_loss, comm = self._window_totals(window_loss, window_n)
+                    self._log({"split": "train", "step": p.step, "epoch": p.epoch, "loss": mean_loss,
+                               "lr": dense_opt.param_groups[0]["lr"], "examples_per_s": rate, **comm})  # fmt: skip
+                    bar.set_postfix(loss=f"{mean_loss:.4f}")
                     window_loss, window_n, window_t = 0.0, 0, now
                 end_of_epoch = p.batch >= len(batches)
                 if end_of_epoch:

@@ -1,0 +1,78 @@
+"""The dense part of the model, data-parallel: DDP (replicated) or FSDP2 (``fully_shard``, sharded).
+
+Both plug into ``DistributedModelParallel`` as its ``data_parallel_wrapper``, which DMP calls after
+sharding the tables, on everything it did not shard.
+
+- DDP: TorchRec's default wrapper. Every DDP in the model (DMP's, and the one TorchRec puts around
+  ``data_parallel`` tables) gets torch's stock ``allreduce_hook``: the same averaging all-reduce as
+  DDP's built-in one, but issued through ``torch.distributed.all_reduce``, where ``comms`` counts it.
+- FSDP2: every submodule without embedding tables is ``fully_shard`` ed: its parameters become
+  DTensors sharded over the ranks, gathered for forward/backward, gradients reduce-scattered. For
+  dense networks too big to replicate on each rank.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.model_parallel import (
+    DataParallelWrapper,
+    DefaultDataParallelWrapper,
+    DistributedModelParallel,
+)
+from torchrec.distributed.types import ShardedModule, ShardingEnv
+
+from recscale.errors import ConfigError
+
+
+class CountedDDPWrapper(DefaultDataParallelWrapper):
+    """DMP's default DDP, with all-reduces issued through ``torch.distributed`` (see module doc)."""
+
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        super().wrap(dmp, env, device)
+        for m in dmp.modules():
+            if isinstance(m, DistributedDataParallel):
+                m.register_comm_hook(m.process_group, allreduce_hook)
+
+
+class FSDP2Wrapper(DataParallelWrapper):
+    """``fully_shard`` every dense submodule over all ranks (see module doc)."""
+
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        mesh = init_device_mesh(device.type, (env.world_size,))
+        _shard_dense(dmp._dmp_wrapped_module, mesh, "")
+
+
+def _holds_tables(module: nn.Module) -> bool:
+    return any(isinstance(m, ShardedModule) for m in module.modules())
+
+
+def _shard_dense(module: nn.Module, mesh: object, prefix: str) -> None:
+    stray = [f"{prefix}{n}" for n, _ in module.named_parameters(recurse=False)]
+    if stray:
+        raise ConfigError(
+            f"distributed.dense: fsdp cannot shard parameters {stray}, which sit beside the embedding "
+            "tables in one module; use dense: ddp for this model"
+        )
+    for name, child in module.named_children():
+        if isinstance(child, ShardedModule):
+            continue
+        if _holds_tables(child):
+            _shard_dense(child, mesh, f"{prefix}{name}.")
+        elif isinstance(child, nn.Sequential | nn.ModuleList):
+            # Layer by layer: only one layer's full parameters are gathered at a time.
+            for layer in child:
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer, mesh=mesh)
+        elif any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+
+
+def dense_wrapper(kind: Literal["ddp", "fsdp"]) -> DataParallelWrapper:
+    return CountedDDPWrapper() if kind == "ddp" else FSDP2Wrapper()
