@@ -7,6 +7,7 @@ sharding type in turn. Run as a script, this file is the workers' program (see `
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,9 +16,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from recscale.config import load_config
+from recscale.cli import main
+from recscale.config import DistributedConfig, load_config, validate_config
+from recscale.distributed.env import DistEnv
 from recscale.distributed.launch import launch
+from recscale.distributed.sharding import plan_tables
+from recscale.distributed.topology import Topology
+from recscale.errors import ConfigError, RecscaleError
+from recscale.models.embedding import EmbeddingConfig, FeatureSet, SparseInput
+from recscale.models.registry import build_model
 from recscale.train.loop import Trainer, predict
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -163,6 +172,77 @@ def test_comm_bytes_match_hand_computed_volumes(runs):
         assert r["comm"]["all_to_all"] == a2a
         assert r["comm"]["all_reduce"] == {"intra": round(2 * ring), "inter": round(2 * ring)}
         assert r["comm_inter_bytes"] == r["comm"]["all_to_all"]["inter"] + r["comm"]["all_reduce"]["inter"]
+
+
+# ---------------------------------------------------------------- plans (no processes needed)
+def _plan(sharding: str, tables: dict | None = None, world: int = 4, local: int = 2) -> dict:
+    """Per-table ParameterSharding of a 10-row, dim-16 LR-like model's tables on 2 hosts x 2 ranks."""
+    features = FeatureSet(sparse=tuple(SparseInput(f"f{i}", 10) for i in range(4)), num_dense=0)
+    model = build_model("lr", features, EmbeddingConfig(dim=16), {})
+    env = DistEnv(0, world, 0, local, torch.device("cpu"), "gloo")
+    cfg = DistributedConfig.model_validate({"sharding": sharding, "tables": tables or {}})
+    return dict(plan_tables(model, env, cfg).plan["embedding.ebc"])
+
+
+def _shards(ps) -> list[tuple[int, list[int], list[int]]]:
+    return [(m.placement.rank(), m.shard_offsets, m.shard_sizes) for m in ps.sharding_spec.shards]
+
+
+def test_explicit_plans_place_shards_by_host():
+    rw = _plan("row_wise")["t_f0"]
+    assert (rw.sharding_type, rw.compute_kernel) == ("row_wise", "fused")
+    assert _shards(rw) == [
+        (0, [0, 0], [3, 16]),
+        (1, [3, 0], [3, 16]),
+        (2, [6, 0], [3, 16]),
+        (3, [9, 0], [1, 16]),
+    ]
+    twrw = _plan("table_row_wise", {"f1": {"type": "table_row_wise", "host": 1}})
+    assert _shards(twrw["t_f1"]) == [(2, [0, 0], [5, 16]), (3, [5, 0], [5, 16])]
+    assert [r for r, _, _ in _shards(twrw["t_f0"])] == [0, 1]  # unplaced tables alternate hosts
+    twcw = _plan("table_column_wise", {"f0": {"type": "table_column_wise", "host": 1}})["t_f0"]
+    assert _shards(twcw) == [(2, [0, 0], [10, 8]), (3, [0, 8], [10, 8])]
+    cw = _plan("column_wise", {"f2": {"type": "column_wise", "ranks": [3, 1, 0, 2]}})["t_f2"]
+    assert _shards(cw) == [
+        (3, [0, 0], [10, 4]),
+        (1, [0, 4], [10, 4]),
+        (0, [0, 8], [10, 4]),
+        (2, [0, 12], [10, 4]),
+    ]
+    tw = _plan("table_wise")
+    assert sorted(ps.ranks[0] for ps in tw.values()) == [0, 1, 2, 3]  # balanced: one table per rank
+    dp = _plan("data_parallel")["t_f3"]
+    assert (dp.compute_kernel, dp.ranks, dp.sharding_spec) == ("dense", [0, 1, 2, 3], None)
+
+
+@pytest.mark.parametrize(
+    "tables, words",
+    [
+        ({"nope": {"type": "row_wise"}}, "unknown sparse features ['nope']"),
+        ({"f0": {"type": "table_wise", "ranks": [4]}}, "ranks [4] do not exist in a world of 4 ranks"),
+        ({"f0": {"type": "table_row_wise", "host": 2}}, "host 2 does not exist; the job has 2"),
+        ({"f0": {"type": "column_wise", "ranks": [0, 1, 2]}}, "16 columns do not split into 3 shards"),
+    ],
+)
+def test_impossible_plans_are_one_clear_line(tables, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        _plan("table_wise", tables)
+
+
+def test_placement_keys_are_checked_by_the_config():
+    with pytest.raises(ConfigError, match="host applies to table_row_wise and table_column_wise"):
+        validate_config({"data": {"format": "synthetic"}, "model": {"name": "lr"},
+                         "distributed": {"tables": {"s0": {"type": "row_wise", "host": 1}}}})  # fmt: skip
+
+
+def test_hosts_must_hold_equal_numbers_of_ranks(capsys):
+    with pytest.raises(RecscaleError, match="LOCAL_WORLD_SIZE=2"):
+        Topology(3, 2)
+    assert Topology(4, 2).ranks_of_host(1) == [2, 3] and Topology(4, 2).same_host(2, 3)
+    code = main(["train", str(CONFIGS / "demo.yaml"), "--nproc", "3", "--local-world-size", "2"])
+    assert code == 2 and capsys.readouterr().err.strip().splitlines() == [
+        "error: --nproc 3 cannot be split into hosts of --local-world-size 2 ranks each"
+    ]
 
 
 # ---------------------------------------------------------------- faults
