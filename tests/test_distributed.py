@@ -20,14 +20,14 @@ import torch
 
 from recscale.cli import main
 from recscale.config import DistributedConfig, load_config, validate_config
-from recscale.distributed.env import DistEnv
+from recscale.distributed.env import DistEnv, shutdown
 from recscale.distributed.launch import launch
 from recscale.distributed.sharding import plan_tables
 from recscale.distributed.topology import Topology
 from recscale.errors import ConfigError, RecscaleError
 from recscale.models.embedding import EmbeddingConfig, FeatureSet, SparseInput
 from recscale.models.registry import build_model
-from recscale.train.loop import Trainer, predict
+from recscale.train.loop import Trainer, eval_run, predict
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 REPO = CONFIGS.parent
@@ -79,6 +79,7 @@ def _worker(spec_path: str) -> None:
         scores = predict(trainer.dmp, trainer.test_ds, 100, 0)
         if trainer.main:
             np.save(job["scores"], scores.numpy())
+    shutdown()
 
 
 def _jobs(root: Path, world: int) -> list[dict]:
@@ -141,6 +142,17 @@ def test_checkpoint_from_4_ranks_resumes_at_2_and_1(runs, variant):
         np.testing.assert_allclose(np.load(runs / f"{variant}_4_at_{world}.npy"), at4, rtol=0, atol=1e-5)
     ref = "reference_adagrad" if ADAGRAD[0] in VARIANTS[variant] else "reference"
     assert np.abs(at4 - np.load(runs / f"{ref}.npy")).max() < 1e-3  # and they are the trained model's
+
+
+@dist_mark
+def test_single_process_eval_scores_a_4_rank_run_like_its_report(runs):
+    """The 4 ranks' sharded evaluation agrees with one process scoring the same checkpoint, though
+    the run's explicit plan names ranks 1 and 2."""
+    report = json.loads((runs / "comm_4" / "report.json").read_text())
+    m = eval_run(runs / "comm_4", str(runs / "comm_4" / "config.yaml"), split="test")  # synthetic: any file
+    assert m["rows"] == report["test"]["rows"] == 256
+    assert m["auc"] == pytest.approx(report["test"]["auc"], abs=1e-6)
+    assert m["logloss"] == pytest.approx(report["test"]["logloss"], rel=1e-5)
 
 
 @dist_mark

@@ -50,6 +50,7 @@ def print_report(report: dict) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from recscale.config import load_config
+    from recscale.distributed.env import shutdown
     from recscale.train.loop import Trainer, load_run
 
     if args.resume and args.config is None:
@@ -68,6 +69,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     report = trainer.fit()
     if trainer.main:
         print_report(report)
+    shutdown()  # joins gloo's threads: left to exit-time destructors they can abort the process
 
 
 def _launch(args: argparse.Namespace, out: Path) -> None:

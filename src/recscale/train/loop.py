@@ -36,7 +36,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from recscale.config import DataConfig, RunConfig
+from recscale.config import DataConfig, DistributedConfig, RunConfig
 from recscale.data.dataset import ArrayDataset, epoch_batches, iterate, materialize, read_meta
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import ReadStats
@@ -149,10 +149,11 @@ def predict(
     dmp.eval()
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
+    device = next(dmp.parameters()).device
     for b in iterate(ds, eval_batches(len(ds), batch_size, rank, world), num_workers):
-        out.append(dmp(b.dense, b.sparse).float().cpu())
+        out.append(dmp(b.dense.to(device), b.sparse.to(device)).float())
     dmp.train(was_training)
-    return gather_scores(torch.cat(out), len(ds), batch_size, world)
+    return gather_scores(torch.cat(out), len(ds), batch_size, world).cpu()  # gathered on the device (NCCL)
 
 
 def evaluate(
@@ -352,7 +353,9 @@ class Trainer:
         """The window's mean loss over all ranks and its communication per step; resets the meter."""
         local = torch.cat([torch.tensor([loss_sum], dtype=torch.float64), self.comm.totals().flatten()])
         if self.env.world_size > 1:
+            local = local.to(self.env.device)  # NCCL reduces device tensors only
             dist.all_reduce(local)
+            local = local.cpu()
         self.comm.reset()
         world = self.env.world_size
         return local[0].item() / (steps * world), comms.summarize(local[1:].view(-1, 2), steps)
@@ -491,7 +494,9 @@ def eval_run(run_dir: Path, data_path: str, fmt: str | None = None, split: str =
     run_dir = Path(run_dir)
     cfg, pre = load_run(run_dir)
     env = init_distributed()
-    dmp, _ = build_dmp(cfg, pre, env)
+    # Scores do not depend on the sharding, and a multi-rank run's placements may name ranks this
+    # process does not have: the checkpoint loads into the default plan at any world size.
+    dmp, _ = build_dmp(cfg.model_copy(update={"distributed": DistributedConfig()}), pre, env)
     best = run_dir / "best"
     ckpts = list_checkpoints(run_dir / "ckpt")
     source = best if (best / ".metadata").is_file() else (ckpts[-1] if ckpts else None)
