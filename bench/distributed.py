@@ -50,6 +50,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from recscale.config import load_config
     from recscale.data.dataset import epoch_batches, iterate
+    from recscale.distributed import comms
     from recscale.distributed.env import shutdown
     from recscale.train.loop import Trainer
 
@@ -98,23 +99,15 @@ def worker(args: argparse.Namespace) -> None:
     if env.is_main:
         w, n = env.world_size, args.steps
         ms = (local[1:5] / w / n * 1e3).tolist()
-        bytes_per_step = local[5:].view(-1, 2).sum(0) / n
+        names = ("embedding", "communication", "dense", "optimizer")
         result = {
             "nproc": w,
             "hosts": env.topology.num_hosts,
+            "parameters": dmp.recscale_parameters,
             "examples_per_s": round(n * args.batch / (local[0].item() / w), 1),
             "step_ms": round(local[0].item() / w / n * 1e3, 2),
-            "breakdown_ms": dict(
-                zip(
-                    ("embedding", "communication", "dense", "optimizer"),
-                    (round(x, 2) for x in ms),
-                    strict=True,
-                )
-            ),  # fmt: skip
-            "comm_bytes_per_step": {
-                "intra": round(bytes_per_step[0].item()),
-                "inter": round(bytes_per_step[1].item()),
-            },
+            "breakdown_ms": {k: round(x, 2) for k, x in zip(names, ms, strict=True)},
+            **comms.summarize(local[5:].view(-1, 2), n),  # bytes per step, by collective and host
         }
         Path(args.result).write_text(json.dumps(result))
     shutdown()
@@ -166,7 +159,7 @@ def main() -> None:
           "| optimizer | bytes/step intra | bytes/step inter |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        b, c = r["breakdown_ms"], r["comm_bytes_per_step"]
+        b, c = r["breakdown_ms"], {"intra": r["comm_intra_bytes"], "inter": r["comm_inter_bytes"]}
         print(f"| {r['nproc']} | {r['hosts']} x {r['nproc'] // r['hosts']} | {r['examples_per_s']:,.0f} | "
               f"{r['step_ms']} | {b['embedding']} | {b['communication']} | {b['dense']} | {b['optimizer']} | "
               f"{c['intra']:,} | {c['inter']:,} |")  # fmt: skip
