@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -270,3 +271,14 @@ def test_distributed_model_parallel() -> None:
         dense_params = [p for n, p in dmp.named_parameters() if "ebc" not in n]
         assert dense_params and all(torch.isfinite(p).all() for p in dense_params), name
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in dense_params), name
+
+
+def test_dlrm_warns_when_dot_products_cannot_learn() -> None:
+    """No dense features and a tiny init_std: every top-MLP input starts at ~1e-8 (AUC 0.5 on Frappe)."""
+    sparse_only = FeatureSet(sparse=FEATURES.sparse, num_dense=0)
+    with pytest.warns(UserWarning, match="model.embedding.init_std=0.05"):
+        build("dlrm", SMALL["dlrm"], sparse_only, embedding=EmbeddingConfig(dim=8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build("dlrm", SMALL["dlrm"], sparse_only, embedding=EmbeddingConfig(dim=8, init_std=0.05))
+        build("dlrm", SMALL["dlrm"], embedding=EmbeddingConfig(dim=8))  # dense features carry the signal
