@@ -95,6 +95,23 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(json.dumps(inspect_file(args.path, args.format, max_rows=args.max_rows), indent=2))
 
 
+def cmd_sweep(args: argparse.Namespace) -> None:
+    from recscale.scaling.sweep import run_sweep
+
+    print(f"results: {run_sweep(args.sweep, args.out)}")
+
+
+def cmd_scaling_fit(args: argparse.Namespace) -> None:
+    from recscale.scaling.fit import load_results, report
+    from recscale.scaling.plot import plot_scaling
+
+    families = load_results(args.results)
+    text, fits = report(families)
+    print(text)
+    if args.out:
+        print(f"plot: {plot_scaling(families, fits, args.out)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="recscale", description="Train and evaluate large-scale recommendation models."
@@ -134,6 +151,20 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--format", help="csv, libsvm, criteo, movielens or parquet (default: guessed)")
     i.add_argument("--max-rows", type=int, help="read only this many rows")
     i.set_defaults(fn=cmd_inspect)
+
+    s = sub.add_parser("sweep", help="train a grid of model sizes, one pass each; results as CSV",
+                       description="Train every size of every family in SWEEP (see configs/sweeps/); "
+                                   "finished runs are skipped when the sweep is run again.")  # fmt: skip
+    s.add_argument("sweep", help="sweep YAML")
+    s.add_argument("--out", help="sweep directory (default: the file's out)")
+    s.set_defaults(fn=cmd_sweep)
+
+    sc = sub.add_parser("scaling", help="scaling-law analysis of sweep results")
+    scsub = sc.add_subparsers(dest="scaling_command", required=True)
+    f = scsub.add_parser("fit", help="fit loss = L_inf + a*C^-b per family; optional PNG plot")
+    f.add_argument("results", help="a sweep's results.csv")
+    f.add_argument("--out", help="write the plot to this PNG")
+    f.set_defaults(fn=cmd_scaling_fit)
     return p
 
 

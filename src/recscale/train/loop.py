@@ -444,6 +444,7 @@ class Trainer:
             "parameters": self.dmp.recscale_parameters,
             "mflops_per_example": model.flops_per_example() / 1e6,
             "steps": p.step,
+            "examples": p.examples,
             "epochs_completed": p.epoch,
             "best_step": p.best_step,
             "stopped_early": p.stopped_early,

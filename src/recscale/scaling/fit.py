@@ -1,0 +1,189 @@
+"""Saturating power laws in compute: loss(C) = L_inf + a·C^(−b), fitted per model family.
+
+Compute is normalised by the family's smallest run, x = C / C0, so the fit is well conditioned and
+``a_c0`` reads as the loss above ``L_inf`` at the smallest run's compute; ``a`` (for C in FLOPs) is
+``a_c0 · C0^b``. The fit is least squares: for b on a grid, L_inf and a are linear and solved exactly;
+the best (L_inf, a, b) is then refined by Levenberg-Marquardt. 95% confidence intervals are
+θ ± t(n−3)·se with se from the covariance s²(JᵀJ)⁻¹ at the optimum, s² = RSS / (n − 3): three
+parameters need at least four runs of distinct compute to leave a residual degree of freedom.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from recscale.errors import RecscaleError
+
+MIN_POINTS = 4
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; 1.96 beyond.
+_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PowerLawFit:
+    """loss(C) = l_inf + a_c0 · (C / c0)^(−b); each ``*_ci`` is a 95% interval (nan when undetermined)."""
+
+    l_inf: float
+    a_c0: float
+    b: float
+    c0: float
+    l_inf_ci: tuple[float, float]
+    a_c0_ci: tuple[float, float]
+    b_ci: tuple[float, float]
+    rmse: float
+    points: int
+
+    @property
+    def a(self) -> float:
+        """The coefficient for compute in FLOPs: loss = l_inf + a · C^(−b)."""
+        return self.a_c0 * self.c0**self.b
+
+    def __call__(self, compute: np.ndarray) -> np.ndarray:
+        return self.l_inf + self.a_c0 * (np.asarray(compute, dtype=np.float64) / self.c0) ** -self.b
+
+
+def _model(theta: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Predictions and the Jacobian (n, 3) with respect to (l_inf, a, b)."""
+    l_inf, a, b = theta
+    p = x**-b
+    return l_inf + a * p, np.stack([np.ones_like(x), p, -a * p * np.log(x)], axis=1)
+
+
+def _grid_start(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    best, start = math.inf, np.zeros(3)
+    for b in np.geomspace(1e-3, 4.0, 400):
+        design = np.stack([np.ones_like(x), x**-b], axis=1)
+        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+        rss = float(np.sum((design @ coef - y) ** 2))
+        if rss < best:
+            best, start = rss, np.array([coef[0], coef[1], b])
+    return start
+
+
+def _levenberg_marquardt(theta: np.ndarray, x: np.ndarray, y: np.ndarray, iters: int = 200) -> np.ndarray:
+    damping = 1e-3
+    pred, jac = _model(theta, x)
+    rss = float(np.sum((y - pred) ** 2))
+    for _ in range(iters):
+        jtj, grad = jac.T @ jac, jac.T @ (y - pred)
+        step = np.linalg.lstsq(jtj + damping * np.diag(np.diag(jtj) + 1e-12), grad, rcond=None)[0]
+        trial = theta + step
+        if trial[2] <= 0:  # b stays positive: a "power law" that grows with compute is not this model
+            damping *= 10
+            continue
+        t_pred, t_jac = _model(trial, x)
+        t_rss = float(np.sum((y - t_pred) ** 2))
+        if t_rss < rss:
+            converged = rss - t_rss <= 1e-15 * max(rss, 1e-300)
+            theta, pred, jac, rss, damping = trial, t_pred, t_jac, t_rss, damping / 10
+            if converged:
+                break
+        else:
+            damping *= 10
+            if damping > 1e12:
+                break
+    return theta
+
+
+def fit_power_law(compute: np.ndarray, loss: np.ndarray) -> PowerLawFit:
+    """Least-squares fit of loss = l_inf + a·C^(−b); RecscaleError if fewer than 4 distinct computes."""
+    c, y = np.asarray(compute, dtype=np.float64), np.asarray(loss, dtype=np.float64)
+    if len(np.unique(c)) < MIN_POINTS:
+        raise RecscaleError(
+            f"{len(np.unique(c))} distinct compute values; a saturating power law (3 parameters) needs at "
+            f"least {MIN_POINTS} to be fitted with confidence intervals"
+        )
+    if np.any(c <= 0):
+        raise RecscaleError("compute must be positive for a power law")
+    c0 = float(c.min())
+    x = c / c0
+    theta = _levenberg_marquardt(_grid_start(x, y), x, y)
+    pred, jac = _model(theta, x)
+    n, dof = len(y), len(y) - 3
+    rss = float(np.sum((y - pred) ** 2))
+    with np.errstate(all="ignore"):
+        cov = np.linalg.pinv(jac.T @ jac) * rss / dof
+        se = np.sqrt(np.diag(cov))
+    t = _T975[dof - 1] if dof <= len(_T975) else 1.96
+    ci = [(float(v - t * s), float(v + t * s)) for v, s in zip(theta, se, strict=True)]
+    return PowerLawFit(
+        l_inf=float(theta[0]), a_c0=float(theta[1]), b=float(theta[2]), c0=c0,
+        l_inf_ci=ci[0], a_c0_ci=ci[1], b_ci=ci[2], rmse=math.sqrt(rss / n), points=n,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FamilyRuns:
+    """One family's runs, sorted by compute."""
+
+    name: str
+    compute: np.ndarray  # training FLOPs
+    loss: np.ndarray  # validation LogLoss
+    bayes: float | None  # the synthetic teacher's LogLoss floor, when known
+
+    def relative_change(self) -> np.ndarray:
+        """The paper's form: LogLoss change (%) against the family's smallest model."""
+        return 100.0 * (self.loss - self.loss[0]) / self.loss[0]
+
+
+def load_results(path: str | Path) -> list[FamilyRuns]:
+    """Families (in order of first appearance) from a sweep's results CSV."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecscaleError(f"{path}: no such results file (a sweep writes OUT/results.csv)")
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    need = {"family", "train_flops", "valid_logloss", "bayes_logloss"}
+    if not rows or not need <= set(rows[0]):
+        raise RecscaleError(f"{path}: not a sweep results CSV (needs the columns {', '.join(sorted(need))})")
+    families = []
+    for name in dict.fromkeys(r["family"] for r in rows):
+        mine = sorted((r for r in rows if r["family"] == name), key=lambda r: float(r["train_flops"]))
+        floors = {r["bayes_logloss"] for r in mine if r["bayes_logloss"]}
+        families.append(
+            FamilyRuns(
+                name=name,
+                compute=np.array([float(r["train_flops"]) for r in mine]),
+                loss=np.array([float(r["valid_logloss"]) for r in mine]),
+                bayes=float(floors.pop()) if len(floors) == 1 else None,
+            )
+        )
+    return families
+
+
+def _fmt_ci(v: float, ci: tuple[float, float]) -> str:
+    return f"{v:.4g} [{ci[0]:.4g}, {ci[1]:.4g}]"
+
+
+def report(families: list[FamilyRuns]) -> tuple[str, dict[str, PowerLawFit]]:
+    """A text report (fits with 95% intervals, relative LogLoss changes) and the fits that succeeded."""
+    lines, fits = ["loss(C) = L_inf + a_C0 * (C / C0)^(-b), C = training FLOPs; 95% confidence intervals"], {}
+    for fam in families:
+        try:
+            fit = fit_power_law(fam.compute, fam.loss)
+        except RecscaleError as e:
+            lines.append(f"{fam.name}: not fitted: {e}")
+            continue
+        fits[fam.name] = fit
+        lines.append(
+            f"{fam.name}: {fit.points} runs  L_inf {_fmt_ci(fit.l_inf, fit.l_inf_ci)}  "
+            f"a_C0 {_fmt_ci(fit.a_c0, fit.a_c0_ci)}  b {_fmt_ci(fit.b, fit.b_ci)}  "
+            f"C0 {fit.c0:.3g}  (a = {fit.a:.4g} for C in FLOPs)  rmse {fit.rmse:.2g}"
+        )
+    lines.append("relative LogLoss change vs the family's smallest model (compute: change):")
+    for fam in families:
+        pairs = "  ".join(
+            f"{c:.2e}: {r:+.2f}%" for c, r in zip(fam.compute, fam.relative_change(), strict=True)
+        )
+        lines.append(f"{fam.name}: {pairs}")
+    floors = {f.bayes for f in families if f.bayes is not None}
+    if len(floors) == 1:
+        lines.append(f"Bayes floor (synthetic teacher): {floors.pop():.4f}")
+    return "\n".join(lines), fits

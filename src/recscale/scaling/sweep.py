@@ -1,0 +1,245 @@
+"""Scaling sweeps: train a grid of model sizes, one pass over the same data each, one CSV row per run.
+
+A sweep file names a base run config, overrides for every run, and per model family the sizes to
+train (explicit ``sizes`` and/or the cartesian product of a ``grid``), given as keys of the model
+section (dotted for nested ones, e.g. ``embedding.dim``)::
+
+    base: ../demo.yaml                 # relative to the sweep file
+    overrides: [data.synthetic.rows.train=2000000]
+    out: runs/sweeps/small             # relative to the working directory
+    families:
+      wukong:
+        model: {name: wukong, k: 8}    # shared by the family's runs
+        sizes: [{num_layers: 1, n_f: 4}, {num_layers: 2, n_f: 8}]
+      dlrm:
+        model: {name: dlrm}
+        grid: {top_mlp: [[64], [256, 256]]}
+
+Every run trains exactly one epoch (``train.epochs`` is set to 1, as in the Wukong paper's scaling
+study) in ``OUT/runs/<run name>``. The data is read and materialised once, under ``OUT/data/<hash>``,
+and linked into each run directory. A run is finished when its ``result.json`` exists; a restarted
+sweep skips finished runs (after checking their config is the one the sweep asks for) and starts
+unfinished ones afresh. After each run ``OUT/results.csv`` is rewritten atomically from all results.
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import hashlib
+import io
+import itertools
+import json
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from recscale.config import RunConfig, _format_error, apply_overrides, validate_config
+from recscale.errors import ConfigError, RecscaleError
+from recscale.io import atomic_write_text
+from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER
+
+COLUMNS = [
+    "family", "run", "model", "knobs", "dense_params", "sparse_params", "gflop_per_example",
+    "examples", "train_flops", "valid_logloss", "valid_ne", "valid_auc", "bayes_logloss",
+    "wall_s", "train_s",
+]  # fmt: skip
+RESULT = "result.json"
+
+
+class Family(BaseModel):
+    """One model family: its shared model section and the sizes to train."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: dict[str, Any]
+    sizes: list[dict[str, Any]] = []
+    grid: dict[str, list[Any]] = {}
+
+    @model_validator(mode="after")
+    def _has_sizes(self) -> Family:
+        if not self.sizes and not self.grid:
+            raise ValueError("give the family's sizes (a list of model keys) or a grid (key: [values])")
+        if any(not values for values in self.grid.values()):
+            raise ValueError("every grid key needs at least one value")
+        return self
+
+    def points(self) -> list[dict[str, Any]]:
+        keys = list(self.grid)
+        product = [dict(zip(keys, vs, strict=True)) for vs in itertools.product(*self.grid.values())]
+        return self.sizes + (product if keys else [])
+
+
+class SweepConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    base: str
+    overrides: list[str] = []
+    out: str = "runs/sweep"
+    families: dict[str, Family] = Field(min_length=1)
+
+
+class Run(BaseModel):
+    family: str
+    name: str
+    knobs: dict[str, Any]
+    config: RunConfig
+
+
+def _set(node: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+
+
+def _slug(family: str, knobs: dict[str, Any]) -> str:
+    """A readable, filesystem-safe run name from the knobs: ``wukong-num_layers2-fmb_mlp512x512``."""
+
+    def text(v: Any) -> str:
+        return "x".join(map(str, v)) if isinstance(v, list) else str(v)
+
+    name = "-".join([family, *(f"{k.rsplit('.', 1)[-1]}{text(v)}" for k, v in knobs.items())])
+    name = re.sub(r"[^A-Za-z0-9_.=x-]", "", name)
+    if len(name) > 80:
+        name = name[:70] + "-" + hashlib.sha1(name.encode()).hexdigest()[:8]
+    return name
+
+
+def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
+    """Read and validate a sweep file and every run config it implies (nothing is trained)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"sweep file {path} not found")
+    try:
+        sweep = SweepConfig.model_validate(yaml.safe_load(path.read_text()))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except ValidationError as e:
+        raise ConfigError(f"{path}: {_format_error(e)}") from None
+    base_path = path.parent / sweep.base
+    if not base_path.is_file():
+        raise ConfigError(f"{path}: base config {base_path} not found")
+    base = apply_overrides(yaml.safe_load(base_path.read_text()), sweep.overrides)
+    _set(base, "train.epochs", 1)
+    runs, names = [], set()
+    for family, spec in sweep.families.items():
+        for i, knobs in enumerate(spec.points()):
+            raw = json.loads(json.dumps(base))  # a deep copy
+            raw["model"] = {**raw.get("model", {}), **spec.model}
+            for key, value in knobs.items():
+                _set(raw["model"], key, value)
+            try:
+                cfg = validate_config(raw)
+            except ConfigError as e:
+                raise ConfigError(f"{path}: family {family}, size {i + 1} {knobs}: {e}") from None
+            name = _slug(family, knobs)
+            if name in names:
+                raise ConfigError(f"{path}: family {family} lists the size {knobs} twice")
+            names.add(name)
+            runs.append(Run(family=family, name=name, knobs=knobs, config=cfg))
+    if len({r.config.data.model_dump_json() for r in runs}) > 1:
+        raise ConfigError(f"{path}: every run of a sweep must read the same data; families may not set it")
+    return sweep, runs
+
+
+def _shared_data(root: Path, cfg: RunConfig) -> Path:
+    """The directory all runs share for preprocessing and materialised splits, keyed by the data config."""
+    key = hashlib.sha256(cfg.data.model_dump_json().encode()).hexdigest()[:12]
+    shared = root / "data" / key
+    shared.mkdir(parents=True, exist_ok=True)
+    return shared
+
+
+def result_row(run: Run, report: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """The CSV row of a finished run, from the trainer's report."""
+    gflop = report["mflops_per_example"] / 1e3
+    valid = report["valid"]
+    return {
+        "family": run.family,
+        "run": run.name,
+        "model": report["model"],
+        "knobs": json.dumps(run.knobs, separators=(",", ":")),
+        "dense_params": report["parameters"]["dense"],
+        "sparse_params": report["parameters"]["sparse"],
+        "gflop_per_example": gflop,
+        "examples": report["examples"],
+        "train_flops": TRAIN_FLOPS_MULTIPLIER * gflop * 1e9 * report["examples"],
+        "valid_logloss": valid["logloss"],
+        "valid_ne": valid["ne"],
+        "valid_auc": valid["auc"],
+        "bayes_logloss": report.get("bayes_logloss", ""),
+        "wall_s": round(wall_s, 2),
+        "train_s": report["train_seconds"],
+    }
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, buf.getvalue())
+
+
+def _finished(run: Run, run_dir: Path) -> dict[str, Any] | None:
+    """The stored row of a finished run; None when the run still has to be trained."""
+    result = run_dir / RESULT
+    if not result.is_file():
+        return None
+    stored = yaml.safe_load((run_dir / "config.yaml").read_text())
+    if stored != yaml.safe_load(run.config.to_yaml()):
+        raise RecscaleError(
+            f"{run_dir} holds a finished run with another config than the sweep asks for; "
+            "remove that directory or give the sweep another out"
+        )
+    return json.loads(result.read_text())
+
+
+def _train(run: Run, run_dir: Path, shared: Path) -> dict[str, Any]:
+    from recscale.train.loop import Trainer
+
+    if run_dir.exists():  # an unfinished attempt: start it afresh
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / "data").symlink_to(shared.resolve(), target_is_directory=True)
+    pre = shared / "preprocess.json"
+    if pre.is_file():
+        shutil.copyfile(pre, run_dir / "preprocess.json")
+    t0 = time.perf_counter()
+    trainer = Trainer(run.config, run_dir)
+    if not pre.is_file():  # the first run fitted the preprocessing: later runs reuse it
+        atomic_write_text(pre, (run_dir / "preprocess.json").read_text())
+    report = trainer.fit()
+    row = result_row(run, report, time.perf_counter() - t0)
+    atomic_write_text(run_dir / RESULT, json.dumps(row, indent=2))
+    del trainer
+    gc.collect()  # the next run's tables should not have to share memory with this one's
+    return row
+
+
+def run_sweep(path: str | Path, out: str | Path | None = None, log: Callable[[str], None] = print) -> Path:
+    """Train every unfinished run of the sweep; returns the path of the results CSV."""
+    sweep, runs = load_sweep(path)
+    root = Path(out if out is not None else sweep.out)
+    shared = _shared_data(root, runs[0].config)
+    rows: list[dict[str, Any]] = []
+    for i, run in enumerate(runs, 1):
+        run_dir = root / "runs" / run.name
+        row = _finished(run, run_dir)
+        if row is not None:
+            log(f"[{i}/{len(runs)}] {run.name}: finished before, skipped")
+        else:
+            log(f"[{i}/{len(runs)}] {run.name}: training")
+            row = _train(run, run_dir, shared)
+            log(f"[{i}/{len(runs)}] {run.name}: valid logloss {row['valid_logloss']:.5f}, "
+                f"{row['gflop_per_example'] * 1e3:.3f} MFLOP/example, {row['wall_s']:.0f} s")  # fmt: skip
+        rows.append(row)
+        write_csv(root / "results.csv", rows)
+    return root / "results.csv"

@@ -1,0 +1,146 @@
+"""Scaling sweeps (restartable, one CSV row per run) and the power-law fit."""
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from recscale.cli import main
+from recscale.errors import RecscaleError
+from recscale.scaling import sweep as sweep_mod
+from recscale.scaling.fit import fit_power_law, load_results, report
+from recscale.scaling.sweep import COLUMNS, load_sweep, run_sweep
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+TINY = [
+    "data.synthetic.rows={train: 1024, valid: 256, test: 256}",
+    "data.synthetic.num_sparse=4",
+    "data.synthetic.num_multi=1",
+    "data.synthetic.vocab_sizes=50",
+    "data.num_workers=0",
+    "train.batch_size=128",
+    "train.progress=false",
+    "model.embedding.dim=8",
+]
+
+
+def write_sweep(tmp_path: Path, families: dict) -> Path:
+    path = tmp_path / "sweep.yaml"
+    spec = {"base": str(CONFIGS / "demo.yaml"), "overrides": TINY, "out": str(tmp_path / "out"), "families": families}
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+FAMILIES = {
+    "wukong": {"model": {"name": "wukong", "k": 4}, "sizes": [{"num_layers": 1, "n_f": 4, "n_l": 4}]},
+    "dlrm": {"model": {"name": "dlrm"}, "grid": {"top_mlp": [[16], [64, 32]]}},
+}
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_sweep_writes_one_row_per_run_and_skips_finished_runs(tmp_path, monkeypatch):
+    path = write_sweep(tmp_path, FAMILIES)
+    results = run_sweep(path, log=lambda _: None)
+    rows = read_csv(results)
+    assert list(rows[0]) == COLUMNS
+    assert [r["family"] for r in rows] == ["wukong", "dlrm", "dlrm"]
+    assert len({r["run"] for r in rows}) == 3
+    for r in rows:
+        assert int(r["examples"]) == 1024  # exactly one pass over the training rows
+        assert float(r["train_flops"]) == pytest.approx(3 * float(r["gflop_per_example"]) * 1e9 * 1024)
+        assert int(r["dense_params"]) > 0 and int(r["sparse_params"]) > 0
+        assert 0 < float(r["bayes_logloss"]) < float(r["valid_logloss"]) < 1.0
+        assert float(r["wall_s"]) >= float(r["train_s"]) > 0
+    small, large = rows[1:]
+    assert float(large["gflop_per_example"]) > float(small["gflop_per_example"])
+    assert json.loads(large["knobs"]) == {"top_mlp": [64, 32]}
+
+    # A restart trains only the run whose result is missing (as if it had been killed).
+    run_dirs = sorted((tmp_path / "out" / "runs").iterdir())
+    killed = next(d for d in run_dirs if d.name == rows[2]["run"])
+    (killed / "result.json").unlink()
+    trained = []
+    real_train = sweep_mod._train
+    monkeypatch.setattr(sweep_mod, "_train", lambda run, *a: trained.append(run.name) or real_train(run, *a))
+    log: list[str] = []
+    run_sweep(path, log=log.append)
+    assert trained == [killed.name]
+    assert sum("skipped" in line for line in log) == 2
+    again = read_csv(results)
+    assert [r["run"] for r in again] == [r["run"] for r in rows]
+    assert again[:2] == rows[:2]
+    # The data was materialised once and shared by all runs.
+    assert len(list((tmp_path / "out" / "data").iterdir())) == 1
+
+
+def test_sweep_config_errors_are_one_line(tmp_path, capsys):
+    bad_key = write_sweep(tmp_path, {"wukong": {"model": {"name": "wukong"}, "sizez": [{}]}})
+    assert main(["sweep", str(bad_key)]) == 2
+    err = capsys.readouterr().err
+    assert "families.wukong.sizez" in err and len(err.strip().splitlines()) == 1
+    bad_size = write_sweep(tmp_path, {"wukong": {"model": {"name": "wukong"}, "sizes": [{"n_f": 0}]}})
+    assert main(["sweep", str(bad_size)]) == 2
+    err = capsys.readouterr().err
+    assert "family wukong" in err and "n_f" in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(RecscaleError, match="sizes"):
+        load_sweep(write_sweep(tmp_path, {"dlrm": {"model": {"name": "dlrm"}}}))
+
+
+def test_sweep_presets_validate():
+    for name in ("small", "full"):
+        _, runs = load_sweep(CONFIGS / "sweeps" / f"{name}.yaml")
+        families = {r.family for r in runs}
+        assert families == {"wukong", "dlrm", "dcnv2"}
+        assert all(r.config.train.epochs == 1 for r in runs)
+
+
+def power_law_points(rng: np.random.Generator, noise: float) -> tuple[np.ndarray, np.ndarray]:
+    compute = np.geomspace(1e12, 1e15, 8)
+    loss = 0.40 + 0.05 * (compute / 1e12) ** -0.5 + noise * rng.standard_normal(8)
+    return compute, loss
+
+
+def test_fit_recovers_a_known_power_law():
+    rng = np.random.default_rng(0)
+    fit = fit_power_law(*power_law_points(rng, 0.0))
+    assert (fit.l_inf, fit.a_c0, fit.b) == pytest.approx((0.40, 0.05, 0.5), rel=1e-5)
+    assert fit.a == pytest.approx(0.05 * 1e12**0.5, rel=1e-4)
+    noisy = fit_power_law(*power_law_points(rng, 2e-4))
+    for value, (lo, hi), truth in ((noisy.l_inf, noisy.l_inf_ci, 0.40), (noisy.b, noisy.b_ci, 0.5)):
+        assert lo < truth < hi and lo < value < hi
+    assert noisy.b_ci[1] - noisy.b_ci[0] < 0.3  # the interval says something
+
+
+def test_fit_needs_four_distinct_computes():
+    with pytest.raises(RecscaleError, match="at least 4"):
+        fit_power_law(np.array([1e9, 1e10, 1e11, 1e11]), np.array([0.5, 0.45, 0.44, 0.44]))
+
+
+def test_scaling_fit_cli_reports_and_plots(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    compute, loss = power_law_points(rng, 1e-4)
+    rows = [{"family": "wukong", "train_flops": c, "valid_logloss": y, "bayes_logloss": 0.39}
+            for c, y in zip(compute, loss, strict=True)]  # fmt: skip
+    rows += [{"family": "dlrm", "train_flops": c, "valid_logloss": y, "bayes_logloss": 0.39}
+             for c, y in ((1e12, 0.46), (1e13, 0.455))]  # fmt: skip
+    results = tmp_path / "results.csv"
+    with open(results, "w", newline="") as f:
+        writer = csv.DictWriter(f, ["family", "train_flops", "valid_logloss", "bayes_logloss"])
+        writer.writeheader()
+        writer.writerows(rows)
+    png = tmp_path / "plot" / "scaling.png"
+    assert main(["scaling", "fit", str(results), "--out", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "wukong: 8 runs" in out and "dlrm: not fitted" in out and "Bayes floor" in out
+    assert "-1.09%" in out  # dlrm's larger model: (0.455 - 0.46) / 0.46
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _, fits = report(load_results(results))
+    assert fits["wukong"].b == pytest.approx(0.5, abs=0.1)
+    assert main(["scaling", "fit", str(tmp_path / "nope.csv")]) == 2
