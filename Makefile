@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints.txt torch fbgemm-gpu-cpu
 	$(PIP) install -q --no-deps -c constraints.txt torchrec
-	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	$(PIP) install -q -c constraints.txt -e ".[dev,bench]"
 	$(PY) -c "import torchrec, fbgemm_gpu, recscale"
 	touch $(STAMP)
 
