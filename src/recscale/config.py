@@ -118,6 +118,8 @@ class TrainConfig(_Strict):
     keep_checkpoints: int = Field(2, ge=1)
     log_every: int = Field(50, ge=1)
     progress: bool = True
+    # torch.compile the model's dense interaction (not the embedding lookups); see docs/BENCHMARKS.md
+    compile: bool = False
 
     @model_validator(mode="after")
     def _optimizers(self) -> TrainConfig:

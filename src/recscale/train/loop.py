@@ -209,6 +209,9 @@ class Trainer:
         if self.main:
             self._barrier()
         self.dmp, self.opt = build_dmp(cfg, self.pre, self.env)
+        if cfg.train.compile:  # the dense part only: TorchRec's sharded lookups and KJTs do not trace well
+            model = unwrap(self.dmp)
+            model.interact = torch.compile(model.interact)
         comms.install()
         self.comm = comms.CommMeter(self.env.topology, self.env.rank)
         self.base_lrs = [g["lr"] for g in self.opt.optimizers[1][1].param_groups]
