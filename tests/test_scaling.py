@@ -29,7 +29,12 @@ TINY = [
 
 def write_sweep(tmp_path: Path, families: dict) -> Path:
     path = tmp_path / "sweep.yaml"
-    spec = {"base": str(CONFIGS / "demo.yaml"), "overrides": TINY, "out": str(tmp_path / "out"), "families": families}
+    spec = {
+        "base": str(CONFIGS / "demo.yaml"),
+        "overrides": TINY,
+        "out": str(tmp_path / "out"),
+        "families": families,
+    }
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
 
