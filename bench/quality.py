@@ -45,7 +45,7 @@ def published(reference: str | None) -> dict[str, dict[str, str]]:
     if not reference or not (REPO / reference).is_file():
         return {}
     with open(REPO / reference) as f:
-        return {row["Model"].lower().replace("+", "_plus"): row for row in csv.DictReader(f)}
+        return {row["Model"].lower(): row for row in csv.DictReader(f)}
 
 
 def mean_std(values: list[float], digits: int = 4) -> str:
@@ -70,6 +70,7 @@ def main() -> None:
     out = Path(args.out) if args.out else REPO / "docs" / f"quality_{name}"
     ref = published(suite.get("reference"))
     extra_ref = suite.get("published", {})  # figures not in the BARS table (e.g. Wukong's paper)
+    ref_names = suite.get("reference_names", {})  # our model name -> the reference table's, where they differ
 
     rows = []
     for model in chosen:
@@ -98,7 +99,7 @@ def main() -> None:
     ]
     for model in chosen:
         rs = [r for r in rows if r["model"] == model]
-        pub = ref.get(model, {}) or extra_ref.get(model, {})
+        pub = ref.get(ref_names.get(model, model).lower(), {}) or extra_ref.get(model, {})
         lines.append(
             f"| {model} | {mean_std([r['auc'] for r in rs])} | {mean_std([r['logloss'] for r in rs])} "
             f"| {mean_std([r['ne'] for r in rs])} | {rs[0]['dense_params']:,} | {rs[0]['sparse_params']:,} "
