@@ -178,12 +178,39 @@ class DistributedConfig(_Strict):
     timeout_s: float = Field(1800, gt=0)
 
 
+class TowerModuleConfig(_Strict):
+    """DMT's tower module: compresses a tower's n_t embeddings to ceil(n_t / compression) before they
+    leave the host. identity (compression 1) computes exactly what the flat model computes."""
+
+    type: Literal["identity", "lcb", "projection", "wukong"] = "identity"
+    compression: float = Field(1.0, ge=1)
+
+    @model_validator(mode="after")
+    def _identity(self) -> TowerModuleConfig:
+        if self.type == "identity" and self.compression != 1:
+            raise ValueError("an identity tower module cannot compress; use lcb, projection or wukong")
+        return self
+
+
+class DMTConfig(_Strict):
+    """Disaggregated Multi-Tower training (docs/DMT.md): one tower of features per host."""
+
+    towers: int | Literal["auto"] = "auto"  # must equal the number of hosts; auto = that number
+    # round_robin | random (over features in schema order) | a JSON file from `recscale dmt partition`
+    # | an explicit {feature: tower} mapping
+    assignment: Literal["round_robin", "random"] | str | dict[str, Annotated[int, Field(ge=0)]] = "round_robin"
+    tower_module: TowerModuleConfig = TowerModuleConfig()
+    # How each host shards its tower's tables over its own ranks.
+    sharding: Literal["table_wise", "row_wise", "column_wise"] = "table_wise"
+
+
 class RunConfig(_Strict):
     seed: int = 0
     data: DataConfig
     model: ModelConfig
     train: TrainConfig = TrainConfig()
     distributed: DistributedConfig = DistributedConfig()
+    dmt: DMTConfig | None = None
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(

@@ -17,6 +17,7 @@ shards, so every plan at every world size starts from the same weights.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.remote_device import _remote_device
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.model_parallel import get_unwrapped_module
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
@@ -34,6 +36,7 @@ from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     EnumerableShardingSpec,
     ParameterSharding,
+    ShardingEnv,
     ShardingPlan,
     ShardingType,
     ShardMetadata,
@@ -72,9 +75,11 @@ def table_keys(plan: ShardingPlan) -> dict[str, str]:
     }
 
 
-def plan_tables(model: nn.Module, env: DistEnv, cfg: DistributedConfig) -> ShardingPlan:
-    """The plan for every table of ``model``: the planner's or the configured type, then the
-    per-feature entries of ``cfg.tables``."""
+def plan_tables(
+    model: nn.Module, env: DistEnv, cfg: DistributedConfig, pg: dist.ProcessGroup | None = None
+) -> ShardingPlan:
+    """The plan for every table of ``model`` over the ranks of ``pg`` (default: all): the planner's
+    or the configured type, then the per-feature entries of ``cfg.tables``."""
     collections = embedding_collections(model)
     configs = [c for ebc in collections.values() for c in ebc.embedding_bag_configs()]
     by_feature = {f: c.name for c in configs for f in c.feature_names}
@@ -84,7 +89,7 @@ def plan_tables(model: nn.Module, env: DistEnv, cfg: DistributedConfig) -> Shard
             f"distributed.tables names unknown sparse features {unknown}; features: {sorted(by_feature)}"
         )
     explicit = {by_feature[f]: spec for f, spec in cfg.tables.items()}
-    plan = _planner_plan(model, env) if cfg.sharding == "planner" else ShardingPlan({})
+    plan = _planner_plan(model, env, pg) if cfg.sharding == "planner" else ShardingPlan({})
     builder = _ExplicitPlanner(env)
     for path, ebc in collections.items():
         module_plan = plan.plan.setdefault(path, EmbeddingModuleShardingPlan())
@@ -97,14 +102,14 @@ def plan_tables(model: nn.Module, env: DistEnv, cfg: DistributedConfig) -> Shard
     return plan
 
 
-def _planner_plan(model: nn.Module, env: DistEnv) -> ShardingPlan:
+def _planner_plan(model: nn.Module, env: DistEnv, pg: dist.ProcessGroup | None) -> ShardingPlan:
     # Only fused kernels: the planner then picks among the sharding types it offers on the device.
     constraints = {name: ParameterConstraints(compute_kernels=[FUSED]) for name in table_names(model)}
     topology = PlannerTopology(
         world_size=env.world_size, compute_device=env.device.type, local_world_size=env.local_world_size
     )
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
-    return planner.collective_plan(model, pg=dist.GroupMember.WORLD)
+    return planner.collective_plan(model, pg=pg or dist.GroupMember.WORLD)
 
 
 class _ExplicitPlanner:
@@ -198,6 +203,18 @@ def _keys_in_order(keys: list[str]) -> Callable[[nn.Module, Any, Any], KeyedTens
     return hook
 
 
+def _global_placements(plan: ShardingPlan, pg: dist.ProcessGroup, device_type: str) -> None:
+    """A plan over a subgroup names shards' ranks within it (``ParameterSharding.ranks``, as the
+    sharders read them) but their placements by global rank (as ``ShardedTensor`` checks them);
+    rewrite the placements in place (what TorchRec's ``DMPCollection`` does for its groups)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    for module_plan in plan.plan.values():
+        for ps in module_plan.values():
+            for shard in ps.sharding_spec.shards if ps.sharding_spec is not None else []:
+                rank = dist.get_global_rank(pg, shard.placement.rank())
+                shard.placement = _remote_device(placement(device_type, rank, local_world))
+
+
 @torch.no_grad()
 def load_full_tables(sharded: dict[str, Tensor], full: dict[str, Tensor]) -> None:
     """Copy full (unsharded) tables into the sharded state ``sharded`` (from ``dmp.state_dict()``)."""
@@ -217,11 +234,15 @@ def shard_model(
     env: DistEnv,
     cfg: DistributedConfig,
     table_optimizer: tuple[type[torch.optim.Optimizer], dict],
+    pg: dist.ProcessGroup | None = None,
 ) -> tuple[DistributedModelParallel, KeyedOptimizer]:
-    """``model`` under DMP: tables sharded by ``plan_tables`` starting from the unsharded model's
-    values, the dense part wrapped per ``cfg.dense``. Returns DMP and the tables' optimizer: the
-    fused one, plus ``table_optimizer`` (class, kwargs) over the data_parallel tables' replicas."""
-    plan = plan_tables(model, env, cfg)
+    """``model`` under DMP over the ranks of ``pg`` (default: all; ``env`` then describes that
+    group): tables sharded by ``plan_tables`` starting from the unsharded model's values, the dense
+    part wrapped per ``cfg.dense``. Returns DMP and the tables' optimizer: the fused one, plus
+    ``table_optimizer`` (class, kwargs) over the data_parallel tables' replicas."""
+    plan = plan_tables(model, env, cfg, pg)
+    if pg is not None:
+        _global_placements(plan, pg, env.device.type)
     kinds = table_keys(plan)
     full = {k: v for k, v in model.state_dict().items() if k in kinds}
     orders = {
@@ -229,7 +250,11 @@ def shard_model(
         for path, ebc in embedding_collections(model).items()
     }
     dmp = DistributedModelParallel(
-        model, device=env.device, plan=plan, data_parallel_wrapper=dense_wrapper(cfg.dense)
+        model,
+        env=ShardingEnv.from_process_group(pg) if pg is not None else None,
+        device=env.device,
+        plan=plan,
+        data_parallel_wrapper=dense_wrapper(cfg.dense),
     )
     load_full_tables(dmp.state_dict(), full)
     unwrapped = get_unwrapped_module(dmp)

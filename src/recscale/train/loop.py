@@ -117,8 +117,13 @@ def build_dmp(
 ) -> tuple[DistributedModelParallel, CombinedOptimizer]:
     """The model sharded by TorchRec, and one optimizer over fused (tables) and dense parameters.
 
-    The unsharded model's parameter counts are kept as ``dmp.recscale_parameters``.
+    The unsharded model's parameter counts are kept as ``dmp.recscale_parameters``. With a ``dmt``
+    section the model is DMT's (towers per host) instead.
     """
+    if cfg.dmt is not None:
+        from recscale.distributed.dmt.build import build_dmt
+
+        return build_dmt(cfg, feature_set(pre), env)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model.name, feature_set(pre), cfg.model.embedding, cfg.model.params)
     counts = count_parameters(model)
@@ -135,7 +140,9 @@ def build_dmp(
 
 
 def unwrap(dmp: DistributedModelParallel) -> nn.Module:
-    """The user's model inside DMP (and DDP)."""
+    """The user's model inside DMP (and DDP); a DMT model is its own."""
+    if not isinstance(dmp, DistributedModelParallel):
+        return dmp
     m = dmp.module
     return m.module if hasattr(m, "module") and not hasattr(m, "embedding") else m
 
@@ -491,12 +498,12 @@ def load_run(run_dir: Path) -> tuple[RunConfig, Preprocessor]:
     return cfg, Preprocessor.load(run_dir / "preprocess.json")
 
 
-def eval_run(run_dir: Path, data_path: str, fmt: str | None = None, split: str = "test") -> dict[str, float]:
-    """Score the run's best (else latest) model on another file of the same format."""
-    import tempfile
-
+def load_trained(run_dir: Path) -> tuple[RunConfig, Preprocessor, DistributedModelParallel]:
+    """The run's config, preprocessing and best (else latest) model, in this process."""
     run_dir = Path(run_dir)
     cfg, pre = load_run(run_dir)
+    if cfg.dmt is not None:
+        raise CheckpointError(f"{run_dir}: a DMT run's towers load only at its own hosts; use a flat run")
     env = init_distributed()
     # Scores do not depend on the sharding, and a multi-rank run's placements may name ranks this
     # process does not have: the checkpoint loads into the default plan at any world size.
@@ -507,6 +514,14 @@ def eval_run(run_dir: Path, data_path: str, fmt: str | None = None, split: str =
     if source is None:
         raise CheckpointError(f"{run_dir}: no complete checkpoint to evaluate; train the run first")
     load_checkpoint(source, {"model": dmp.state_dict()})
+    return cfg, pre, dmp
+
+
+def eval_run(run_dir: Path, data_path: str, fmt: str | None = None, split: str = "test") -> dict[str, float]:
+    """Score the run's best (else latest) model on another file of the same format."""
+    import tempfile
+
+    cfg, pre, dmp = load_trained(run_dir)
     data = cfg.data.model_copy(update={"format": fmt or cfg.data.format})
     with tempfile.TemporaryDirectory(prefix="recscale-eval-") as tmp:
         ds, stats = prepare_split(data, pre, split, data_path, Path(tmp) / "eval", progress=False)

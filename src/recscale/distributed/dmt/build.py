@@ -1,0 +1,114 @@
+"""Build a run's model as DMT (``dmt:`` in the config): towers per host, tower modules, data-parallel top.
+
+Every rank first builds the whole flat model with the run's seed, exactly as the flat path does, and
+the towers' tables are filled from it: DMT and flat training start from the same tables, and with
+identity tower modules from the same model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from recscale.config import DistributedConfig, RunConfig
+from recscale.distributed.dmt.partitioner import resolve_assignment
+from recscale.distributed.dmt.towers import build_tower_module, tower_outputs
+from recscale.distributed.dmt.transform import DMTGroups, DMTModel, Top, Tower, data_parallel
+from recscale.distributed.env import DistEnv
+from recscale.distributed.sharding import shard_model
+from recscale.errors import ConfigError
+from recscale.models.embedding import EmbeddingConfig, EmbeddingLayer, FeatureSet, SparseInput
+from recscale.models.flops import module_flops
+from recscale.models.registry import build_model
+from recscale.train.optim import dense_optimizer_factory, sparse_optimizer
+
+
+def _check(cfg: RunConfig) -> None:
+    unsupported = {
+        "model.embedding.small_dim_features": bool(cfg.model.embedding.small_dim_features),
+        "train.embedding_l2": cfg.train.embedding_l2 > 0,
+        "train.compile": cfg.train.compile,
+        "distributed.dense=fsdp": cfg.distributed.dense == "fsdp",
+    }
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise ConfigError(f"dmt: not supported together with {', '.join(bad)}")
+
+
+def _tower_embedding(features: FeatureSet, names: list[str], cfg: EmbeddingConfig) -> EmbeddingLayer:
+    sparse = tuple(f for f in features.sparse if f.name in names)
+    multi = {f: m for f, m in cfg.multi_embedding.items() if f in names}
+    tower_cfg = cfg.model_copy(update={"dense_embeddings": 0, "multi_embedding": multi})
+    return EmbeddingLayer(FeatureSet(sparse=sparse, num_dense=0), tower_cfg)
+
+
+def _vector_order(features: FeatureSet, towers: list[list[str]], cfg: EmbeddingConfig) -> list[int]:
+    """Index into the towers' concatenated vectors giving the flat model's order of sparse vectors."""
+    concat = [(f, j) for t in towers for f in t for j in range(cfg.multi_embedding.get(f, 1))]
+    flat = [(f.name, j) for f in features.sparse for j in range(cfg.multi_embedding.get(f.name, 1))]
+    where = {v: i for i, v in enumerate(concat)}
+    return [where[v] for v in flat]
+
+
+def build_dmt(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> tuple[DMTModel, CombinedOptimizer]:
+    """The DMT model for this rank and one optimizer over its fused tables and dense parameters.
+    ``model.recscale_parameters`` holds the whole model's parameter counts (all towers)."""
+    assert cfg.dmt is not None
+    _check(cfg)
+    topo, dmt, emb = env.topology, cfg.dmt, cfg.model.embedding
+    hosts = topo.num_hosts
+    if dmt.towers != "auto" and dmt.towers != hosts:
+        raise ConfigError(
+            f"dmt.towers={dmt.towers}: DMT runs one tower per host and this job has {hosts} hosts"
+        )
+    towers = resolve_assignment(dmt.assignment, [f.name for f in features.sparse], hosts, cfg.seed)
+    torch.manual_seed(cfg.seed)
+    flat = build_model(cfg.model.name, features, emb, cfg.model.params)
+    tables = flat.embedding.ebc.state_dict()
+    all_towers = []
+    for names in towers:
+        embedding = _tower_embedding(features, names, emb)
+        embedding.ebc.load_state_dict({k: v for k, v in tables.items() if k in embedding.ebc.state_dict()})
+        all_towers.append(
+            Tower(embedding, build_tower_module(embedding.num_outputs, emb.dim, dmt.tower_module))
+        )
+    outputs = [tower_outputs(t.embedding.num_outputs, dmt.tower_module) for t in all_towers]
+    identity = dmt.tower_module.type == "identity"
+    if identity:
+        top_model = flat
+    else:  # the interaction sees Σ c_t vectors: build it on as many one-row placeholder features
+        torch.manual_seed(cfg.seed)
+        slots = FeatureSet(
+            tuple(SparseInput(f"tower_slot{i}", 1) for i in range(sum(outputs))), features.num_dense
+        )
+        plain = emb.model_copy(update={"multi_embedding": {}})
+        top_model = build_model(cfg.model.name, slots, plain, cfg.model.params)
+    del top_model.embedding.ebc  # the towers own the tables
+    dense_count = sum(p.numel() for p in top_model.parameters()) + sum(
+        p.numel() for t in all_towers for p in t.module.parameters()
+    )
+    counts = {"dense": int(dense_count), "sparse": int(sum(v.numel() for v in tables.values()))}
+
+    groups = DMTGroups.create(topo, env.rank)
+    mine = topo.host_of(env.rank)
+    tower = all_towers[mine]
+    opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer, env.device)
+    table_kw = dict(opt_kw)
+    apply_optimizer_in_backward(opt_cls, tower.embedding.ebc.parameters(), opt_kw)
+    local = topo.local_world_size
+    host_env = DistEnv(env.rank % local, local, env.rank % local, local, env.device, env.backend)
+    host_plan = DistributedConfig(sharding=dmt.sharding, timeout_s=cfg.distributed.timeout_s)
+    tower_dmp, table_opt = shard_model(tower, host_env, host_plan, (opt_cls, table_kw), pg=groups.host)
+    top = data_parallel(Top(top_model).to(env.device), env.device)
+    order = _vector_order(features, towers, emb) if identity else None
+    model = DMTModel(towers, mine, tower_dmp, top, outputs, emb.dim, groups, order).to(env.device)
+    fused = {id(p) for p in table_opt.params.values()}
+    dense = KeyedOptimizerWrapper(
+        {n: p for n, p in in_backward_optimizer_filter(model.named_parameters()) if id(p) not in fused},
+        dense_optimizer_factory(cfg.train.dense_optimizer),
+    )
+    model.recscale_parameters = counts
+    model.dense_flops = top_model.flops_per_example() + sum(module_flops(t.module) for t in all_towers)
+    return model, CombinedOptimizer([table_opt, dense])

@@ -1,0 +1,49 @@
+"""Closed-form inter-host bytes per training step, summed over ranks: flat table-wise against DMT.
+
+Checked against ``comms.CommMeter``'s measured bytes (tests/test_dmt.py, bench/dmt.py). Ids are
+int64, lengths int32, embeddings float32; ``ids`` is the mean ids per sample of each feature.
+Forward and backward are both counted (the backward all-to-all moves the forward's volume back).
+"""
+
+from __future__ import annotations
+
+from recscale.distributed.topology import Topology
+
+_ID, _LENGTH, _FLOAT = 8, 4, 4
+
+
+def dmt_embedding_inter(
+    topology: Topology,
+    batch: int,
+    tower_features: list[int],
+    tower_outputs: list[int],
+    dim: int,
+    ids: float = 1.0,
+) -> float:
+    """DMT's peer all-to-alls. Rank (h, l) sends each other tower t's lengths and ids for its
+    ``batch`` samples to (t, l); rank (t, l) returns c_t vectors per sample to each other peer,
+    and the gradients come back: L·(H-1)·B·[Σ_t F_t·(4 + 8·ids) + 2·4·d·Σ_t c_t]."""
+    hosts, local = topology.num_hosts, topology.local_world_size
+    per_sample = sum(tower_features) * (_LENGTH + _ID * ids) + 2 * _FLOAT * dim * sum(tower_outputs)
+    return local * (hosts - 1) * batch * per_sample
+
+
+def table_wise_embedding_inter(
+    topology: Topology, batch: int, owners: dict[int, int], dim: int, ids: float = 1.0
+) -> float:
+    """Flat table-wise sharding: every rank sends each table's lengths and ids for its ``batch``
+    samples to the table's owner and gets d floats per sample back (and sends their gradients):
+    ``owners`` maps each table (by index) to its rank. Also TorchRec's 3 int64 split sizes per pair
+    of ranks per step."""
+    world = topology.world_size
+    per_table = batch * (_LENGTH + _ID * ids + 2 * _FLOAT * dim)
+    total = sum(per_table for o in owners.values() for r in range(world) if not topology.same_host(r, o))
+    return total + sum(3 * 8 for r in range(world) for s in range(world) if not topology.same_host(r, s))
+
+
+def ring_all_reduce_inter(topology: Topology, nbytes: float) -> float:
+    """A ring all-reduce of ``nbytes`` over all ranks: each rank sends 2(W-1)/W·n to its successor;
+    the links between hosts are the inter-host ones."""
+    world = topology.world_size
+    links = sum(1 for r in range(world) if not topology.same_host(r, (r + 1) % world))
+    return links * 2 * (world - 1) / world * nbytes
