@@ -112,6 +112,17 @@ def cmd_scaling_fit(args: argparse.Namespace) -> None:
         print(f"plot: {plot_scaling(families, fits, args.out)}")
 
 
+def cmd_dmt_partition(args: argparse.Namespace) -> None:
+    from recscale.distributed.dmt.partitioner import partition_report, run_stats, summary
+    from recscale.io import atomic_write_text
+
+    report = partition_report(run_stats(Path(args.run_dir), args.rows), args.towers, args.tolerance)
+    out = Path(args.out) if args.out else Path(args.run_dir) / f"dmt_towers_{args.towers}.json"
+    atomic_write_text(out, json.dumps(report, indent=2))
+    print(summary(report))
+    print(f"assignment: {out}  (use it as dmt.assignment={out})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="recscale", description="Train and evaluate large-scale recommendation models."
@@ -165,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("results", help="a sweep's results.csv")
     f.add_argument("--out", help="write the plot to this PNG")
     f.set_defaults(fn=cmd_scaling_fit)
+
+    dm = sub.add_parser("dmt", help="Disaggregated Multi-Tower tools (docs/DMT.md)")
+    dmsub = dm.add_subparsers(dest="dmt_command", required=True)
+    dp = dmsub.add_parser("partition", help="group features into balanced towers from a trained flat run")
+    dp.add_argument("run_dir")
+    dp.add_argument("--towers", type=int, required=True, help="number of towers (= hosts of the DMT run)")
+    dp.add_argument("--tolerance", type=float, default=0.25, help="allowed load above the mean per tower")
+    dp.add_argument("--rows", type=int, default=4096, help="training rows to measure the affinity on")
+    dp.add_argument("--out", help="assignment JSON (default RUN_DIR/dmt_towers_K.json)")
+    dp.set_defaults(fn=cmd_dmt_partition)
     return p
 
 
