@@ -2,6 +2,7 @@
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +122,18 @@ def test_fit_recovers_a_known_power_law():
     for value, (lo, hi), truth in ((noisy.l_inf, noisy.l_inf_ci, 0.40), (noisy.b, noisy.b_ci, 0.5)):
         assert lo < truth < hi and lo < value < hi
     assert noisy.b_ci[1] - noisy.b_ci[0] < 0.3  # the interval says something
+
+
+def test_fit_keeps_the_asymptote_at_or_above_the_floor():
+    """Flat, noisy losses: unconstrained, L_inf runs far below any achievable loss; pinned, it sits on the
+    floor and the decay is fitted on the remaining two parameters."""
+    compute = np.geomspace(1e11, 1e13, 5)
+    loss = np.array([0.4772, 0.4805, 0.4771, 0.4711, 0.4702])  # a one-pass sweep's shape
+    assert fit_power_law(compute, loss, floor=-math.inf).l_inf < 0
+    fit = fit_power_law(compute, loss, floor=0.38)
+    assert fit.at_floor and fit.l_inf == 0.38 and fit.l_inf_ci == (0.38, 0.38)
+    assert fit.b > 0 and fit.b_ci[0] < fit.b < fit.b_ci[1]
+    assert not fit_power_law(*power_law_points(np.random.default_rng(0), 0.0), floor=0.38).at_floor
 
 
 def test_fit_needs_four_distinct_computes():

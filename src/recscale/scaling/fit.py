@@ -6,6 +6,11 @@ Compute is normalised by the family's smallest run, x = C / C0, so the fit is we
 the best (L_inf, a, b) is then refined by Levenberg-Marquardt. 95% confidence intervals are
 θ ± t(n−3)·se with se from the covariance s²(JᵀJ)⁻¹ at the optimum, s² = RSS / (n − 3): three
 parameters need at least four runs of distinct compute to leave a residual degree of freedom.
+
+L_inf is kept at or above ``floor`` (the synthetic teacher's Bayes LogLoss when known, else 0): with
+few or flat points the unconstrained optimum runs to b → 0 and L_inf → −∞, a straight line in log C
+that says nothing about saturation. When the floor binds, L_inf is fixed there and only (a, b) are
+fitted, with their intervals on n − 2 degrees of freedom.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class PowerLawFit:
     b_ci: tuple[float, float]
     rmse: float
     points: int
+    at_floor: bool = False  # L_inf was pinned to the floor (its interval is that point)
 
     @property
     def a(self) -> float:
@@ -56,25 +62,36 @@ def _model(theta: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return l_inf + a * p, np.stack([np.ones_like(x), p, -a * p * np.log(x)], axis=1)
 
 
-def _grid_start(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _grid_start(x: np.ndarray, y: np.ndarray, l_inf: float | None) -> np.ndarray:
+    """Best (L_inf, a, b) over a grid of b; L_inf solved for, or fixed when given."""
     best, start = math.inf, np.zeros(3)
     for b in np.geomspace(1e-3, 4.0, 400):
-        design = np.stack([np.ones_like(x), x**-b], axis=1)
-        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+        if l_inf is None:
+            design = np.stack([np.ones_like(x), x**-b], axis=1)
+            coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+        else:
+            design = (x**-b)[:, None]
+            coef = np.array([l_inf, np.linalg.lstsq(design, y - l_inf, rcond=None)[0][0]])
+            design = np.stack([np.ones_like(x), x**-b], axis=1)
         rss = float(np.sum((design @ coef - y) ** 2))
         if rss < best:
             best, start = rss, np.array([coef[0], coef[1], b])
     return start
 
 
-def _levenberg_marquardt(theta: np.ndarray, x: np.ndarray, y: np.ndarray, iters: int = 200) -> np.ndarray:
+def _levenberg_marquardt(
+    theta: np.ndarray, x: np.ndarray, y: np.ndarray, free: list[int], iters: int = 200
+) -> np.ndarray:
+    """Refine the ``free`` entries of theta; the others stay as given."""
     damping = 1e-3
     pred, jac = _model(theta, x)
     rss = float(np.sum((y - pred) ** 2))
     for _ in range(iters):
-        jtj, grad = jac.T @ jac, jac.T @ (y - pred)
+        j = jac[:, free]
+        jtj, grad = j.T @ j, j.T @ (y - pred)
         step = np.linalg.lstsq(jtj + damping * np.diag(np.diag(jtj) + 1e-12), grad, rcond=None)[0]
-        trial = theta + step
+        trial = theta.copy()
+        trial[free] += step
         if trial[2] <= 0:  # b stays positive: a "power law" that grows with compute is not this model
             damping *= 10
             continue
@@ -92,8 +109,9 @@ def _levenberg_marquardt(theta: np.ndarray, x: np.ndarray, y: np.ndarray, iters:
     return theta
 
 
-def fit_power_law(compute: np.ndarray, loss: np.ndarray) -> PowerLawFit:
-    """Least-squares fit of loss = l_inf + a·C^(−b); RecscaleError if fewer than 4 distinct computes."""
+def fit_power_law(compute: np.ndarray, loss: np.ndarray, floor: float = 0.0) -> PowerLawFit:
+    """Least-squares fit of loss = l_inf + a·C^(−b) with l_inf >= floor; RecscaleError if fewer than 4
+    distinct computes."""
     c, y = np.asarray(compute, dtype=np.float64), np.asarray(loss, dtype=np.float64)
     if len(np.unique(c)) < MIN_POINTS:
         raise RecscaleError(
@@ -104,18 +122,23 @@ def fit_power_law(compute: np.ndarray, loss: np.ndarray) -> PowerLawFit:
         raise RecscaleError("compute must be positive for a power law")
     c0 = float(c.min())
     x = c / c0
-    theta = _levenberg_marquardt(_grid_start(x, y), x, y)
+    free = [0, 1, 2]
+    theta = _levenberg_marquardt(_grid_start(x, y, None), x, y, free)
+    if theta[0] < floor:
+        free = [1, 2]
+        theta = _levenberg_marquardt(_grid_start(x, y, floor), x, y, free)
     pred, jac = _model(theta, x)
-    n, dof = len(y), len(y) - 3
+    n, dof = len(y), len(y) - len(free)
     rss = float(np.sum((y - pred) ** 2))
+    se = np.zeros(3)
     with np.errstate(all="ignore"):
-        cov = np.linalg.pinv(jac.T @ jac) * rss / dof
-        se = np.sqrt(np.diag(cov))
+        cov = np.linalg.pinv(jac[:, free].T @ jac[:, free]) * rss / dof
+        se[free] = np.sqrt(np.diag(cov))
     t = _T975[dof - 1] if dof <= len(_T975) else 1.96
     ci = [(float(v - t * s), float(v + t * s)) for v, s in zip(theta, se, strict=True)]
     return PowerLawFit(
         l_inf=float(theta[0]), a_c0=float(theta[1]), b=float(theta[2]), c0=c0,
-        l_inf_ci=ci[0], a_c0_ci=ci[1], b_ci=ci[2], rmse=math.sqrt(rss / n), points=n,
+        l_inf_ci=ci[0], a_c0_ci=ci[1], b_ci=ci[2], rmse=math.sqrt(rss / n), points=n, at_floor=len(free) == 2,
     )  # fmt: skip
 
 
@@ -167,13 +190,14 @@ def report(families: list[FamilyRuns]) -> tuple[str, dict[str, PowerLawFit]]:
     lines, fits = ["loss(C) = L_inf + a_C0 * (C / C0)^(-b), C = training FLOPs; 95% confidence intervals"], {}
     for fam in families:
         try:
-            fit = fit_power_law(fam.compute, fam.loss)
+            fit = fit_power_law(fam.compute, fam.loss, fam.bayes or 0.0)
         except RecscaleError as e:
             lines.append(f"{fam.name}: not fitted: {e}")
             continue
         fits[fam.name] = fit
         lines.append(
-            f"{fam.name}: {fit.points} runs  L_inf {_fmt_ci(fit.l_inf, fit.l_inf_ci)}  "
+            f"{fam.name}: {fit.points} runs  L_inf "
+            f"{f'{fit.l_inf:.4g} (pinned to the floor)' if fit.at_floor else _fmt_ci(fit.l_inf, fit.l_inf_ci)}  "
             f"a_C0 {_fmt_ci(fit.a_c0, fit.a_c0_ci)}  b {_fmt_ci(fit.b, fit.b_ci)}  "
             f"C0 {fit.c0:.3g}  (a = {fit.a:.4g} for C in FLOPs)  rmse {fit.rmse:.2g}"
         )
