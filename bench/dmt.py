@@ -1,0 +1,167 @@
+"""DMT benchmark: bytes per step by locality and modelled step time on a slow inter-host link.
+
+    python bench/dmt.py                       # 2 hosts x 2 ranks, then 4 hosts x 1
+    python bench/dmt.py --topologies 2x2 --steps 5
+
+One launch per topology trains every variant in turn with the real trainer (Wukong on synthetic
+data, single-id features): flat sharding (table_wise, row_wise, table_row_wise) and DMT with a
+Wukong-layer tower module at compression 1x (identity), 2x and 4x. Per variant:
+
+- bytes: per training step, summed over ranks, from ``comms.CommMeter``; the inter-host all-to-all
+  bytes of flat table_wise and of DMT are checked against ``dmt.volumes``' closed forms.
+- time: the measured step on this machine (every "host" is a process group on one machine, so its
+  inter-host links are loopback), plus a link-cost model: each host sends its share of the inter-host
+  bytes through one NIC of bandwidth BW, not overlapped with compute:
+  t(BW) = t_measured + (inter bytes per step / hosts) / BW.
+
+Writes runs/bench/dmt.json and prints Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "runs" / "bench"
+BANDWIDTHS = {"100 Mbit/s": 100e6 / 8, "1 Gbit/s": 1e9 / 8, "10 Gbit/s": 10e9 / 8}
+FLAT = ("table_wise", "row_wise", "table_row_wise")
+DMT = {"dmt_1x": ("identity", 1), "dmt_2x": ("wukong", 2), "dmt_4x": ("wukong", 4)}
+
+
+def _overrides(args: argparse.Namespace, variant: str) -> list[str]:
+    base = [
+        f"data.synthetic.rows.train={args.batch * (args.steps + 2)}", "data.synthetic.rows.valid=256",
+        "data.synthetic.rows.test=256", f"data.synthetic.num_sparse={args.features}", "data.synthetic.num_multi=0",
+        f"data.synthetic.vocab_sizes={args.vocab}", "data.num_workers=0", "train.progress=false",
+        f"train.batch_size={args.batch}", f"model.embedding.dim={args.dim}", "model.num_layers=1",
+        "model.fmb_mlp=[64]", "model.final_mlp=[64]",
+    ]  # fmt: skip
+    if variant in FLAT:
+        return [*base, f"distributed.sharding={variant}"]
+    kind, ratio = DMT[variant]
+    return [*base, f"dmt.tower_module={{type: {kind}, compression: {ratio}}}"]
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from recscale.config import load_config
+    from recscale.data.dataset import epoch_batches, iterate
+    from recscale.distributed import comms
+    from recscale.distributed.dmt.volumes import dmt_embedding_inter, table_wise_embedding_inter
+    from recscale.distributed.env import shutdown
+    from recscale.train.loop import Trainer
+
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")  # TorchRec and DDP warn on every build
+    results = []
+    for variant in (*FLAT, *DMT):
+        cfg = load_config(REPO / "configs" / "demo.yaml", _overrides(args, variant))
+        trainer = Trainer(cfg, Path(args.run_dir) / variant)
+        env, model, opt, meter = trainer.env, trainer.dmp, trainer.opt, trainer.comm
+        index = epoch_batches(len(trainer.train_ds), args.batch, shuffle=True, seed=0, epoch=0, drop_last=True,
+                              rank=env.rank, world_size=env.world_size)  # fmt: skip
+        batches = list(iterate(trainer.train_ds, index[: args.steps + 2]))
+
+        def step(b, model=model, opt=opt) -> None:
+            loss = nn.functional.binary_cross_entropy_with_logits(model(b.dense, b.sparse), b.labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        for b in batches[:2]:  # warm-up
+            step(b)
+        dist.barrier()
+        t0 = time.perf_counter()
+        with meter.recording():
+            for b in batches[2:]:
+                step(b)
+        dist.barrier()
+        wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        total = meter.totals()
+        dist.all_reduce(total)
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        topo, local_batch = env.topology, args.batch // env.world_size
+        if variant == "table_wise":
+            closed = table_wise_embedding_inter(
+                topo, local_batch, {i: i % env.world_size for i in range(args.features)}, args.dim
+            )
+        elif variant in DMT:
+            features = [len(t) for t in model.tower_features]
+            closed = dmt_embedding_inter(topo, local_batch, features, model.outputs, args.dim)
+        else:
+            closed = None
+        bytes_ = comms.summarize(total, args.steps)
+        results.append({
+            "variant": variant, "hosts": topo.num_hosts, "ranks_per_host": topo.local_world_size,
+            "step_ms": round(wall.item() / args.steps * 1e3, 2), **bytes_,
+            "closed_form_all_to_all_inter": round(closed) if closed is not None else None,
+        })  # fmt: skip
+    if dist.get_rank() == 0:
+        Path(args.result).write_text(json.dumps(results))
+    shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--topologies", nargs="+", default=["2x2", "4x1"], help="HOSTSxRANKS")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--batch", type=int, default=2048, help="global batch")
+    p.add_argument("--features", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=10_000)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    from recscale.distributed.launch import launch
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="recscale-bench-dmt-") as tmp:
+        for topo in args.topologies:
+            hosts, local = map(int, topo.split("x"))
+            result = Path(tmp) / f"{topo}.json"
+            flags = [f"--{k}={getattr(args, k)}" for k in ("steps", "batch", "features", "vocab", "dim")]
+            command = [
+                __file__,
+                *flags,
+                "--worker",
+                "--run-dir",
+                str(Path(tmp) / topo),
+                "--result",
+                str(result),
+            ]
+            launch(command, hosts * local, local, 0)
+            results += json.loads(result.read_text())
+    (OUT / "dmt.json").write_text(json.dumps(results, indent=2))
+    print("| hosts x ranks | variant | intra bytes/step | inter bytes/step | inter all-to-all (measured / closed form) "
+          "| step ms (measured) | " + " | ".join(f"step ms at {k}" for k in BANDWIDTHS) + " |")  # fmt: skip
+    print("|---" * (6 + len(BANDWIDTHS)) + "|")
+    for r in results:
+        a2a = r["comm"].get("all_to_all", {}).get("inter", 0)
+        closed = (
+            f"{r['closed_form_all_to_all_inter']:,}" if r["closed_form_all_to_all_inter"] is not None else "-"
+        )
+        modelled = [
+            r["step_ms"] + r["comm_inter_bytes"] / r["hosts"] / bw * 1e3 for bw in BANDWIDTHS.values()
+        ]
+        print(f"| {r['hosts']} x {r['ranks_per_host']} | {r['variant']} | {r['comm_intra_bytes']:,} | "
+              f"{r['comm_inter_bytes']:,} | {a2a:,} / {closed} | {r['step_ms']} | "
+              + " | ".join(f"{m:.1f}" for m in modelled) + " |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
