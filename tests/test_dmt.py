@@ -228,3 +228,28 @@ def test_partitioner_recovers_planted_groups_under_balance():
     assert report["partitioner"]["intra_share"] > 0.9 > report["random_mean_of_20"]["intra_share"]
     assert report["partitioner"]["lookup_imbalance"] <= 1.25
     assert report["partitioner"]["memory_imbalance"] <= 1.25
+
+
+def test_tower_modules_compress_to_ceil_n_over_ratio():
+    from recscale.config import TowerModuleConfig
+    from recscale.distributed.dmt.towers import build_tower_module, tower_outputs
+
+    x = torch.randn(3, 5, D)
+    for kind in ("lcb", "projection", "wukong"):
+        for ratio, c in ((1, 5), (2, 3), (4, 2), (8, 1)):
+            cfg = TowerModuleConfig(type=kind, compression=ratio)
+            assert tower_outputs(5, cfg) == c
+            assert build_tower_module(5, D, cfg)(x).shape == (3, c, D)
+    with pytest.raises(ConfigError, match="identity tower module cannot compress"):
+        validate_config({**_cfg({"type": "identity", "compression": 2})})
+
+
+def test_towers_other_than_hosts_is_one_line(tmp_path, capsys):
+    from recscale.cli import main
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    small = ["data.synthetic.rows.train=256", "data.synthetic.rows.valid=64", "data.synthetic.rows.test=64",
+             "data.num_workers=0", "train.batch_size=64", "train.progress=false"]  # fmt: skip
+    assert main(["train", str(demo), *small, "dmt.towers=3", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: dmt.towers=3: DMT runs one tower per host and this job has 1 hosts"
