@@ -7,17 +7,21 @@ is the workers' program (``_worker``).
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
+from torchrec.distributed.model_parallel import get_unwrapped_module
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.config import validate_config
 from recscale.distributed import comms
-from recscale.distributed.dmt.build import build_dmt
+from recscale.distributed.dmt.build import build_dmt, build_unsharded
 from recscale.distributed.dmt.partitioner import resolve_assignment
+from recscale.distributed.dmt.transform import Top
 from recscale.distributed.env import init_distributed, shutdown
 from recscale.distributed.launch import launch
 from recscale.errors import ConfigError
@@ -74,42 +78,72 @@ def _local(kjt: KeyedJaggedTensor, rank: int) -> KeyedJaggedTensor:
 
 
 # ---------------------------------------------------------------- worker side
-def _semantics(sharding: str, rank: int, world: int) -> dict:
-    """Max |DMT - flat| of logits, dense gradients and table gradients for one SGD step."""
-    env = init_distributed()
-    cfg = validate_config(_cfg({"type": "identity"}, sharding))
-    model, opt = build_dmt(cfg, FEATURES, env)
-    torch.manual_seed(cfg.seed)
-    flat = build_model(cfg.model.name, FEATURES, cfg.model.embedding, cfg.model.params)
-    before = {k: v.clone() for k, v in flat.embedding.ebc.state_dict().items()}
+def _compare(model, opt, reference: Callable, top: nn.Module, ebc: nn.Module, rank: int, world: int) -> dict:
+    """One DMT step on this rank's slice of a global batch against ``reference`` (unsharded, global
+    batch, mean loss): max |difference| of logits, top gradients and table gradients (read off
+    the fused SGD step, lr 1) of this rank's shards; ``top``/``ebc``: the reference's modules."""
+    before = {k: v.clone() for k, v in ebc.state_dict().items()}
     dense, kjt, labels = _batch(world * B, seed=1)
-    ref = flat(dense, kjt)
+    ref = reference(dense, kjt)
     torch.nn.functional.binary_cross_entropy_with_logits(ref, labels).backward()
     rows = slice(rank * B, (rank + 1) * B)
     out = model(dense[rows], _local(kjt, rank))
     opt.zero_grad()
-    torch.nn.functional.binary_cross_entropy_with_logits(out, labels[rows]).backward()  # fused SGD, lr 1
+    torch.nn.functional.binary_cross_entropy_with_logits(out, labels[rows]).backward()
     diffs = {"logits": (out - ref[rows]).abs().max().item()}
-    flat_grads = {n: p.grad for n, p in flat.named_parameters() if "ebc" not in n}
+    expected = {n: p.grad for n, p in top.named_parameters() if "ebc" not in n}
     got = {
         n.removeprefix("top.module.model."): p.grad
         for n, p in model.named_parameters()
         if n.startswith("top.")
     }
-    assert got.keys() == flat_grads.keys(), (sorted(got), sorted(flat_grads))
-    diffs["dense_grads"] = max((got[n] - g).abs().max().item() for n, g in flat_grads.items())
-    table_diff, shards = 0.0, 0
+    assert got.keys() == expected.keys(), (sorted(got), sorted(expected))
+    diffs["top_grads"] = max((got[n] - g).abs().max().item() for n, g in expected.items())
+    grads = dict(ebc.named_parameters())
+    diffs["table_grads"], diffs["shards"] = 0.0, 0
     for key, t in model.state_dict().items():
-        if "embedding_bags" not in key:
-            continue
-        table = key.split("embedding.ebc.")[1]
-        grad = dict(flat.embedding.ebc.named_parameters())[table].grad
-        for shard in t.local_shards():
-            m = shard.metadata
-            idx = tuple(slice(o, o + s) for o, s in zip(m.shard_offsets, m.shard_sizes, strict=True))
-            table_diff = max(table_diff, (shard.tensor - (before[table] - grad)[idx]).abs().max().item())
-            shards += 1
-    diffs["table_grads"], diffs["shards"] = table_diff, shards
+        if "embedding_bags" in key:
+            table = key.split("embedding.ebc.")[1]
+            for shard in t.local_shards():
+                m = shard.metadata
+                idx = tuple(slice(o, o + s) for o, s in zip(m.shard_offsets, m.shard_sizes, strict=True))
+                diff = (shard.tensor - (before[table] - grads[table].grad)[idx]).abs().max().item()
+                diffs["table_grads"], diffs["shards"] = max(diffs["table_grads"], diff), diffs["shards"] + 1
+    return diffs
+
+
+def _semantics(sharding: str, rank: int, world: int) -> dict:
+    """Identity tower modules against the flat model."""
+    env = init_distributed()
+    cfg = validate_config(_cfg({"type": "identity"}, sharding))
+    model, opt = build_dmt(cfg, FEATURES, env)
+    torch.manual_seed(cfg.seed)
+    flat = build_model(cfg.model.name, FEATURES, cfg.model.embedding, cfg.model.params)
+    return _compare(model, opt, flat, flat, flat.embedding.ebc, rank, world)
+
+
+def _compressed(kind: str, rank: int, world: int) -> dict:
+    """A compressing tower module against the same DMT model unsharded, which also checks the
+    tower modules' gradients (averaged over the host only, scaled by 1/H on the way back)."""
+    env = init_distributed()
+    cfg = validate_config(_cfg({"type": kind, "compression": 2}))
+    model, opt = build_dmt(cfg, FEATURES, env)
+    ref = build_unsharded(cfg, FEATURES, env.topology.num_hosts)
+
+    def reference(dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        keys = kjt.keys()
+        parts = kjt.permute([keys.index(f) for t in ref.towers for f in t]).split(
+            [len(t) for t in ref.towers]
+        )
+        return Top(ref.top)(dense, torch.cat([m(p) for m, p in zip(ref.modules, parts, strict=True)], dim=1))
+
+    mine = env.topology.host_of(rank)
+    diffs = _compare(model, opt, reference, ref.top, ref.modules[mine].embedding.ebc, rank, world)
+    got = get_unwrapped_module(model.towers[str(mine)]).module.parameters()
+    expected = ref.modules[mine].module.parameters()
+    diffs["tower_module_grads"] = max(
+        (a.grad - b.grad).abs().max().item() for a, b in zip(got, expected, strict=True)
+    )
     return diffs
 
 
@@ -136,6 +170,8 @@ def _traffic(tower_module: dict, rank: int, world: int) -> dict:
 CASES = {
     "semantics_table_wise": lambda r, w: _semantics("table_wise", r, w),
     "semantics_row_wise": lambda r, w: _semantics("row_wise", r, w),
+    "compressed_lcb": lambda r, w: _compressed("lcb", r, w),
+    "compressed_wukong": lambda r, w: _compressed("wukong", r, w),
     **{f"traffic_{kind}_{c}": (lambda r, w, kind=kind, c=c: _traffic({"type": kind, "compression": c}, r, w))
        for kind, c in (("identity", 1), ("lcb", 2), ("lcb", 4), ("projection", 2), ("wukong", 2))},
 }  # fmt: skip
@@ -165,7 +201,18 @@ def test_identity_towers_compute_the_flat_model(results, sharding):
     for r in results:
         d = r[f"semantics_{sharding}"]
         assert d["shards"] > 0
-        assert max(d["logits"], d["dense_grads"], d["table_grads"]) < 1e-6, d
+        assert max(d["logits"], d["top_grads"], d["table_grads"]) < 1e-6, d
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("kind", ["lcb", "wukong"])
+def test_compressing_towers_compute_their_unsharded_model(results, kind):
+    """The same with a compressing tower module, against the DMT model run unsharded: the routing
+    and the gradient scaling of tables, tower modules and top are exact."""
+    for r in results:
+        d = r[f"compressed_{kind}"]
+        assert d["shards"] > 0
+        assert max(d["logits"], d["top_grads"], d["table_grads"], d["tower_module_grads"]) < 1e-5, d
 
 
 @pytest.mark.dist

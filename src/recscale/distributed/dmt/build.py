@@ -7,7 +7,10 @@ identity tower modules from the same model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import nn
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -52,13 +55,23 @@ def _vector_order(features: FeatureSet, towers: list[list[str]], cfg: EmbeddingC
     return [where[v] for v in flat]
 
 
-def build_dmt(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> tuple[DMTModel, CombinedOptimizer]:
-    """The DMT model for this rank and one optimizer over its fused tables and dense parameters.
-    ``model.recscale_parameters`` holds the whole model's parameter counts (all towers)."""
+@dataclass
+class UnshardedDMT:
+    """Every tower (tables filled from the flat model) and the top, unsharded, as every rank builds
+    them: the same on every rank and for every topology with as many hosts."""
+
+    towers: list[list[str]]  # per tower, its features in schema order
+    modules: list[Tower]
+    top: nn.Module  # the model without its tables
+    outputs: list[int]  # c_t
+    order: list[int] | None  # see DMTModel
+    counts: dict[str, int]  # dense and sparse parameters of the whole model
+
+
+def build_unsharded(cfg: RunConfig, features: FeatureSet, hosts: int) -> UnshardedDMT:
     assert cfg.dmt is not None
     _check(cfg)
-    topo, dmt, emb = env.topology, cfg.dmt, cfg.model.embedding
-    hosts = topo.num_hosts
+    dmt, emb = cfg.dmt, cfg.model.embedding
     if dmt.towers != "auto" and dmt.towers != hosts:
         raise ConfigError(
             f"dmt.towers={dmt.towers}: DMT runs one tower per host and this job has {hosts} hosts"
@@ -67,14 +80,12 @@ def build_dmt(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> tuple[DMTMo
     torch.manual_seed(cfg.seed)
     flat = build_model(cfg.model.name, features, emb, cfg.model.params)
     tables = flat.embedding.ebc.state_dict()
-    all_towers = []
+    modules = []
     for names in towers:
         embedding = _tower_embedding(features, names, emb)
         embedding.ebc.load_state_dict({k: v for k, v in tables.items() if k in embedding.ebc.state_dict()})
-        all_towers.append(
-            Tower(embedding, build_tower_module(embedding.num_outputs, emb.dim, dmt.tower_module))
-        )
-    outputs = [tower_outputs(t.embedding.num_outputs, dmt.tower_module) for t in all_towers]
+        modules.append(Tower(embedding, build_tower_module(embedding.num_outputs, emb.dim, dmt.tower_module)))
+    outputs = [tower_outputs(t.embedding.num_outputs, dmt.tower_module) for t in modules]
     identity = dmt.tower_module.type == "identity"
     if identity:
         top_model = flat
@@ -87,13 +98,21 @@ def build_dmt(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> tuple[DMTMo
         top_model = build_model(cfg.model.name, slots, plain, cfg.model.params)
     del top_model.embedding.ebc  # the towers own the tables
     dense_count = sum(p.numel() for p in top_model.parameters()) + sum(
-        p.numel() for t in all_towers for p in t.module.parameters()
+        p.numel() for t in modules for p in t.module.parameters()
     )
     counts = {"dense": int(dense_count), "sparse": int(sum(v.numel() for v in tables.values()))}
+    order = _vector_order(features, towers, emb) if identity else None
+    return UnshardedDMT(towers, modules, top_model, outputs, order, counts)
 
+
+def build_dmt(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> tuple[DMTModel, CombinedOptimizer]:
+    """The DMT model for this rank and one optimizer over its fused tables and dense parameters.
+    ``model.recscale_parameters`` holds the whole model's parameter counts (all towers)."""
+    topo, dmt = env.topology, cfg.dmt
+    u = build_unsharded(cfg, features, topo.num_hosts)
     groups = DMTGroups.create(topo, env.rank)
     mine = topo.host_of(env.rank)
-    tower = all_towers[mine]
+    tower = u.modules[mine]
     opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer, env.device)
     table_kw = dict(opt_kw)
     apply_optimizer_in_backward(opt_cls, tower.embedding.ebc.parameters(), opt_kw)
@@ -101,14 +120,14 @@ def build_dmt(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> tuple[DMTMo
     host_env = DistEnv(env.rank % local, local, env.rank % local, local, env.device, env.backend)
     host_plan = DistributedConfig(sharding=dmt.sharding, timeout_s=cfg.distributed.timeout_s)
     tower_dmp, table_opt = shard_model(tower, host_env, host_plan, (opt_cls, table_kw), pg=groups.host)
-    top = data_parallel(Top(top_model).to(env.device), env.device)
-    order = _vector_order(features, towers, emb) if identity else None
-    model = DMTModel(towers, mine, tower_dmp, top, outputs, emb.dim, groups, order).to(env.device)
+    top = data_parallel(Top(u.top).to(env.device), env.device)
+    dim = cfg.model.embedding.dim
+    model = DMTModel(u.towers, mine, tower_dmp, top, u.outputs, dim, groups, u.order).to(env.device)
     fused = {id(p) for p in table_opt.params.values()}
     dense = KeyedOptimizerWrapper(
         {n: p for n, p in in_backward_optimizer_filter(model.named_parameters()) if id(p) not in fused},
         dense_optimizer_factory(cfg.train.dense_optimizer),
     )
-    model.recscale_parameters = counts
-    model.dense_flops = top_model.flops_per_example() + sum(module_flops(t.module) for t in all_towers)
+    model.recscale_parameters = u.counts
+    model.dense_flops = u.top.flops_per_example() + sum(module_flops(t.module) for t in u.modules)
     return model, CombinedOptimizer([table_opt, dense])
