@@ -7,8 +7,9 @@ One launch per topology trains every variant in turn with the real trainer (Wuko
 data, single-id features): flat sharding (table_wise, row_wise, table_row_wise) and DMT with a
 Wukong-layer tower module at compression 1x (identity), 2x and 4x. Per variant:
 
-- bytes: per training step, summed over ranks, from ``comms.CommMeter``; the inter-host all-to-all
-  bytes of flat table_wise and of DMT are checked against ``dmt.volumes``' closed forms.
+- bytes: per training step, summed over ranks, from ``comms.CommMeter``; the inter-host bytes of
+  the embeddings are checked against ``dmt.volumes``' closed forms: all-to-alls for flat table_wise
+  and DMT, the pooled embeddings' reduce-scatter and all-gather for row_wise.
 - time: the measured step on this machine (every "host" is a process group on one machine, so its
   inter-host links are loopback), plus a link-cost model: each host sends its share of the inter-host
   bytes through one NIC of bandwidth BW, not overlapped with compute:
@@ -56,7 +57,11 @@ def worker(args: argparse.Namespace) -> None:
     from recscale.config import load_config
     from recscale.data.dataset import epoch_batches, iterate
     from recscale.distributed import comms
-    from recscale.distributed.dmt.volumes import dmt_embedding_inter, table_wise_embedding_inter
+    from recscale.distributed.dmt.volumes import (
+        dmt_embedding_inter,
+        row_wise_pooled_inter,
+        table_wise_embedding_inter,
+    )
     from recscale.distributed.env import shutdown
     from recscale.train.loop import Trainer
 
@@ -90,20 +95,35 @@ def worker(args: argparse.Namespace) -> None:
         dist.all_reduce(total)
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
         topo, local_batch = env.topology, args.batch // env.world_size
+        bytes_ = comms.summarize(total, args.steps)
+        inter = {k: v["inter"] for k, v in bytes_["comm"].items()}
         if variant == "table_wise":
-            closed = table_wise_embedding_inter(
-                topo, local_batch, {i: i % env.world_size for i in range(args.features)}, args.dim
+            owners = {i: i % env.world_size for i in range(args.features)}
+            checked = (
+                "all_to_all",
+                inter["all_to_all"],
+                table_wise_embedding_inter(topo, local_batch, owners, args.dim),
+            )
+        elif variant == "row_wise":
+            pooled = inter.get("reduce_scatter", 0) + inter.get("all_gather", 0)
+            checked = (
+                "reduce_scatter + all_gather",
+                pooled,
+                row_wise_pooled_inter(topo, local_batch, args.features, args.dim),
             )
         elif variant in DMT:
             features = [len(t) for t in model.tower_features]
-            closed = dmt_embedding_inter(topo, local_batch, features, model.outputs, args.dim)
+            checked = (
+                "all_to_all",
+                inter["all_to_all"],
+                dmt_embedding_inter(topo, local_batch, features, model.outputs, args.dim),
+            )
         else:
-            closed = None
-        bytes_ = comms.summarize(total, args.steps)
+            checked = None
         results.append({
             "variant": variant, "hosts": topo.num_hosts, "ranks_per_host": topo.local_world_size,
             "step_ms": round(wall.item() / args.steps * 1e3, 2), **bytes_,
-            "closed_form_all_to_all_inter": round(closed) if closed is not None else None,
+            "checked_inter": None if checked is None else {"what": checked[0], "measured": checked[1], "closed_form": round(checked[2])},
         })  # fmt: skip
     if dist.get_rank() == 0:
         Path(args.result).write_text(json.dumps(results))
@@ -147,19 +167,17 @@ def main() -> None:
             launch(command, hosts * local, local, 0)
             results += json.loads(result.read_text())
     (OUT / "dmt.json").write_text(json.dumps(results, indent=2))
-    print("| hosts x ranks | variant | intra bytes/step | inter bytes/step | inter all-to-all (measured / closed form) "
+    print("| hosts x ranks | variant | intra bytes/step | inter bytes/step | checked inter bytes: measured / closed form "
           "| step ms (measured) | " + " | ".join(f"step ms at {k}" for k in BANDWIDTHS) + " |")  # fmt: skip
     print("|---" * (6 + len(BANDWIDTHS)) + "|")
     for r in results:
-        a2a = r["comm"].get("all_to_all", {}).get("inter", 0)
-        closed = (
-            f"{r['closed_form_all_to_all_inter']:,}" if r["closed_form_all_to_all_inter"] is not None else "-"
-        )
+        c = r["checked_inter"]
+        checked = f"{c['what']}: {c['measured']:,} / {c['closed_form']:,}" if c else "-"
         modelled = [
             r["step_ms"] + r["comm_inter_bytes"] / r["hosts"] / bw * 1e3 for bw in BANDWIDTHS.values()
         ]
         print(f"| {r['hosts']} x {r['ranks_per_host']} | {r['variant']} | {r['comm_intra_bytes']:,} | "
-              f"{r['comm_inter_bytes']:,} | {a2a:,} / {closed} | {r['step_ms']} | "
+              f"{r['comm_inter_bytes']:,} | {checked} | {r['step_ms']} | "
               + " | ".join(f"{m:.1f}" for m in modelled) + " |")  # fmt: skip
 
 

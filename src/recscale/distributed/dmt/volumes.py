@@ -1,4 +1,4 @@
-"""Closed-form inter-host bytes per training step, summed over ranks: flat table-wise against DMT.
+"""Closed-form inter-host bytes per training step, summed over ranks: flat sharding against DMT.
 
 Checked against ``comms.CommMeter``'s measured bytes (tests/test_dmt.py, bench/dmt.py). Ids are
 int64, lengths int32, embeddings float32; ``ids`` is the mean ids per sample of each feature.
@@ -41,9 +41,22 @@ def table_wise_embedding_inter(
     return total + sum(3 * 8 for r in range(world) for s in range(world) if not topology.same_host(r, s))
 
 
+def row_wise_pooled_inter(topology: Topology, batch: int, features: int, dim: int) -> float:
+    """Flat row_wise sharding's pooled embeddings: every rank sums its rows' share of every sample's
+    pooling, (W·B, F·d) floats, and a ring reduce-scatter hands each rank its samples (backward: an
+    all-gather of the same size): 2 · inter-host links · (W-1)/W · W·B·F·d·4 bytes."""
+    world = topology.world_size
+    return 2 * _ring_links(topology) * (world - 1) / world * world * batch * features * dim * _FLOAT
+
+
+def _ring_links(topology: Topology) -> int:
+    """Links of the ring over all ranks in rank order that join two hosts."""
+    world = topology.world_size
+    return sum(1 for r in range(world) if not topology.same_host(r, (r + 1) % world))
+
+
 def ring_all_reduce_inter(topology: Topology, nbytes: float) -> float:
     """A ring all-reduce of ``nbytes`` over all ranks: each rank sends 2(W-1)/W·n to its successor;
     the links between hosts are the inter-host ones."""
     world = topology.world_size
-    links = sum(1 for r in range(world) if not topology.same_host(r, (r + 1) % world))
-    return links * 2 * (world - 1) / world * nbytes
+    return _ring_links(topology) * 2 * (world - 1) / world * nbytes
