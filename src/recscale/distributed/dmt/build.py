@@ -34,6 +34,7 @@ def _check(cfg: RunConfig) -> None:
         "train.embedding_l2": cfg.train.embedding_l2 > 0,
         "train.compile": cfg.train.compile,
         "distributed.dense=fsdp": cfg.distributed.dense == "fsdp",
+        "distributed.tables (a host's tables follow dmt.sharding)": bool(cfg.distributed.tables),
     }
     bad = [k for k, v in unsupported.items() if v]
     if bad:
