@@ -31,6 +31,7 @@ from recscale.errors import RecscaleError
 
 _POLL_S = 0.2
 _STOP_GRACE_S = 60.0
+_SETTLE_S = 3.0
 
 
 def launch(command: list[str], nproc: int, local_world_size: int | None, max_restarts: int) -> None:
@@ -78,9 +79,11 @@ def launch(command: list[str], nproc: int, local_world_size: int | None, max_res
         failed = _wait(agents)
         if failed is not None:
             # The root cause is the earliest failure: on other hosts, ranks then fail on lost connections.
+            # Failure times are whole seconds, so a rank that died of a lost peer (gloo aborts, or
+            # the trainer exits with an error) can tie with the cause; one killed from outside wins.
             found = [json.loads(p.read_text()) for p in summaries if p.is_file()]
             if found:
-                what = min(found, key=lambda f: f["time"])["error"]
+                what = min(found, key=lambda f: (f["maybe_consequence"], f["time"]))["error"]
             else:
                 what = f"host {failed}'s agent exited with code {agents[failed].returncode}"
             raise RecscaleError(f"{what}; the other ranks were stopped")
@@ -93,6 +96,11 @@ def _wait(agents: list[subprocess.Popen]) -> int | None:
             codes = [a.poll() for a in agents]
             failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
             if failed is not None:
+                # Let agents whose ranks are failing too finish writing their summaries: the root
+                # cause may be on a host whose agent exits a moment later than this one.
+                deadline = time.monotonic() + _SETTLE_S
+                while any(a.poll() is None for a in agents) and time.monotonic() < deadline:
+                    time.sleep(_POLL_S)
                 _stop(agents)
                 return failed
             if all(c == 0 for c in codes):
@@ -150,7 +158,11 @@ def _agent(args: argparse.Namespace) -> int:
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         restarts = f" (after {args.max_restarts} restarts)" if args.max_restarts else ""
-        summary = {"error": _describe(rank, failure) + restarts, "time": failure.timestamp}
+        summary = {
+            "error": _describe(rank, failure) + restarts,
+            "time": failure.timestamp,
+            "maybe_consequence": failure.exitcode >= 0 or -failure.exitcode == signal.SIGABRT,
+        }
         Path(args.summary).write_text(json.dumps(summary))
         return 1
     except SignalException as e:  # stopped by the launcher (or the user): its workers are stopped too
