@@ -12,7 +12,7 @@ import yaml
 from recscale.cli import main
 from recscale.errors import RecscaleError
 from recscale.scaling import sweep as sweep_mod
-from recscale.scaling.fit import fit_power_law, load_results, report
+from recscale.scaling.fit import FamilyRuns, fit_power_law, load_results, report
 from recscale.scaling.sweep import COLUMNS, load_sweep, run_sweep
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -134,6 +134,17 @@ def test_fit_keeps_the_asymptote_at_or_above_the_floor():
     assert fit.at_floor and fit.l_inf == 0.38 and fit.l_inf_ci == (0.38, 0.38)
     assert fit.b > 0 and fit.b_ci[0] < fit.b < fit.b_ci[1]
     assert not fit_power_law(*power_law_points(np.random.default_rng(0), 0.0), floor=0.38).at_floor
+
+
+def test_fit_reports_a_family_that_saturates_at_once():
+    """The small sweep's DLRM: one step down after the smallest model, then flat. The best fit is a step
+    (b in the tens), whose coefficient for C in FLOPs, a_C0 * C0^b, overflows a float: inf, not a crash."""
+    compute = np.array([5.56e11, 2.06e12, 5.11e12, 1.40e13, 4.34e13])
+    loss = np.array([0.47715, 0.47037, 0.47377, 0.47281, 0.47157])
+    fit = fit_power_law(compute, loss, floor=0.38)
+    assert fit.b > 10 and fit.a == math.inf
+    text, fits = report([FamilyRuns("dlrm", compute, loss, 0.38)])
+    assert "dlrm: 5 runs" in text and "a = inf" in text and fits["dlrm"].b == pytest.approx(fit.b)
 
 
 def test_fit_needs_four_distinct_computes():

@@ -48,8 +48,12 @@ class PowerLawFit:
 
     @property
     def a(self) -> float:
-        """The coefficient for compute in FLOPs: loss = l_inf + a · C^(−b)."""
-        return self.a_c0 * self.c0**self.b
+        """The coefficient for compute in FLOPs: loss = l_inf + a · C^(−b); inf when it overflows a float,
+        as it does for a family that saturates within its first step (b in the tens, C0 ~ 1e11 FLOPs)."""
+        try:
+            return self.a_c0 * self.c0**self.b
+        except OverflowError:
+            return math.inf
 
     def __call__(self, compute: np.ndarray) -> np.ndarray:
         return self.l_inf + self.a_c0 * (np.asarray(compute, dtype=np.float64) / self.c0) ** -self.b
