@@ -198,7 +198,9 @@ class DMTConfig(_Strict):
     towers: int | Literal["auto"] = "auto"  # must equal the number of hosts; auto = that number
     # round_robin | random (over features in schema order) | a JSON file from `recscale dmt partition`
     # | an explicit {feature: tower} mapping
-    assignment: Literal["round_robin", "random"] | str | dict[str, Annotated[int, Field(ge=0)]] = "round_robin"
+    assignment: Literal["round_robin", "random"] | str | dict[str, Annotated[int, Field(ge=0)]] = (
+        "round_robin"
+    )
     tower_module: TowerModuleConfig = TowerModuleConfig()
     # How each host shards its tower's tables over its own ranks.
     sharding: Literal["table_wise", "row_wise", "column_wise"] = "table_wise"
