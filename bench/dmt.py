@@ -97,12 +97,18 @@ def worker(args: argparse.Namespace) -> None:
         topo, local_batch = env.topology, args.batch // env.world_size
         bytes_ = comms.summarize(total, args.steps)
         inter = {k: v["inter"] for k, v in bytes_["comm"].items()}
-        if variant == "table_wise":
-            owners = {i: i % env.world_size for i in range(args.features)}
+        if variant in ("table_wise", "table_row_wise"):
+            # table_wise: table i on rank i mod W; table_row_wise: on the ranks of host i mod H
+            row_wise = variant == "table_row_wise"
+            owners = {
+                i: topo.ranks_of_host(i % topo.num_hosts)[0] if row_wise else i % env.world_size
+                for i in range(args.features)
+            }
+            row_shards = topo.local_world_size if row_wise else 1
             checked = (
                 "all_to_all",
                 inter["all_to_all"],
-                table_wise_embedding_inter(topo, local_batch, owners, args.dim),
+                table_wise_embedding_inter(topo, local_batch, owners, args.dim, row_shards=row_shards),
             )
         elif variant == "row_wise":
             pooled = inter.get("reduce_scatter", 0) + inter.get("all_gather", 0)

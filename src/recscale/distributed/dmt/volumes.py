@@ -29,14 +29,19 @@ def dmt_embedding_inter(
 
 
 def table_wise_embedding_inter(
-    topology: Topology, batch: int, owners: dict[int, int], dim: int, ids: float = 1.0
+    topology: Topology, batch: int, owners: dict[int, int], dim: int, ids: float = 1.0, row_shards: int = 1
 ) -> float:
     """Flat table-wise sharding: every rank sends each table's lengths and ids for its ``batch``
     samples to the table's owner and gets d floats per sample back (and sends their gradients):
     ``owners`` maps each table (by index) to its rank. Also TorchRec's 3 int64 split sizes per pair
-    of ranks per step."""
+    of ranks per step.
+
+    table_row_wise is the same with ``row_shards`` = the ranks per host and ``owners`` any rank of the
+    table's host: the rows are split over every rank of that host, so each of them gets every sample's
+    lengths (TorchRec buckets the ids by row block), each id still goes to one of them, and the pooled
+    sums cross once (a reduce-scatter inside the host, then an all-to-all between peers)."""
     world = topology.world_size
-    per_table = batch * (_LENGTH + _ID * ids + 2 * _FLOAT * dim)
+    per_table = batch * (_LENGTH * row_shards + _ID * ids + 2 * _FLOAT * dim)
     total = sum(per_table for o in owners.values() for r in range(world) if not topology.same_host(r, o))
     return total + sum(3 * 8 for r in range(world) for s in range(world) if not topology.same_host(r, s))
 
