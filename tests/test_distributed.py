@@ -59,6 +59,8 @@ VARIANTS = {t: [f"distributed.sharding={t}", *(ADAGRAD if "column" in t else [])
 # Single-id features only, each table on a known rank: all-to-all volumes follow from the batch.
 COMM = ["data.synthetic.num_multi=0", "distributed.sharding=table_wise",
         *(f"distributed.tables.s{i}={{type: table_wise, ranks: [{r}]}}" for i, r in enumerate([0, 1, 2, 2]))]  # fmt: skip
+# The same data with every table row-wise over the ranks of one host (hosts alternate by table).
+COMM_TWRW = ["data.synthetic.num_multi=0", "distributed.sharding=table_row_wise"]
 dist_mark = pytest.mark.dist
 
 
@@ -87,9 +89,8 @@ def _jobs(root: Path, world: int) -> list[dict]:
     jobs = [{"dir": str(root / f"{name}_{world}"), "overrides": o, "resume": False,
              "scores": str(root / f"{name}_{world}.npy")} for name, o in VARIANTS.items()]  # fmt: skip
     if world == 4:
-        jobs.append(
-            {"dir": str(root / "comm_4"), "overrides": COMM, "resume": False, "scores": str(root / "c.npy")}
-        )
+        jobs += [{"dir": str(root / name), "overrides": o, "resume": False, "scores": str(root / f"{name}.npy")}
+                 for name, o in (("comm_4", COMM), ("comm_twrw_4", COMM_TWRW))]  # fmt: skip
     else:
         jobs += [{"dir": str(root / f"{name}_4"), "overrides": o, "resume": True,
                   "scores": str(root / f"{name}_4_at_{world}.npy")} for name, o in VARIANTS.items()]  # fmt: skip
@@ -184,6 +185,23 @@ def test_comm_bytes_match_hand_computed_volumes(runs):
         assert r["comm"]["all_to_all"] == a2a
         assert r["comm"]["all_reduce"] == {"intra": round(2 * ring), "inter": round(2 * ring)}
         assert r["comm_inter_bytes"] == r["comm"]["all_to_all"]["inter"] + r["comm"]["all_reduce"]["inter"]
+
+
+@dist_mark
+def test_table_row_wise_inter_host_bytes_match_closed_form(runs):
+    """table_row_wise on 2 hosts x 2: table_wise's inter-host volume plus each sample's lengths to the
+    second rank holding the table's rows (dmt.volumes, also checked by bench/dmt.py at scale)."""
+    from recscale.distributed.dmt.volumes import table_wise_embedding_inter
+
+    topo = Topology(4, 2)
+    owners = {i: topo.ranks_of_host(i % 2)[0] for i in range(4)}
+    expected = table_wise_embedding_inter(topo, 64 // 4, owners, 8, row_shards=2)
+    assert expected - table_wise_embedding_inter(topo, 64 // 4, owners, 8) == 4 * 2 * 16 * 4
+    rec = [json.loads(line) for line in (runs / "comm_twrw_4" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rec if r["split"] == "train"]
+    assert len(train) == 5
+    for r in train:
+        assert r["comm"]["all_to_all"]["inter"] == round(expected)
 
 
 # ---------------------------------------------------------------- plans (no processes needed)
