@@ -7,6 +7,8 @@ A suite file names the dataset's shipped config and, per model, the tuned overri
 command ``recscale train CONFIG OVERRIDES seed=S``, printed as it starts, so any row reproduces by
 hand. Runs go to runs/quality/<suite>/<model>/seed<S>; a finished run (report.json) is not redone.
 Writes <out>.csv (one row per run) and <out>.md (mean ± std per model, published figures beside).
+A suite with ``baseline: NAME`` adds each model's mean AUC relative to NAME's, in percent. An override
+starting with ``--`` is an option of ``recscale train`` (e.g. ``--nproc=2``).
 """
 
 from __future__ import annotations
@@ -92,16 +94,21 @@ def main() -> None:
         w.writeheader()
         w.writerows(rows)
 
+    def mean_auc(model: str) -> float:
+        return statistics.mean(r["auc"] for r in rows if r["model"] == model)
+
+    base = suite.get("baseline") if suite.get("baseline") in chosen else None
     lines = [
-        f"| model | AUC ({suite.get('split', 'valid')}) | LogLoss | NE | dense params | sparse params "
-        "| MFLOP/ex | train s | published AUC | published LogLoss |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| model | AUC ({suite.get('split', 'valid')}) | {f'AUC vs {base} | ' if base else ''}LogLoss | NE "
+        "| dense params | sparse params | MFLOP/ex | train s | published AUC | published LogLoss |",
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if base else ""),
     ]
     for model in chosen:
         rs = [r for r in rows if r["model"] == model]
         pub = ref.get(ref_names.get(model, model).lower(), {}) or extra_ref.get(model, {})
+        rel = f"{100 * (mean_auc(model) / mean_auc(base) - 1):+.2f}% | " if base else ""
         lines.append(
-            f"| {model} | {mean_std([r['auc'] for r in rs])} | {mean_std([r['logloss'] for r in rs])} "
+            f"| {model} | {mean_std([r['auc'] for r in rs])} | {rel}{mean_std([r['logloss'] for r in rs])} "
             f"| {mean_std([r['ne'] for r in rs])} | {rs[0]['dense_params']:,} | {rs[0]['sparse_params']:,} "
             f"| {rs[0]['mflops_per_example']:.3f} | {mean_std([r['train_seconds'] for r in rs], 1)} "
             f"| {pub.get('AUC', '')} | {pub.get('Logloss', '')} |"

@@ -27,6 +27,7 @@ from recscale.distributed.launch import launch
 from recscale.errors import ConfigError
 from recscale.models.embedding import FeatureSet, SparseInput
 from recscale.models.registry import build_model
+from recscale.train.loop import EmbeddingL2
 
 B, D = 4, 8  # local batch, embedding dim
 FEATURES = FeatureSet(
@@ -78,18 +79,24 @@ def _local(kjt: KeyedJaggedTensor, rank: int) -> KeyedJaggedTensor:
 
 
 # ---------------------------------------------------------------- worker side
-def _compare(model, opt, reference: Callable, top: nn.Module, ebc: nn.Module, rank: int, world: int) -> dict:
+def _compare(
+    model, opt, reference: Callable, top: nn.Module, ebc: nn.Module, rank: int, world: int, l2: float = 0.0
+) -> dict:
     """One DMT step on this rank's slice of a global batch against ``reference`` (unsharded, global
-    batch, mean loss): max |difference| of logits, top gradients and table gradients (read off
-    the fused SGD step, lr 1) of this rank's shards; ``top``/``ebc``: the reference's modules."""
+    batch, mean loss, plus the embedding L2 penalty ``l2`` on both sides): max |difference| of
+    logits, top gradients and table gradients (read off the fused SGD step, lr 1) of this rank's
+    shards; ``top``/``ebc``: the reference's modules."""
     before = {k: v.clone() for k, v in ebc.state_dict().items()}
+    penalties = (EmbeddingL2(reference, l2), EmbeddingL2(model, l2)) if l2 else None
     dense, kjt, labels = _batch(world * B, seed=1)
     ref = reference(dense, kjt)
-    torch.nn.functional.binary_cross_entropy_with_logits(ref, labels).backward()
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(ref, labels)
+    (loss + penalties[0](world * B) if penalties else loss).backward()
     rows = slice(rank * B, (rank + 1) * B)
     out = model(dense[rows], _local(kjt, rank))
     opt.zero_grad()
-    torch.nn.functional.binary_cross_entropy_with_logits(out, labels[rows]).backward()
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(out, labels[rows])
+    (loss + penalties[1](B) if penalties else loss).backward()
     diffs = {"logits": (out - ref[rows]).abs().max().item()}
     expected = {n: p.grad for n, p in top.named_parameters() if "ebc" not in n}
     got = {
@@ -112,14 +119,14 @@ def _compare(model, opt, reference: Callable, top: nn.Module, ebc: nn.Module, ra
     return diffs
 
 
-def _semantics(sharding: str, rank: int, world: int) -> dict:
-    """Identity tower modules against the flat model."""
+def _semantics(sharding: str, rank: int, world: int, l2: float = 0.0) -> dict:
+    """Identity tower modules against the flat model (with ``l2``: both with the embedding L2 penalty)."""
     env = init_distributed()
     cfg = validate_config(_cfg({"type": "identity"}, sharding))
     model, opt = build_dmt(cfg, FEATURES, env)
     torch.manual_seed(cfg.seed)
     flat = build_model(cfg.model.name, FEATURES, cfg.model.embedding, cfg.model.params)
-    return _compare(model, opt, flat, flat, flat.embedding.ebc, rank, world)
+    return _compare(model, opt, flat, flat, flat.embedding.ebc, rank, world, l2)
 
 
 def _compressed(kind: str, rank: int, world: int) -> dict:
@@ -170,6 +177,7 @@ def _traffic(tower_module: dict, rank: int, world: int) -> dict:
 CASES = {
     "semantics_table_wise": lambda r, w: _semantics("table_wise", r, w),
     "semantics_row_wise": lambda r, w: _semantics("row_wise", r, w),
+    "semantics_l2_table_wise": lambda r, w: _semantics("table_wise", r, w, l2=0.5),
     "compressed_lcb": lambda r, w: _compressed("lcb", r, w),
     "compressed_wukong": lambda r, w: _compressed("wukong", r, w),
     **{f"traffic_{kind}_{c}": (lambda r, w, kind=kind, c=c: _traffic({"type": kind, "compression": c}, r, w))
@@ -194,10 +202,11 @@ def results(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "l2_table_wise"])
 def test_identity_towers_compute_the_flat_model(results, sharding):
     """2 hosts x 2 ranks: logits, dense gradients and (through one fused SGD step with lr 1) table
-    gradients equal the unsharded flat model's on the global batch."""
+    gradients equal the unsharded flat model's on the global batch; also with train.embedding_l2's
+    penalty, whose parts DMT computes on the towers' hosts (l2_table_wise)."""
     for r in results:
         d = r[f"semantics_{sharding}"]
         assert d["shards"] > 0

@@ -147,6 +147,23 @@ def unwrap(dmp: DistributedModelParallel) -> nn.Module:
     return m.module if hasattr(m, "module") and not hasattr(m, "embedding") else m
 
 
+class EmbeddingL2:
+    """``train.embedding_l2``: λ·Σ‖x‖²/B over the embedding vectors X0 of the latest forward (B: this
+    rank's samples), added to the loss; it regularises the looked-up rows, frequent ids more. X0 is
+    the embedding layer's output, or for a DMT model the parts it names (``x0_sources``: module and
+    weight of its squared norm, chosen so the tables get the flat model's gradient)."""
+
+    def __init__(self, model: nn.Module, weight: float) -> None:
+        self.weight = weight
+        self.parts: dict[int, tuple[torch.Tensor, float]] = {}
+        sources = model.x0_sources() if hasattr(model, "x0_sources") else [(model.embedding, 1.0)]
+        for i, (module, scale) in enumerate(sources):
+            module.register_forward_hook(lambda m, x, out, i=i, s=scale: self.parts.__setitem__(i, (out, s)))
+
+    def __call__(self, batch_size: int) -> torch.Tensor:
+        return self.weight * sum(s * x.square().sum() for x, s in self.parts.values()) / batch_size
+
+
 @torch.no_grad()  # not inference_mode: gloo collectives fail inside it
 def predict(
     dmp: DistributedModelParallel, ds: ArrayDataset, batch_size: int, num_workers: int
@@ -223,9 +240,9 @@ class Trainer:
         self.comm = comms.CommMeter(self.env.topology, self.env.rank)
         self.base_lrs = [g["lr"] for g in self.opt.optimizers[1][1].param_groups]
         self.sparse_base_lrs = [g["lr"] for g in self.opt.optimizers[0][1].param_groups]
-        self._x0: torch.Tensor | None = None
-        if cfg.train.embedding_l2 > 0:  # keep X0 of the current forward for the penalty
-            unwrap(self.dmp).embedding.register_forward_hook(lambda m, i, out: setattr(self, "_x0", out))
+        self.l2 = (
+            EmbeddingL2(unwrap(self.dmp), cfg.train.embedding_l2) if cfg.train.embedding_l2 > 0 else None
+        )
         self.progress = Progress()
         if resume:
             self._resume()
@@ -410,8 +427,8 @@ class Trainer:
                     logits = self.dmp(batch.dense, batch.sparse)
                     loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
                     objective = loss
-                    if self._x0 is not None:
-                        objective = loss + t.embedding_l2 * self._x0.square().sum() / batch.size
+                    if self.l2 is not None:
+                        objective = loss + self.l2(batch.size)
                     self.opt.zero_grad()
                     objective.backward()
                     if t.grad_clip is not None:

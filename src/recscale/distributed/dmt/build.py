@@ -31,7 +31,6 @@ from recscale.train.optim import dense_optimizer_factory, sparse_optimizer
 def _check(cfg: RunConfig) -> None:
     unsupported = {
         "model.embedding.small_dim_features": bool(cfg.model.embedding.small_dim_features),
-        "train.embedding_l2": cfg.train.embedding_l2 > 0,
         "train.compile": cfg.train.compile,
         "distributed.dense=fsdp": cfg.distributed.dense == "fsdp",
         "distributed.tables (a host's tables follow dmt.sharding)": bool(cfg.distributed.tables),

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.model_parallel import get_unwrapped_module
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.distributed.topology import Topology
@@ -180,6 +181,16 @@ class DMTModel(nn.Module):
 
     def flops_per_example(self) -> int:
         return self.dense_flops
+
+    def x0_sources(self) -> list[tuple[nn.Module, float]]:
+        """Where the flat model's embedding vectors X0 are computed, with the weight of each part's
+        squared norm in an L2 penalty over this rank's B samples (see ``train.loop.EmbeddingL2``): the
+        tower's embedding layer serves H·B samples and its gradient is divided by L, so 1/H gives the
+        tables the flat gradient (divided by H·L); the dense-feature MLP (top, DDP over all ranks) 1."""
+        tower = get_unwrapped_module(self.towers[str(self.mine)])
+        sources: list[tuple[nn.Module, float]] = [(tower.embedding, 1 / len(self.tower_features))]
+        dense_mlp = get_unwrapped_module(self.top).model.embedding.dense_mlp
+        return sources + ([(dense_mlp, 1.0)] if dense_mlp is not None else [])
 
     def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
         b, d, h = sparse.stride(), self.dim, len(self.tower_features)
