@@ -4,6 +4,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.csv as pacsv
 import pytest
+import torch
 
 from recscale.config import load_config
 from recscale.train.loop import Trainer, eval_run
@@ -101,6 +102,24 @@ def test_embedding_l2_shrinks_the_tables(tmp_path):
         state = tr.dmp.state_dict()
         norms[l2] = sum(v.local_shards()[0].tensor.norm().item() for k, v in state.items() if ".ebc." in k)
     assert norms[1.0] < 0.8 * norms[0.0], norms
+
+
+def test_table_weight_decay_shrinks_every_row_after_the_step(tmp_path):
+    """After one step the whole table (rows looked up or not) is the undecayed run's times
+    1 - table lr x table_weight_decay: the decay reaches the fused kernels' storage."""
+    tables = {}
+    for wd in (0.0, 2.0):
+        cfg = load_config(
+            CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=1", f"train.table_weight_decay={wd}"]
+        )
+        tr = Trainer(cfg, tmp_path / f"wd_{wd}")
+        tr.fit()
+        tables[wd] = {
+            k: v.local_shards()[0].tensor.clone() for k, v in tr.dmp.state_dict().items() if ".ebc." in k
+        }
+    shrink = 1 - cfg.train.sparse_optimizer.lr * 2.0
+    for k, w in tables[2.0].items():
+        torch.testing.assert_close(w, tables[0.0][k] * shrink)
 
 
 def test_learning_rates_drop_on_plateau(tmp_path):

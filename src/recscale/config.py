@@ -111,8 +111,12 @@ class TrainConfig(_Strict):
     lr_decay: Literal["none", "cosine", "linear"] = "none"
     grad_clip: float | None = Field(None, gt=0)
     # L2 penalty on the batch's embedding vectors X0, added to the loss: regularises the looked-up
-    # rows of the tables (frequent ids more), the way FuxiCTR's embedding_regularizer is used.
+    # rows of the tables (frequent ids more).
     embedding_l2: float = Field(0.0, ge=0)
+    # Decoupled weight decay of every table row after each step (row *= 1 - table lr x this): shrinks
+    # rows that are rarely looked up too, like FuxiCTR's embedding_regularizer (an L2 on whole tables,
+    # which fbgemm's fused kernels cannot take through the loss).
+    table_weight_decay: float = Field(0.0, ge=0)
     eval_every: int | None = Field(None, ge=1)  # steps; None = once per epoch
     early_stopping: EarlyStopping | None = EarlyStopping()
     keep_checkpoints: int = Field(2, ge=1)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed import DistributedModelParallel
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -240,6 +241,12 @@ class Trainer:
         self.comm = comms.CommMeter(self.env.topology, self.env.rank)
         self.base_lrs = [g["lr"] for g in self.opt.optimizers[1][1].param_groups]
         self.sparse_base_lrs = [g["lr"] for g in self.opt.optimizers[0][1].param_groups]
+        # The tables' local storage (fused kernels' weights: shards are views of them), for table_weight_decay.
+        self.table_shards = [
+            s.tensor if isinstance(w, ShardedTensor) else w.data
+            for w in self.opt.optimizers[0][1].params.values()
+            for s in (w.local_shards() if isinstance(w, ShardedTensor) else [w])
+        ]
         self.l2 = (
             EmbeddingL2(unwrap(self.dmp), cfg.train.embedding_l2) if cfg.train.embedding_l2 > 0 else None
         )
@@ -434,6 +441,10 @@ class Trainer:
                     if t.grad_clip is not None:
                         torch.nn.utils.clip_grad_norm_(dense_params, t.grad_clip)
                     self.opt.step()
+                    if t.table_weight_decay:
+                        shrink = 1 - self.sparse_base_lrs[0] * p.lr_scale * t.table_weight_decay
+                        for w in self.table_shards:
+                            w.mul_(shrink)
                 p.train_seconds += time.perf_counter() - t0
                 p.step += 1
                 p.batch += 1
