@@ -90,34 +90,35 @@ def test_tables_are_trained_by_the_fused_sparse_optimizer(tmp_path):
                for s in tr.dmp.plan.plan["embedding.ebc"].values())  # fmt: skip
 
 
+def _tables_after(tmp_path: Path, overrides: list[str]) -> dict[str, torch.Tensor]:
+    """The demo model's tables (this rank's shards) after training with ``overrides``."""
+    tr = Trainer(load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, *overrides]), tmp_path)
+    tr.fit()
+    return {k: v.local_shards()[0].tensor.clone() for k, v in tr.dmp.state_dict().items() if ".ebc." in k}
+
+
 def test_embedding_l2_shrinks_the_tables(tmp_path):
     """train.embedding_l2 reaches the fused tables (fbgemm's own weight decay does not, on CPU)."""
-    norms = {}
-    for l2 in (0.0, 1.0):
-        cfg = load_config(
-            CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=15", f"train.embedding_l2={l2}"]
+    norms = {
+        l2: sum(
+            w.norm().item()
+            for w in _tables_after(
+                tmp_path / f"l2_{l2}", ["train.max_steps=15", f"train.embedding_l2={l2}"]
+            ).values()
         )
-        tr = Trainer(cfg, tmp_path / f"l2_{l2}")
-        tr.fit()
-        state = tr.dmp.state_dict()
-        norms[l2] = sum(v.local_shards()[0].tensor.norm().item() for k, v in state.items() if ".ebc." in k)
+        for l2 in (0.0, 1.0)
+    }
     assert norms[1.0] < 0.8 * norms[0.0], norms
 
 
 def test_table_weight_decay_shrinks_every_row_after_the_step(tmp_path):
     """After one step the whole table (rows looked up or not) is the undecayed run's times
     1 - table lr x table_weight_decay: the decay reaches the fused kernels' storage."""
-    tables = {}
-    for wd in (0.0, 2.0):
-        cfg = load_config(
-            CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=1", f"train.table_weight_decay={wd}"]
-        )
-        tr = Trainer(cfg, tmp_path / f"wd_{wd}")
-        tr.fit()
-        tables[wd] = {
-            k: v.local_shards()[0].tensor.clone() for k, v in tr.dmp.state_dict().items() if ".ebc." in k
-        }
-    shrink = 1 - cfg.train.sparse_optimizer.lr * 2.0
+    tables = {
+        wd: _tables_after(tmp_path / f"wd_{wd}", ["train.max_steps=1", f"train.table_weight_decay={wd}"])
+        for wd in (0.0, 2.0)
+    }
+    shrink = 1 - load_config(CONFIGS / "demo.yaml").train.sparse_optimizer.lr * 2.0
     for k, w in tables[2.0].items():
         torch.testing.assert_close(w, tables[0.0][k] * shrink)
 

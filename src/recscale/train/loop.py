@@ -148,6 +148,11 @@ def unwrap(dmp: DistributedModelParallel) -> nn.Module:
     return m.module if hasattr(m, "module") and not hasattr(m, "embedding") else m
 
 
+def local_tensors(w: torch.Tensor) -> list[torch.Tensor]:
+    """A table's tensors on this rank: its local shards, or the (replicated) table itself."""
+    return [x.tensor for x in w.local_shards()] if isinstance(w, ShardedTensor) else [w.data]
+
+
 class EmbeddingL2:
     """``train.embedding_l2``: λ·Σ‖x‖²/B over the embedding vectors X0 of the latest forward (B: this
     rank's samples), added to the loss; it regularises the looked-up rows, frequent ids more. X0 is
@@ -241,12 +246,8 @@ class Trainer:
         self.comm = comms.CommMeter(self.env.topology, self.env.rank)
         self.base_lrs = [g["lr"] for g in self.opt.optimizers[1][1].param_groups]
         self.sparse_base_lrs = [g["lr"] for g in self.opt.optimizers[0][1].param_groups]
-        # The tables' local storage (fused kernels' weights: shards are views of them), for table_weight_decay.
-        self.table_shards = [
-            s.tensor if isinstance(w, ShardedTensor) else w.data
-            for w in self.opt.optimizers[0][1].params.values()
-            for s in (w.local_shards() if isinstance(w, ShardedTensor) else [w])
-        ]
+        # For table_weight_decay: the tables' storage on this rank (shards are views of the fused weights).
+        self.table_shards = [x for w in self.opt.optimizers[0][1].params.values() for x in local_tensors(w)]
         self.l2 = (
             EmbeddingL2(unwrap(self.dmp), cfg.train.embedding_l2) if cfg.train.embedding_l2 > 0 else None
         )
