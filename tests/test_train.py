@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from recscale.config import load_config
+from recscale.train.checkpoint import load_checkpoint
 from recscale.train.loop import Trainer, eval_run
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -135,3 +136,53 @@ def test_learning_rates_drop_on_plateau(tmp_path):
     assert lr[10] == pytest.approx(base) and lr[11] == pytest.approx(base * 0.5)
     sparse = tr.opt.optimizers[0][1].param_groups[0]["lr"]
     assert sparse == pytest.approx(cfg.train.sparse_optimizer.lr * 0.5)
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_restore_best_on_plateau(tmp_path, restore):
+    """With restore_best, an evaluation without improvement puts the best weights back before training
+    goes on: the checkpoint written right after it (step 10) holds the best model (step 5)."""
+
+    es = f"train.early_stopping={{metric: logloss, patience: 10, min_delta: 1.0, restore_best: {restore}}}"
+    cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.eval_every=5", "train.max_steps=10", es])
+    tr = Trainer(cfg, tmp_path / "r")
+    tr.fit()  # ends with the best weights loaded
+    assert tr.progress.best_step == 5
+
+    def weights() -> dict[str, torch.Tensor]:  # tables as this rank's shards
+        return {k: (v.local_shards()[0].tensor if hasattr(v, "local_shards") else v).clone()
+                for k, v in tr.dmp.state_dict().items()}  # fmt: skip
+
+    best = weights()
+    load_checkpoint(tmp_path / "r" / "ckpt" / "step_00000010", {"model": tr.dmp.state_dict()})
+    after = weights()
+    assert any(".ebc." in k for k in best)
+    assert all(torch.equal(after[k], best[k]) for k in best) == restore
+
+
+def test_ema_reports_the_average_of_the_dense_weights(tmp_path):
+    """train.ema_decay: the model kept and reported is the bias-corrected moving average of the raw
+    dense weights (decay min(0.5, (1+n)/(10+n)) after n steps), which training itself never sees."""
+    common = [*SMALL_SYNTH, "train.max_steps=2", "train.early_stopping=null", "train.keep_checkpoints=5",
+              "train.eval_every=1"]  # fmt: skip
+
+    def dense(tr: Trainer) -> dict[str, torch.Tensor]:
+        return {k: q.detach().clone() for k, q in tr.ema.params.items()} if tr.ema else {
+            k: q.detach().clone() for k, q in tr.opt.optimizers[1][1].params.items() if q.requires_grad}  # fmt: skip
+
+    raw = Trainer(load_config(CONFIGS / "demo.yaml", common), tmp_path / "raw")
+    w = [dense(raw)]
+    raw.fit()
+    for step in (1, 2):
+        load_checkpoint(tmp_path / "raw" / "ckpt" / f"step_{step:08d}", {"model": raw.dmp.state_dict()})
+        w.append(dense(raw))
+    tr = Trainer(load_config(CONFIGS / "demo.yaml", [*common, "train.ema_decay=0.5"]), tmp_path / "ema")
+    report = tr.fit()
+    d1, d2 = 2 / 11, 0.25
+    for k in w[0]:
+        s1 = d1 * w[0][k] + (1 - d1) * w[1][k]
+        torch.testing.assert_close(tr.ema.params[k], d2 * s1 + (1 - d2) * w[2][k])
+    assert not torch.equal(tr.ema.params[k], w[2][k])
+    # `recscale eval` scores the same average from the training checkpoint.
+    again = eval_run(tmp_path / "ema", str(tmp_path / "ema" / "data" / "valid"), split="valid")
+    assert again["auc"] == pytest.approx(report["valid"]["auc"])

@@ -99,6 +99,9 @@ class EarlyStopping(_Strict):
     min_delta: float = Field(0.0, ge=0)
     # Multiply every learning rate (dense and tables) by this on each evaluation without improvement.
     reduce_lr_factor: float | None = Field(None, gt=0, lt=1)
+    # Also go back to the best weights (optimizer state kept) on each evaluation without improvement, so the
+    # reduced LR fine-tunes the peak instead of weights that have already overfitted.
+    restore_best: bool = False
 
 
 class TrainConfig(_Strict):
@@ -117,6 +120,9 @@ class TrainConfig(_Strict):
     # rows that are rarely looked up too, like FuxiCTR's embedding_regularizer (an L2 on whole tables,
     # which fbgemm's fused kernels cannot take through the loss).
     table_weight_decay: float = Field(0.0, ge=0)
+    # Evaluate, keep as best and report an exponential moving average of the dense weights (per-step
+    # decay; the tables are not averaged: the fused kernels own them). None trains and reports the raw weights.
+    ema_decay: float | None = Field(None, gt=0, lt=1)
     eval_every: int | None = Field(None, ge=1)  # steps; None = once per epoch
     early_stopping: EarlyStopping | None = EarlyStopping()
     keep_checkpoints: int = Field(2, ge=1)

@@ -23,6 +23,8 @@ import base64
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -170,6 +172,42 @@ class EmbeddingL2:
         return self.weight * sum(s * x.square().sum() for x, s in self.parts.values()) / batch_size
 
 
+class DenseEMA:
+    """``train.ema_decay``: an exponential moving average of the dense weights, updated after every
+    step with decay min(decay, (1 + n) / (10 + n)) after n updates, so early averages are not dominated
+    by the initialisation. ``applied()`` swaps it into the model (for evaluation and the best checkpoint)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], decay: float) -> None:
+        self.params, self.decay, self.updates = params, decay, 0
+        self.shadow = {k: p.detach().clone() for k, p in params.items()}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        self.updates += 1
+        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        torch._foreach_lerp_(list(self.shadow.values()), [p.detach() for p in self.params.values()], 1 - d)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Average from the model's current weights on (after they were replaced, e.g. by the best)."""
+        torch._foreach_copy_(list(self.shadow.values()), list(self.params.values()))
+
+    @torch.no_grad()
+    def apply(self, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Put the average (or ``weights``) into the model."""
+        src = weights or self.shadow
+        torch._foreach_copy_(list(self.params.values()), [src[k] for k in self.params])
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        raw = {k: p.detach().clone() for k, p in self.params.items()}
+        self.apply()
+        try:
+            yield
+        finally:
+            self.apply(raw)
+
+
 @torch.no_grad()  # not inference_mode: gloo collectives fail inside it
 def predict(
     dmp: DistributedModelParallel, ds: ArrayDataset, batch_size: int, num_workers: int
@@ -251,6 +289,8 @@ class Trainer:
         self.l2 = (
             EmbeddingL2(unwrap(self.dmp), cfg.train.embedding_l2) if cfg.train.embedding_l2 > 0 else None
         )
+        dense = {k: q for k, q in self.opt.optimizers[1][1].params.items() if q.requires_grad}
+        self.ema = DenseEMA(dense, cfg.train.ema_decay) if cfg.train.ema_decay else None
         self.progress = Progress()
         if resume:
             self._resume()
@@ -307,6 +347,7 @@ class Trainer:
             "optim": self.opt.state_dict(),
             "progress": asdict(self.progress),
             "rng": rng,
+            **({"ema": self.ema.shadow} if self.ema else {}),
         }
 
     def save(self, path: Path) -> None:
@@ -343,10 +384,12 @@ class Trainer:
                 continue
         atomic_write_text(path, "".join(keep))
 
-    def load_best(self) -> None:
+    def load_best(self) -> bool:
         best = self.dir / "best"
         if (best / ".metadata").is_file():
             load_checkpoint(best, {"model": self.dmp.state_dict()})
+            return True
+        return False
 
     # -------------------------------------------------- loop
     def _log(self, record: dict[str, Any]) -> None:
@@ -362,23 +405,28 @@ class Trainer:
     def _evaluate_and_checkpoint(self) -> bool:
         """Evaluate on valid, update early stopping, checkpoint. Returns True when training should stop."""
         p, t = self.progress, self.cfg.train
-        stop = False
+        es, stop, improved, restore = t.early_stopping, False, False, False
         if self.valid_ds is not None:
-            m = evaluate(self.dmp, self.valid_ds, self._eval_batch(), self.cfg.data.num_workers)
-            self._log({"split": "valid", "step": p.step, "epoch": p.epoch, **m})
-            es = t.early_stopping
-            if es is not None:
-                value = m[es.metric]
-                sign = 1 if HIGHER_IS_BETTER[es.metric] else -1
-                if p.best is None or sign * (value - p.best) > es.min_delta:
-                    p.best, p.best_step, p.bad_evals = value, p.step, 0
+            with self.ema.applied() if self.ema else nullcontext():  # the averaged weights are the model
+                m = evaluate(self.dmp, self.valid_ds, self._eval_batch(), self.cfg.data.num_workers)
+                if es is not None:
+                    sign = 1 if HIGHER_IS_BETTER[es.metric] else -1
+                    improved = p.best is None or sign * (m[es.metric] - p.best) > es.min_delta
+                if improved:
                     save_checkpoint(self.dir / "best", {"model": self.dmp.state_dict()}, rank=self.env.rank)
+            self._log({"split": "valid", "step": p.step, "epoch": p.epoch, **m})
+            if es is not None:
+                if improved:
+                    p.best, p.best_step, p.bad_evals = m[es.metric], p.step, 0
                 else:
                     p.bad_evals += 1
                     stop = p.bad_evals >= es.patience
                     if es.reduce_lr_factor is not None:
                         p.lr_scale *= es.reduce_lr_factor
+                    restore = es.restore_best and not stop
                     p.stopped_early = stop
+        if restore and self.load_best() and self.ema:
+            self.ema.reset()
         self.save(self.dir / "ckpt" / f"step_{p.step:08d}")
         if self.main:
             prune_checkpoints(self.dir / "ckpt", t.keep_checkpoints)
@@ -446,6 +494,8 @@ class Trainer:
                         shrink = 1 - self.sparse_base_lrs[0] * p.lr_scale * t.table_weight_decay
                         for w in self.table_shards:
                             w.mul_(shrink)
+                    if self.ema:
+                        self.ema.update()
                 p.train_seconds += time.perf_counter() - t0
                 p.step += 1
                 p.batch += 1
@@ -475,7 +525,8 @@ class Trainer:
 
     def finish(self) -> dict[str, Any]:
         p = self.progress
-        self.load_best()
+        if not self.load_best() and self.ema:  # no best kept: report the average, as evaluated
+            self.ema.apply()
         model = unwrap(self.dmp)
         report: dict[str, Any] = {
             "run_dir": str(self.dir.resolve()),
@@ -536,13 +587,17 @@ def load_trained(run_dir: Path) -> tuple[RunConfig, Preprocessor, DistributedMod
     env = init_distributed()
     # Scores do not depend on the sharding, and a multi-rank run's placements may name ranks this
     # process does not have: the checkpoint loads into the default plan at any world size.
-    dmp, _ = build_dmp(cfg.model_copy(update={"distributed": DistributedConfig()}), pre, env)
+    dmp, opt = build_dmp(cfg.model_copy(update={"distributed": DistributedConfig()}), pre, env)
     best = run_dir / "best"
     ckpts = list_checkpoints(run_dir / "ckpt")
     source = best if (best / ".metadata").is_file() else (ckpts[-1] if ckpts else None)
     if source is None:
         raise CheckpointError(f"{run_dir}: no complete checkpoint to evaluate; train the run first")
     load_checkpoint(source, {"model": dmp.state_dict()})
+    if source != best and cfg.train.ema_decay:  # a training checkpoint: its dense average is the model
+        dense = {k: q for k, q in opt.optimizers[1][1].params.items() if q.requires_grad}
+        with torch.no_grad():
+            load_checkpoint(source, {"ema": dense})
     return cfg, pre, dmp
 
 
