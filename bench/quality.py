@@ -24,12 +24,19 @@ from pathlib import Path
 
 import yaml
 
+from recscale.config import load_config, validate_config
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_one(config: str, overrides: list[str], out: Path) -> dict:
     report = out / "report.json"
-    if not report.is_file():
+    if report.is_file():  # reuse it only if it was trained with what the suite now says
+        want = load_config(REPO / config, ["train.progress=false", *(o for o in overrides if o[:2] != "--")])
+        have = validate_config(yaml.safe_load((out / "config.yaml").read_text()))
+        if want.model_dump() != have.model_dump():
+            sys.exit(f"{out}: holds a run of another config (the suite changed since); delete it to rerun")
+    else:
         cmd = ["recscale", "train", config, "--out", str(out), "train.progress=false", *overrides]
         print("$", shlex.join(cmd), flush=True)
         exe = Path(sys.executable).with_name("recscale")
