@@ -31,15 +31,23 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
-    common = [*SMALL_SYNTH, "train.eval_every=10", "train.epochs=3", "model.dropout=0.1"]
+    # With a moving average of the dense weights too: its state must resume exactly as well.
+    common = [
+        *SMALL_SYNTH,
+        "train.eval_every=10",
+        "train.epochs=3",
+        "model.dropout=0.1",
+        "train.ema_decay=0.9",
+    ]
     full = load_config(CONFIGS / "demo.yaml", [*common, "train.max_steps=40"])
-    Trainer(full, tmp_path / "a").fit()
+    uninterrupted = Trainer(full, tmp_path / "a").fit()
     # The same run, stopped at step 20 (a checkpoint), then resumed to step 40.
     Trainer(load_config(CONFIGS / "demo.yaml", [*common, "train.max_steps=20"]), tmp_path / "b").fit()
     report = Trainer(full, tmp_path / "b", resume=True).fit()
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert report["steps"] == 40
     assert [a[s] for s in range(21, 41)] == [b[s] for s in range(21, 41)]
+    assert report["valid"] == uninterrupted["valid"]
 
 
 def test_aborted_run_leaves_nothing_to_trust(tmp_path, monkeypatch):

@@ -174,17 +174,16 @@ class EmbeddingL2:
 
 class DenseEMA:
     """``train.ema_decay``: an exponential moving average of the dense weights, updated after every
-    step with decay min(decay, (1 + n) / (10 + n)) after n updates, so early averages are not dominated
-    by the initialisation. ``applied()`` swaps it into the model (for evaluation and the best checkpoint)."""
+    step with decay min(decay, (1 + n) / (10 + n)) at step n, so early averages are not dominated by the
+    initialisation (n is the run's step count, so a resumed run averages as the uninterrupted one). ``applied()`` swaps it into the model (for evaluation and the best checkpoint)."""
 
     def __init__(self, params: dict[str, torch.Tensor], decay: float) -> None:
-        self.params, self.decay, self.updates = params, decay, 0
+        self.params, self.decay = params, decay
         self.shadow = {k: p.detach().clone() for k, p in params.items()}
 
     @torch.no_grad()
-    def update(self) -> None:
-        self.updates += 1
-        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
+    def update(self, step: int) -> None:
+        d = min(self.decay, (1 + step) / (10 + step))
         torch._foreach_lerp_(list(self.shadow.values()), [p.detach() for p in self.params.values()], 1 - d)
 
     @torch.no_grad()
@@ -495,7 +494,7 @@ class Trainer:
                         for w in self.table_shards:
                             w.mul_(shrink)
                     if self.ema:
-                        self.ema.update()
+                        self.ema.update(p.step + 1)
                 p.train_seconds += time.perf_counter() - t0
                 p.step += 1
                 p.batch += 1
