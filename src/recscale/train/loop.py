@@ -172,10 +172,16 @@ class EmbeddingL2:
         return self.weight * sum(s * x.square().sum() for x, s in self.parts.values()) / batch_size
 
 
+def trainable_dense(opt: CombinedOptimizer) -> dict[str, torch.Tensor]:
+    """The dense optimizer's trainable parameters by name (the tables are in the fused one)."""
+    return {k: q for k, q in opt.optimizers[1][1].params.items() if q.requires_grad}
+
+
 class DenseEMA:
     """``train.ema_decay``: an exponential moving average of the dense weights, updated after every
     step with decay min(decay, (1 + n) / (10 + n)) at step n, so early averages are not dominated by the
-    initialisation (n is the run's step count, so a resumed run averages as the uninterrupted one). ``applied()`` swaps it into the model (for evaluation and the best checkpoint)."""
+    initialisation (n is the run's step count, so a resumed run averages as the uninterrupted one).
+    ``applied()`` swaps it into the model (for evaluation and the best checkpoint)."""
 
     def __init__(self, params: dict[str, torch.Tensor], decay: float) -> None:
         self.params, self.decay = params, decay
@@ -288,8 +294,7 @@ class Trainer:
         self.l2 = (
             EmbeddingL2(unwrap(self.dmp), cfg.train.embedding_l2) if cfg.train.embedding_l2 > 0 else None
         )
-        dense = {k: q for k, q in self.opt.optimizers[1][1].params.items() if q.requires_grad}
-        self.ema = DenseEMA(dense, cfg.train.ema_decay) if cfg.train.ema_decay else None
+        self.ema = DenseEMA(trainable_dense(self.opt), cfg.train.ema_decay) if cfg.train.ema_decay else None
         self.progress = Progress()
         if resume:
             self._resume()
@@ -457,7 +462,7 @@ class Trainer:
             raise RecscaleError(f"train.batch_size {t.batch_size} is larger than the training set ({n} rows)")
         total = min(t.epochs * steps_per_epoch, t.max_steps or 10**18)
         sparse_opt, dense_opt = self.opt.optimizers[0][1], self.opt.optimizers[1][1]
-        dense_params = [q for q in dense_opt.params.values() if q.requires_grad]
+        dense_params = list(trainable_dense(self.opt).values())
         bar = tqdm(
             total=total, initial=p.step, desc="train", unit="step", disable=not (t.progress and self.main)
         )
@@ -594,9 +599,8 @@ def load_trained(run_dir: Path) -> tuple[RunConfig, Preprocessor, DistributedMod
         raise CheckpointError(f"{run_dir}: no complete checkpoint to evaluate; train the run first")
     load_checkpoint(source, {"model": dmp.state_dict()})
     if source != best and cfg.train.ema_decay:  # a training checkpoint: its dense average is the model
-        dense = {k: q for k, q in opt.optimizers[1][1].params.items() if q.requires_grad}
         with torch.no_grad():
-            load_checkpoint(source, {"ema": dense})
+            load_checkpoint(source, {"ema": trainable_dense(opt)})
     return cfg, pre, dmp
 
 
