@@ -91,7 +91,7 @@ def main() -> None:
                 "model": model, "seed": seed, "auc": m["auc"], "logloss": m["logloss"], "ne": m["ne"],
                 "dense_params": r["parameters"]["dense"], "sparse_params": r["parameters"]["sparse"],
                 "mflops_per_example": r["mflops_per_example"], "train_seconds": r["train_seconds"],
-                "steps": r["steps"], "best_step": r["best_step"],
+                "steps": r["steps"], "best_step": r["best_step"], "threads": r.get("torch_threads"),
                 "command": shlex.join(["recscale", "train", suite["config"], *overrides]),
             })  # fmt: skip
 

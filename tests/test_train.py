@@ -46,6 +46,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     report = Trainer(full, tmp_path / "b", resume=True).fit()
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert report["steps"] == 40
+    assert report["torch_threads"] == torch.get_num_threads()  # bit-exact reruns need the same count
     assert [a[s] for s in range(21, 41)] == [b[s] for s in range(21, 41)]
     assert report["valid"] == uninterrupted["valid"]
 
