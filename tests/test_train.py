@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from recscale.config import load_config
+from recscale.errors import ConfigError
 from recscale.train.checkpoint import load_checkpoint
 from recscale.train.loop import Trainer, eval_run
 
@@ -98,6 +99,34 @@ def test_tables_are_trained_by_the_fused_sparse_optimizer(tmp_path):
     assert not any("ebc" in name for name in dense.params)
     assert all(s.sharding_type == "table_wise" and s.compute_kernel == "fused"
                for s in tr.dmp.plan.plan["embedding.ebc"].values())  # fmt: skip
+
+
+@pytest.mark.parametrize("wd", [0.0, 1.0])
+def test_replicated_tables_take_a_torch_optimizer_with_whole_table_l2(tmp_path, wd):
+    """With every table data_parallel, Adam (no fused CPU kernel) trains the tables and its coupled weight
+    decay reaches every row: after one step the OOV row 0, never looked up, moved by Adam's first step
+    on the gradient λw alone (≈ lr·sign(w)) with decay, and not at all without (FuxiCTR's embedding_regularizer under Adam)."""
+    lr = 0.01
+    cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=1", "distributed.sharding=data_parallel",
+                                              f"train.sparse_optimizer={{name: adam, lr: {lr}, weight_decay: {wd}}}"])  # fmt: skip
+    tr = Trainer(cfg, tmp_path / "r")
+    tables = {k: v for k, v in tr.dmp.state_dict().items() if ".ebc." in k}
+    before = {k: v.clone() for k, v in tables.items()}
+    replicas = tr.opt.optimizers[0][1]
+    assert set(replicas.params) == set(tables) and not any("ebc" in n for n in tr.opt.optimizers[1][1].params)
+    tr.fit()
+    for k, w in tables.items():
+        # The row's whole gradient is the decay's; Adam's first step is lr·g/(|g| + eps).
+        g = wd * before[k][0]
+        torch.testing.assert_close(w[0], before[k][0] - lr * g / (g.abs() + 1e-8), rtol=0, atol=1e-7)
+        assert not torch.equal(w[1:], before[k][1:])  # looked-up rows trained
+
+
+def test_table_weight_decay_needs_replicated_tables():
+    with pytest.raises(ConfigError, match="data_parallel"):
+        load_config(
+            CONFIGS / "demo.yaml", ["train.sparse_optimizer={name: adam, lr: 1e-3, weight_decay: 0.1}"]
+        )
 
 
 def _tables_after(tmp_path: Path, overrides: list[str]) -> dict[str, torch.Tensor]:

@@ -145,11 +145,6 @@ class TrainConfig(_Strict):
             raise ValueError(
                 f"train.sparse_optimizer.name '{self.sparse_optimizer.name}': use one of {sparse_ok}"
             )
-        if self.sparse_optimizer.weight_decay:
-            raise ValueError(
-                "train.sparse_optimizer.weight_decay: fbgemm's fused embedding kernels ignore it; "
-                "regularise tables with train.embedding_l2 instead"
-            )
         return self
 
 
@@ -223,6 +218,25 @@ class RunConfig(_Strict):
     train: TrainConfig = TrainConfig()
     distributed: DistributedConfig = DistributedConfig()
     dmt: DMTConfig | None = None
+
+    @model_validator(mode="after")
+    def _table_weight_decay(self) -> RunConfig:
+        # Only replicated tables (dense kernel, a torch optimizer) take it; fbgemm's fused kernels ignore it.
+        if self.train.sparse_optimizer.weight_decay and not self.dense_tables():
+            raise ValueError(
+                "train.sparse_optimizer.weight_decay needs every table data_parallel "
+                "(distributed.sharding=data_parallel, no distributed.tables, no dmt): fbgemm's fused "
+                "kernels ignore it; otherwise regularise with train.embedding_l2 or train.table_weight_decay"
+            )
+        return self
+
+    def dense_tables(self) -> bool:
+        """Every table is data_parallel: trained by a torch optimizer on the dense kernel's weights."""
+        return (
+            self.dmt is None
+            and self.distributed.sharding == "data_parallel"
+            and all(t.type == "data_parallel" for t in self.distributed.tables.values())
+        )
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(

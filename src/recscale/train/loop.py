@@ -130,7 +130,7 @@ def build_dmp(
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model.name, feature_set(pre), cfg.model.embedding, cfg.model.params)
     counts = count_parameters(model)
-    opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer, env.device)
+    opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer, env.device, cfg.dense_tables())
     table_kw = dict(opt_kw)  # apply_optimizer_in_backward adds its own keys to opt_kw
     apply_optimizer_in_backward(opt_cls, model.embedding.ebc.parameters(), opt_kw)
     dmp, tables = shard_model(model, env, cfg.distributed, (opt_cls, table_kw))

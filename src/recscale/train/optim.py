@@ -20,22 +20,28 @@ from recscale.errors import ConfigError
 CPU_SPARSE_OPTIMIZERS = ("rowwise_adagrad", "adagrad", "sgd")
 
 
-def sparse_optimizer(cfg: OptimizerConfig, device: torch.device) -> tuple[type[torch.optim.Optimizer], dict]:
+def sparse_optimizer(
+    cfg: OptimizerConfig, device: torch.device, dense_tables: bool = False
+) -> tuple[type[torch.optim.Optimizer], dict]:
     """(optimizer class, kwargs) for ``apply_optimizer_in_backward`` on embedding tables.
 
-    No weight decay here: fbgemm-gpu-cpu 1.8's fused kernels ignore it (measured), so tables are
-    regularised through the loss instead (``train.embedding_l2``).
+    With ``dense_tables`` (every table data_parallel) the trainer steps a torch optimizer over the
+    replicas' dense gradients, so any optimizer works on CPU and ``weight_decay`` is the coupled L2 of
+    whole tables (FuxiCTR's embedding_regularizer under Adam). fbgemm-gpu-cpu 1.8's fused kernels
+    ignore weight decay (measured), so it is refused for them (config validation).
     """
-    if device.type == "cpu" and cfg.name not in CPU_SPARSE_OPTIMIZERS:
+    if device.type == "cpu" and not dense_tables and cfg.name not in CPU_SPARSE_OPTIMIZERS:
         raise ConfigError(
             f"train.sparse_optimizer.name '{cfg.name}' has no fused CPU kernel in fbgemm; "
-            f"on CPU use one of {', '.join(CPU_SPARSE_OPTIMIZERS)}"
+            f"on CPU use one of {', '.join(CPU_SPARSE_OPTIMIZERS)}, or make every table "
+            "data_parallel (distributed.sharding=data_parallel) to train them with a torch optimizer"
         )
+    decay = {"weight_decay": cfg.weight_decay} if cfg.weight_decay else {}
     table = {
-        "rowwise_adagrad": (RowWiseAdagrad, {"lr": cfg.lr, "eps": cfg.eps}),
-        "adagrad": (torch.optim.Adagrad, {"lr": cfg.lr, "eps": cfg.eps}),
-        "sgd": (torch.optim.SGD, {"lr": cfg.lr}),
-        "adam": (torch.optim.Adam, {"lr": cfg.lr, "eps": cfg.eps}),
+        "rowwise_adagrad": (RowWiseAdagrad, {"lr": cfg.lr, "eps": cfg.eps, **decay}),
+        "adagrad": (torch.optim.Adagrad, {"lr": cfg.lr, "eps": cfg.eps, **decay}),
+        "sgd": (torch.optim.SGD, {"lr": cfg.lr, **decay}),
+        "adam": (torch.optim.Adam, {"lr": cfg.lr, "eps": cfg.eps, **decay}),
     }
     return table[cfg.name]
 
