@@ -5,8 +5,10 @@
 
 A suite file names the dataset's shipped config and, per model, the tuned overrides; each run is the
 command ``recscale train CONFIG OVERRIDES seed=S``, printed as it starts, so any row reproduces by
-hand. Runs go to runs/quality/<suite>/<model>/seed<S>; a finished run (report.json) is not redone.
-Writes <out>.csv (one row per run) and <out>.md (mean ± std per model, published figures beside).
+hand. Runs go to runs/quality/<suite>/<model>/seed<S>; a finished run (report.json) is not redone, and
+a run without a directory whose command is in the last <out>.csv is taken from there (so a changed
+model is rerun alone). Writes <out>.csv (one row per run) and <out>.md (mean ± std per model,
+published figures beside).
 A suite with ``baseline: NAME`` adds each model's mean AUC relative to NAME's, in percent. An override
 starting with ``--`` is an option of ``recscale train`` (e.g. ``--nproc=2``).
 """
@@ -57,6 +59,18 @@ def published(reference: str | None) -> dict[str, dict[str, str]]:
         return {row["Model"].lower(): row for row in csv.DictReader(f)}
 
 
+def from_csv(row: dict[str, str]) -> dict:
+    """A row of a written table with its numbers parsed back."""
+    ints = ("seed", "dense_params", "sparse_params", "steps", "best_step")
+    floats = ("auc", "logloss", "ne", "mflops_per_example", "train_seconds")
+    return {
+        **row,
+        **{k: int(row[k]) for k in ints},
+        **{k: float(row[k]) for k in floats},
+        "threads": int(row["threads"]) if row.get("threads") else None,
+    }
+
+
 def mean_std(values: list[float], digits: int = 4) -> str:
     if len(values) == 1:
         return f"{values[0]:.{digits}f}"
@@ -81,18 +95,29 @@ def main() -> None:
     extra_ref = suite.get("published", {})  # figures not in the BARS table (e.g. Wukong's paper)
     ref_names = suite.get("reference_names", {})  # our model name -> the reference table's, where they differ
 
+    # Rows of the table written last time, by command: a run whose directory is gone (runs/ is not kept)
+    # is taken from there if the suite still gives the same command, so one model can be rerun alone.
+    recorded = {}
+    if out.with_suffix(".csv").is_file():
+        with open(out.with_suffix(".csv")) as f:
+            recorded = {row["command"]: row for row in csv.DictReader(f)}
     rows = []
     for model in chosen:
         for seed in args.seeds:
             overrides = [*models[model], f"seed={seed}"]
-            r = run_one(suite["config"], overrides, REPO / "runs" / "quality" / name / model / f"seed{seed}")
+            command = shlex.join(["recscale", "train", suite["config"], *overrides])
+            run_dir = REPO / "runs" / "quality" / name / model / f"seed{seed}"
+            if not (run_dir / "report.json").is_file() and command in recorded:
+                rows.append(from_csv(recorded[command]))
+                continue
+            r = run_one(suite["config"], overrides, run_dir)
             m = r[suite.get("split", "valid")]
             rows.append({
                 "model": model, "seed": seed, "auc": m["auc"], "logloss": m["logloss"], "ne": m["ne"],
                 "dense_params": r["parameters"]["dense"], "sparse_params": r["parameters"]["sparse"],
                 "mflops_per_example": r["mflops_per_example"], "train_seconds": r["train_seconds"],
                 "steps": r["steps"], "best_step": r["best_step"], "threads": r.get("torch_threads"),
-                "command": shlex.join(["recscale", "train", suite["config"], *overrides]),
+                "command": command,
             })  # fmt: skip
 
     out.parent.mkdir(parents=True, exist_ok=True)
