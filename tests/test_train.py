@@ -114,12 +114,15 @@ def test_replicated_tables_take_a_torch_optimizer_with_whole_table_l2(tmp_path, 
     before = {k: v.clone() for k, v in tables.items()}
     replicas = tr.opt.optimizers[0][1]
     assert set(replicas.params) == set(tables) and not any("ebc" in n for n in tr.opt.optimizers[1][1].params)
-    tr.fit()
+    report = tr.fit()
     for k, w in tables.items():
         # The row's whole gradient is the decay's; Adam's first step is lr·g/(|g| + eps).
         g = wd * before[k][0]
         torch.testing.assert_close(w[0], before[k][0] - lr * g / (g.abs() + 1e-8), rtol=0, atol=1e-7)
         assert not torch.equal(w[1:], before[k][1:])  # looked-up rows trained
+    # `recscale eval` loads such a run (its optimizer has no fused kernel) and scores it the same.
+    again = eval_run(tmp_path / "r", str(tmp_path / "r" / "data" / "valid"), split="valid")
+    assert again["auc"] == pytest.approx(report["valid"]["auc"])
 
 
 def test_table_weight_decay_needs_replicated_tables():

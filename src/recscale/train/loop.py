@@ -593,8 +593,10 @@ def load_trained(run_dir: Path) -> tuple[RunConfig, Preprocessor, DistributedMod
         raise CheckpointError(f"{run_dir}: a DMT run's towers load only at its own hosts; use a flat run")
     env = init_distributed()
     # Scores do not depend on the sharding, and a multi-rank run's placements may name ranks this
-    # process does not have: the checkpoint loads into the default plan at any world size.
-    dmp, opt = build_dmp(cfg.model_copy(update={"distributed": DistributedConfig()}), pre, env)
+    # process does not have: the checkpoint loads into the default plan at any world size (replicated
+    # tables stay replicated: their optimizer may have no fused kernel).
+    plan = DistributedConfig(sharding="data_parallel") if cfg.dense_tables() else DistributedConfig()
+    dmp, opt = build_dmp(cfg.model_copy(update={"distributed": plan}), pre, env)
     best = run_dir / "best"
     ckpts = list_checkpoints(run_dir / "ckpt")
     source = best if (best / ".metadata").is_file() else (ckpts[-1] if ckpts else None)
