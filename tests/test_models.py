@@ -65,7 +65,7 @@ SMALL: dict[str, dict[str, Any]] = {
 }
 VARIANTS: list[tuple[str, dict[str, Any]]] = [
     *SMALL.items(),
-    ("wukong", {**SMALL["wukong"], "fm": "full", "n_f": 5, "n_l": 5, "dropout": 0.1}),
+    ("wukong", {**SMALL["wukong"], "fm": "full", "n_f": 5, "n_l": 5, "norm": "batch", "dropout": 0.1}),
     ("dlrm", {**SMALL["dlrm"], "interaction": "cat", "norm": "batch", "dropout": 0.1}),
     ("dcnv2", {**SMALL["dcnv2"], "structure": "stacked", "low_rank": 4, "norm": "batch"}),
     ("dhen", {**SMALL["dhen"], "modules": ["dot", "cross", "self_attention", "linear", "mlp"]}),

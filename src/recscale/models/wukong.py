@@ -17,7 +17,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from recscale.models.base import ModelParams, RecModel
-from recscale.models.blocks import MLP, FullFM, LinearCompressBlock, OptimizedFM
+from recscale.models.blocks import MLP, FullFM, LinearCompressBlock, Norm, OptimizedFM
 from recscale.models.embedding import EmbeddingConfig, FeatureSet
 from recscale.models.registry import register
 
@@ -30,6 +30,7 @@ class WukongParams(ModelParams):
     fm: Literal["optimized", "full"] = "optimized"  # X (Xᵀ Y), n·k features; or X Xᵀ, n·n features
     fmb_mlp: list[int] = [128]  # hidden widths of each FMB's MLP (its output layer is n_f·d)
     final_mlp: list[int] = [128]
+    norm: Norm = "none"  # on the hidden layers of every MLP (FMB and final), as the baselines' knob
     dropout: float = Field(0.0, ge=0, lt=1)
 
 
@@ -41,7 +42,14 @@ class FactorizationMachineBlock(nn.Module):
         self.fm = OptimizedFM(n_in, params.k, dim, device) if params.fm == "optimized" else FullFM(n_in, dim)
         fm_features = n_in * (params.k if params.fm == "optimized" else n_in)
         self.norm = nn.LayerNorm(fm_features, device=device)
-        self.mlp = MLP(fm_features, params.fmb_mlp, params.n_f * dim, dropout=params.dropout, device=device)
+        self.mlp = MLP(
+            fm_features,
+            params.fmb_mlp,
+            params.n_f * dim,
+            norm=params.norm,
+            dropout=params.dropout,
+            device=device,
+        )
         self.dim = dim
 
     def forward(self, x: Tensor) -> Tensor:
@@ -79,7 +87,9 @@ class Wukong(RecModel):
         self.layers = nn.Sequential(
             *(WukongLayer(n if i == 0 else n_out, d, params, device) for i in range(params.num_layers))
         )
-        self.head = MLP(n_out * d, params.final_mlp, 1, dropout=params.dropout, device=device)
+        self.head = MLP(
+            n_out * d, params.final_mlp, 1, norm=params.norm, dropout=params.dropout, device=device
+        )
 
     def interact(self, x0: Tensor) -> Tensor:
         return self.head(self.layers(x0).flatten(1)).squeeze(-1)
