@@ -15,3 +15,7 @@ class ConfigError(RecscaleError):
 
 class CheckpointError(RecscaleError):
     """A missing, incomplete, truncated or tampered checkpoint or artifact."""
+
+
+class StaleArtifactError(CheckpointError):
+    """A saved artifact (e.g. preprocess.json) was built from other inputs than the ones given now."""
