@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
 from recscale.errors import RecscaleError
 
@@ -51,15 +53,22 @@ def print_report(report: dict) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from recscale.config import load_config
     from recscale.distributed.env import shutdown
-    from recscale.train.loop import Trainer, load_run
+    from recscale.train.loop import Trainer, resume_config
 
-    if args.resume and args.config is None:
-        cfg, _ = load_run(Path(args.out))
-    elif args.config is None:
+    if args.resume and args.config is not None and "=" in args.config and not Path(args.config).is_file():
+        args.overrides.insert(0, args.config)  # `train --resume --out RUN k=v`: the first override
+        args.config = None
+    if args.resume and not args.out:
+        raise RecscaleError("train --resume: name the run to continue with --out RUN_DIR")
+    if args.config is None and not args.resume:
         raise RecscaleError("train: give a CONFIG file (or --resume --out RUN_DIR)")
+    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
+    if out.exists() and not out.is_dir():
+        raise RecscaleError(f"--out {out} is a file; name a directory for the run (it is created if missing)")
+    if args.resume:  # checked before anything is launched or written: a refused resume changes nothing
+        cfg = resume_config(out, args.config, args.overrides)
     else:
         cfg = load_config(args.config, args.overrides)
-    out = Path(args.out) if args.out else Path("runs") / Path(args.config).stem
     if args.nproc is not None:
         _launch(args, out)
         return
@@ -123,10 +132,19 @@ def cmd_dmt_partition(args: argparse.Namespace) -> None:
     print(f"assignment: {out}  (use it as dmt.assignment={out})")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line errors (its default prints the usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="recscale", description="Train and evaluate large-scale recommendation models."
     )
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model from a YAML config",
@@ -189,31 +207,72 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_OS_HINTS = {
+    errno.ENOSPC: "the disk is full; free space or choose another --out",
+    errno.EDQUOT: "the disk quota is exhausted; free space or choose another --out",
+    errno.EROFS: "the file system is read-only; choose a writable --out",
+    errno.EACCES: "permission denied; choose a path you may write, or fix its permissions",
+    errno.EPERM: "operation not permitted; choose a path you may write, or fix its permissions",
+    errno.ENOTDIR: "a part of the path is a file, not a directory; fix the path",
+    errno.EISDIR: "it is a directory where a file was expected; fix the path",
+    errno.EEXIST: "it already exists; remove it or choose another path",
+    errno.EFBIG: "the file grew past the size this process may write (ulimit -f); raise the limit",
+    errno.ENAMETOOLONG: "the path is too long; choose a shorter one",
+}
+
+
+def _os_error_line(e: OSError) -> str:
+    where = f"{e.filename}: " if e.filename else ""
+    hint = _OS_HINTS.get(e.errno or 0, "check the path and the disk")
+    return f"{where}{e.strerror or e} ({hint})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv  # accepted anywhere on the line, not only before the command
+    argv = [a for a in argv if a != "--debug"]
     # Overrides may follow options (`train CFG --out D k=v`), which argparse leaves unparsed.
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        if args.command != "train" or not all("=" in x and not x.startswith("-") for x in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides += extra
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            if args.command != "train" or any(x.startswith("-") for x in extra):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            args.overrides += extra
+    except SystemExit as e:  # --help, or a usage error already printed as one line
+        return int(e.code or 0)
     _quiet()
     try:
         args.fn(args)
-    except RecscaleError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except RuntimeError as e:
-        from recscale.distributed.env import lost_peer
-
-        if (line := lost_peer(e)) is None:
+    except BrokenPipeError:  # the reader went away (`recscale data inspect F | head`): nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141
+    except Exception as e:
+        if debug:
             raise
+        code, line = _error_line(e)
         print(f"error: {line}", file=sys.stderr)
-        return 3
+        return code
     return 0
+
+
+def _error_line(e: Exception) -> tuple[int, str]:
+    """The exit code and one line for an exception that ends a command (``--debug`` shows the traceback)."""
+    from recscale.distributed.env import lost_peer
+
+    if isinstance(e, RecscaleError):
+        return 2, " ".join(str(e).split("\n"))
+    if isinstance(e, OSError):
+        return 2, _os_error_line(e)
+    if isinstance(e, MemoryError):
+        return 2, "out of memory; lower train.batch_size or the model size, or use more ranks (--nproc)"
+    if isinstance(e, RuntimeError) and (line := lost_peer(e)) is not None:
+        return 3, line
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return 1, f"internal error {type(e).__name__}: {first} (rerun with --debug for the traceback and report it)"
 
 
 if __name__ == "__main__":

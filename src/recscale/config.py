@@ -283,14 +283,82 @@ def validate_config(raw: dict) -> RunConfig:
     return cfg
 
 
+def yaml_error(path: Path, e: yaml.YAMLError) -> str:
+    """One line for a YAML syntax error: file:line:column and what the parser expected."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"{where}: not valid YAML ({problem}); fix the file's indentation or quoting there"
+
+
+def read_yaml_mapping(path: Path, what: str = "a config") -> dict:
+    """A YAML file that must hold a mapping; any problem is one ``ConfigError`` line naming the file."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file; check the path")
+    try:
+        raw = yaml.safe_load(path.read_bytes())
+    except yaml.YAMLError as e:
+        raise ConfigError(yaml_error(path, e)) from None
+    except (OSError, RecursionError, ValueError) as e:  # unreadable, absurdly nested, not text
+        raise ConfigError(f"{path}: cannot be read as YAML ({type(e).__name__}: {str(e)[:120]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: {what} must be a YAML mapping of sections (data, model, train)")
+    return raw
+
+
+def load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A config file as a dict, with its ``base:`` (a config it extends, relative to the file)
+    merged under it: mappings merge key by key, anything else is replaced."""
+    path = Path(path)
+    raw = read_yaml_mapping(path)
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base must be the path of another config, got {base!r}")
+    base_path = (path.parent / base).resolve()
+    if base_path in seen:
+        raise ConfigError(f"{path}: base {base} includes itself")
+    return merge(load_raw(base_path, (*seen, base_path)), raw)
+
+
+def merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} not found")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: a config must be a YAML mapping of sections (data, model, train)")
-    return validate_config(apply_overrides(raw, overrides or []))
+    return validate_config(apply_overrides(load_raw(path), overrides or []))
+
+
+def flat_keys(d: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"epochs": 3}}`` -> ``{"train.epochs": 3}`` (lists are values)."""
+    if not isinstance(d, dict) or not d:
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out |= flat_keys(v, f"{prefix}.{k}" if prefix else str(k))
+    return out
+
+
+# What a resumed run may change: how long it trains, how often it logs/evaluates/keeps, how it
+# reports; not anything that shapes the model, its state or the data it has seen.
+RESUMABLE_KEYS = (
+    "train.epochs", "train.max_steps", "train.eval_every", "train.log_every", "train.progress",
+    "train.keep_checkpoints", "train.early_stopping.patience", "data.test", "data.num_workers",
+    "distributed.timeout_s",
+)  # fmt: skip
+
+
+def resume_changes(saved: RunConfig, new: RunConfig) -> tuple[list[str], list[str]]:
+    """(allowed, refused) dotted keys whose values differ between a run's config and a resume's."""
+    a = flat_keys(saved.model_dump(mode="json", by_alias=True))
+    b = flat_keys(new.model_dump(mode="json", by_alias=True))
+    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    allowed = [k for k in changed if k in RESUMABLE_KEYS]
+    return allowed, [k for k in changed if k not in RESUMABLE_KEYS]

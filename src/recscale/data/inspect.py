@@ -36,6 +36,7 @@ from recscale.data.readers.base import (
     lines_of,
     parse_floats,
     read_header,
+    to_label,
 )
 from recscale.data.readers.criteo import COLUMNS as CRITEO_COLUMNS
 from recscale.data.readers.movielens import KEYS, RATING, files_of
@@ -98,6 +99,8 @@ class _Column:
         self.missing = 0
         self.distinct = _Distinct()
         self.positives = self.labelled = 0
+        # Rows whose label training rejects (to_label's rule), and the first few reasons.
+        self.bad_labels, self.bad_label_examples = 0, list[str]()
         self.numeric, self.integral, self.has_sep = True, True, False
 
     def add(self, values: pa.Array) -> None:
@@ -108,9 +111,13 @@ class _Column:
             return
         self.missing += values.null_count
         if self.kind == LABEL:
-            v = parse_floats(values)[0].to_numpy(zero_copy_only=False)
-            self.positives += int((v == 1).sum())
-            self.labelled += int(((v == 0) | (v == 1)).sum())
+            label, problem = to_label(values)
+            bad = problem.bad if problem is not None else np.zeros(len(values), dtype=bool)
+            self.positives += int(label.to_numpy()[~bad].sum())
+            self.labelled += int((~bad).sum())
+            self.bad_labels += int(bad.sum())
+            for i in np.flatnonzero(bad)[: MAX_EXAMPLES - len(self.bad_label_examples)]:
+                self.bad_label_examples.append(problem.reason(int(i)))  # type: ignore[union-attr]
         elif self.kind is None:
             values = self._observe(values)
         self.distinct.add(values)
@@ -243,6 +250,9 @@ def inspect_file(
         for col in columns:
             col.add(batch.column(col.name))
     label = next((c for c in columns if c.kind == LABEL), None)
+    if label is not None and label.bad_labels:  # rows training rejects are bad here too
+        stats.skipped += label.bad_labels
+        stats.examples += label.bad_label_examples[: max(0, MAX_EXAMPLES - len(stats.examples))]
     return {
         "path": str(path),
         "format": fmt,

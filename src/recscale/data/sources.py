@@ -14,6 +14,7 @@ import pyarrow as pa
 from recscale.data.readers import ReadStats, read_batches
 from recscale.data.schema import Schema
 from recscale.data.synthetic import SyntheticSpec, synthetic_batches
+from recscale.errors import DataError
 
 
 def open_split(
@@ -41,6 +42,8 @@ def source_fingerprint(fmt: str, path: str | None, split: str, extra: dict[str, 
     info: dict[str, Any] = {"format": fmt, "split": split, **extra}
     if path is not None:
         p = Path(path).resolve()
+        if not p.exists():
+            raise DataError(f"data.{split}: {path} does not exist; fix the path in the config or set data.{split}=PATH")
         st = os.stat(p)
         info.update(path=str(p), size=st.st_size, mtime_ns=st.st_mtime_ns)
     return hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode()).hexdigest()

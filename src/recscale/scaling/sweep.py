@@ -40,7 +40,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from recscale.config import RunConfig, _format_error, apply_overrides, validate_config
+from recscale.config import (
+    RunConfig,
+    _format_error,
+    apply_overrides,
+    load_raw,
+    read_yaml_mapping,
+    validate_config,
+)
 from recscale.errors import ConfigError, RecscaleError
 from recscale.io import atomic_write_text
 from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER
@@ -118,15 +125,13 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
     if not path.is_file():
         raise ConfigError(f"sweep file {path} not found")
     try:
-        sweep = SweepConfig.model_validate(yaml.safe_load(path.read_text()))
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        sweep = SweepConfig.model_validate(read_yaml_mapping(path, "a sweep"))
     except ValidationError as e:
         raise ConfigError(f"{path}: {_format_error(e)}") from None
     base_path = path.parent / sweep.base
     if not base_path.is_file():
         raise ConfigError(f"{path}: base config {base_path} not found")
-    base = apply_overrides(yaml.safe_load(base_path.read_text()), sweep.overrides)
+    base = apply_overrides(load_raw(base_path), sweep.overrides)
     _set(base, "train.epochs", 1)
     runs, names = [], set()
     for family, spec in sweep.families.items():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -39,7 +40,17 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from recscale.config import DataConfig, DistributedConfig, RunConfig
+from recscale.config import (
+    RESUMABLE_KEYS,
+    DataConfig,
+    DistributedConfig,
+    RunConfig,
+    apply_overrides,
+    load_config,
+    read_yaml_mapping,
+    resume_changes,
+    validate_config,
+)
 from recscale.data.dataset import ArrayDataset, epoch_batches, iterate, materialize, read_meta
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import ReadStats
@@ -48,7 +59,7 @@ from recscale.distributed import comms
 from recscale.distributed.env import DistEnv, init_distributed
 from recscale.distributed.gather import eval_batches, gather_scores
 from recscale.distributed.sharding import shard_model
-from recscale.errors import CheckpointError, ConfigError, RecscaleError
+from recscale.errors import CheckpointError, ConfigError, DataError, RecscaleError, StaleArtifactError
 from recscale.io import atomic_write_text
 from recscale.models.embedding import FeatureSet, SparseInput
 from recscale.models.registry import build_model
@@ -86,6 +97,14 @@ def prepare_split(
 
 def _syn(data: DataConfig) -> Any:
     return data.synthetic.model_dump() if data.synthetic is not None else None
+
+
+def train_fingerprint(data: DataConfig) -> str:
+    """What the preprocessing is fitted from: the training file's bytes, its reading, the schema."""
+    return source_fingerprint(
+        data.format, data.train, "train",
+        {"options": data.options, "schema": data.schema.model_dump(mode="json"), "syn": _syn(data)},
+    )  # fmt: skip
 
 
 def fit_preprocessor(data: DataConfig) -> Preprocessor:
@@ -274,11 +293,21 @@ class Trainer:
             )
         # Restarted by torchrun (--max-restarts): continue from the last complete checkpoint.
         resume = resume or (self.env.restart_count > 0 and (self.dir / "config.yaml").is_file())
+        created = not self.dir.exists()
+        try:
+            self._setup(resume)
+        except BaseException:
+            if created and self.main:  # a run that never started leaves no directory behind
+                shutil.rmtree(self.dir, ignore_errors=True)
+            raise
+
+    def _setup(self, resume: bool) -> None:
+        cfg = self.cfg
         self._prepare_dir(resume)
         # Rank 0 preprocesses; the others wait, then find its artifacts and materialised splits.
         if not self.main:
             self._barrier()
-        self._prepare_data()
+        self._prepare_data(resume)
         if self.main:
             self._barrier()
         self.dmp, self.opt = build_dmp(cfg, self.pre, self.env)
@@ -298,31 +327,51 @@ class Trainer:
         self.progress = Progress()
         if resume:
             self._resume()
+        if self.main:  # a resumed run's (allowed) changes are recorded once its checkpoint has loaded
+            text, cfg_path = cfg.to_yaml(), self.dir / "config.yaml"
+            if not cfg_path.is_file() or cfg_path.read_text() != text:
+                atomic_write_text(cfg_path, text)
 
     # -------------------------------------------------- setup
     def _prepare_dir(self, resume: bool) -> None:
         cfg_path = self.dir / "config.yaml"
+        if self.dir.exists() and not self.dir.is_dir():
+            raise RecscaleError(f"--out {self.dir} is a file; name a directory for the run")
         if resume:
-            if not cfg_path.is_file():
-                raise RecscaleError(f"--resume: {self.dir} is not a recscale run directory (no config.yaml)")
+            check_resume(self.dir, self.cfg)  # before any file is touched
         elif list_checkpoints(self.dir / "ckpt") or (self.dir / "report.json").exists():
             raise RecscaleError(
                 f"{self.dir} already holds a run; pass --resume to continue it or choose another --out"
             )
         if self.main:
             self.dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(cfg_path, self.cfg.to_yaml())
+            if not resume:
+                atomic_write_text(cfg_path, self.cfg.to_yaml())
 
-    def _prepare_data(self) -> None:
-        data, show = self.cfg.data, self.cfg.train.progress and self.main
+    def _prepare_data(self, resume: bool) -> None:
+        """Fit the preprocessing (or reuse the run's, if fitted on the same training data) and
+        materialise the splits; ``preprocess.json`` is written last, so a failed preparation never
+        leaves an artifact that a later run would take for finished work."""
+        data, show = self.cfg.data, self.cfg.train.progress and self.main and sys.stderr.isatty()
         pre_path = self.dir / "preprocess.json"
+        fingerprint = train_fingerprint(data)
         self.read_stats: dict[str, ReadStats] = {}
-        if pre_path.is_file():
-            self.pre = Preprocessor.load(pre_path)
-        else:
+        fitted = False
+        try:
+            self.pre = Preprocessor.load(pre_path, expect_fingerprint=fingerprint)
+        except StaleArtifactError as e:
+            if resume:
+                raise RecscaleError(
+                    f"{pre_path}: the training data is not what this run was prepared from ({e}); "
+                    "resume with the same data, or start a new run with another --out"
+                ) from None
+            fitted = True  # left by a run that failed, or fitted on other data: fit afresh
+        except CheckpointError:
+            if pre_path.exists():
+                raise
+            fitted = True
+        if fitted:
             self.pre = fit_preprocessor(data)
-            if self.main:
-                self.pre.save(pre_path)
         self.train_ds, self.read_stats["train"] = prepare_split(
             data, self.pre, "train", data.train, self.dir / "data" / "train", show
         )
@@ -336,6 +385,8 @@ class Trainer:
             self.test_ds, self.read_stats["test"] = prepare_split(
                 data, self.pre, "test", data.test, self.dir / "data" / "test", show
             )
+        if fitted and self.main:
+            self.pre.save(pre_path, fingerprint=fingerprint)
 
     def _barrier(self) -> None:
         if self.env.world_size > 1:
@@ -367,9 +418,12 @@ class Trainer:
             self.progress = Progress(**state["progress"])
             if self.env.rank < len(state["rng"]):  # at another world size, new ranks keep their seed
                 _set_rng_state(state["rng"][self.env.rank])
-            if self.main and self.env.restart_count:
-                print(f"restart {self.env.restart_count}: resumed from {ckpts[-1]}", file=sys.stderr)
-        # else nothing complete was saved: start from the beginning
+            if self.main:
+                why = f"restart {self.env.restart_count} after a failed rank: " if self.env.restart_count else ""
+                print(f"{why}resumed from {ckpts[-1]} (step {self.progress.step}, epoch {self.progress.epoch})",
+                      file=sys.stderr)  # fmt: skip
+        elif self.main:
+            print(f"{self.dir}: no complete checkpoint yet; training from the start", file=sys.stderr)
         if self.main:  # forget what a killed attempt did after its last checkpoint
             remove_partial_checkpoints(self.dir)
             self._truncate_metrics(self.progress.step)
@@ -454,18 +508,28 @@ class Trainer:
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
-        cfg, t, p = self.cfg, self.cfg.train, self.progress
+        t, p = self.cfg.train, self.progress
         self.tb = SummaryWriter(str(self.dir / "tb")) if self.main else None
         n = len(self.train_ds)
         steps_per_epoch = n // t.batch_size + (1 if n % t.batch_size and n < t.batch_size else 0)
         if steps_per_epoch == 0:
             raise RecscaleError(f"train.batch_size {t.batch_size} is larger than the training set ({n} rows)")
         total = min(t.epochs * steps_per_epoch, t.max_steps or 10**18)
+        # A bar only on a terminal: redirected to a log, it would print a line per refresh.
+        bar = tqdm(
+            total=total, initial=p.step, desc="train", unit="step",
+            disable=not (t.progress and self.main and sys.stderr.isatty()),
+        )  # fmt: skip
+        try:
+            self._train(bar, total, n)
+        finally:
+            bar.close()  # before any error line, so it does not land on the bar's line
+        return self.finish()
+
+    def _train(self, bar: Any, total: int, n: int) -> None:
+        cfg, t, p = self.cfg, self.cfg.train, self.progress
         sparse_opt, dense_opt = self.opt.optimizers[0][1], self.opt.optimizers[1][1]
         dense_params = list(trainable_dense(self.opt).values())
-        bar = tqdm(
-            total=total, initial=p.step, desc="train", unit="step", disable=not (t.progress and self.main)
-        )
         window_loss, window_n, window_t = 0.0, 0, time.perf_counter()
         done = p.step >= total or p.stopped_early
         self.dmp.train()
@@ -524,8 +588,6 @@ class Trainer:
                         done = True
                         break
                     self.dmp.train()
-        bar.close()
-        return self.finish()
 
     def finish(self) -> dict[str, Any]:
         p = self.progress
@@ -571,18 +633,50 @@ class Trainer:
         return report
 
 
-def load_run(run_dir: Path) -> tuple[RunConfig, Preprocessor]:
-    """The resolved config and preprocessing artifact of a finished or running run."""
-    import yaml
-
-    from recscale.config import validate_config
-
+def run_config(run_dir: Path) -> RunConfig:
+    """The resolved config a run directory was trained with."""
     run_dir = Path(run_dir)
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.is_file():
         raise CheckpointError(f"{run_dir}: not a recscale run directory (no config.yaml)")
-    cfg = validate_config(yaml.safe_load(cfg_path.read_text()))
-    return cfg, Preprocessor.load(run_dir / "preprocess.json")
+    try:
+        return validate_config(read_yaml_mapping(cfg_path, "a run's config.yaml"))
+    except ConfigError as e:
+        raise CheckpointError(
+            f"{cfg_path} is corrupt or was edited by hand ({e}); restore it or train a new run"
+        ) from None
+
+
+def load_run(run_dir: Path) -> tuple[RunConfig, Preprocessor]:
+    """The resolved config and preprocessing artifact of a finished or running run."""
+    return run_config(run_dir), Preprocessor.load(Path(run_dir) / "preprocess.json")
+
+
+def resume_config(run_dir: Path, config: str | None, overrides: list[str]) -> RunConfig:
+    """The config a ``--resume`` continues with: the run's own (or ``config``), with ``overrides``;
+    refused, before any file is touched, if it changes more than the run may change when resumed."""
+    if not (Path(run_dir) / "config.yaml").is_file():
+        raise RecscaleError(f"--resume: {run_dir} is not a recscale run directory (no config.yaml)")
+    if config is None:
+        raw = read_yaml_mapping(Path(run_dir) / "config.yaml", "a run's config.yaml")
+        cfg = validate_config(apply_overrides(raw, overrides))
+    else:
+        cfg = load_config(config, overrides)
+    check_resume(run_dir, cfg)
+    return cfg
+
+
+def check_resume(run_dir: Path, cfg: RunConfig) -> None:
+    if not (Path(run_dir) / "config.yaml").is_file():
+        raise RecscaleError(f"--resume: {run_dir} is not a recscale run directory (no config.yaml)")
+    _, refused = resume_changes(run_config(run_dir), cfg)
+    if refused:
+        more = f" and {len(refused) - 4} more" if len(refused) > 4 else ""
+        raise ConfigError(
+            f"--resume: the config changes {', '.join(refused[:4])}{more} of the run in {run_dir}; a resumed "
+            f"run keeps its model, data and optimizer (it may change {', '.join(RESUMABLE_KEYS)}); "
+            "train a new run with another --out instead"
+        )
 
 
 def load_trained(run_dir: Path) -> tuple[RunConfig, Preprocessor, DistributedModelParallel]:
@@ -613,7 +707,15 @@ def eval_run(run_dir: Path, data_path: str, fmt: str | None = None, split: str =
     """Score the run's best (else latest) model on another file of the same format."""
     import tempfile
 
+    if not Path(data_path).is_file():
+        raise DataError(f"--data {data_path}: no such file; give the file to score")
     cfg, pre, dmp = load_trained(run_dir)
+    if (fmt or cfg.data.format) == "synthetic":
+        raise RecscaleError(
+            f"{run_dir} was trained on synthetic data, which has no file format to read --data {data_path} "
+            "with; pass --format csv (or parquet) for a file with the run's columns "
+            f"({', '.join(pre.schema.column_names()[:4])}, ...)"
+        )
     data = cfg.data.model_copy(update={"format": fmt or cfg.data.format})
     with tempfile.TemporaryDirectory(prefix="recscale-eval-") as tmp:
         ds, stats = prepare_split(data, pre, split, data_path, Path(tmp) / "eval", progress=False)

@@ -378,11 +378,17 @@ def read_header(path: Path, delimiter: str, quote: bool) -> list[str]:
     line = first_line(path)
     if not line.strip():
         raise DataError(f"{path} is empty: no header line")
-    table = pacsv.read_csv(
-        io.BytesIO(line + b"\n"),
-        read_options=pacsv.ReadOptions(use_threads=False),
-        parse_options=_text_options(delimiter, quote, None),
-    )
+    if b"\0" in line:
+        raise DataError(f"{path} line 1: binary data, not delimited text; check the path and data.format")
+    try:
+        table = pacsv.read_csv(
+            io.BytesIO(line + b"\n"),
+            read_options=pacsv.ReadOptions(use_threads=False),
+            parse_options=_text_options(delimiter, quote, None),
+        )
+    except pa.ArrowInvalid as e:
+        reason = str(e).splitlines()[0][:120]
+        raise DataError(f"{path} line 1: not a {delimiter!r}-delimited header ({reason}); check data.format") from None
     return table.column_names
 
 
@@ -451,7 +457,11 @@ def _parse_chunk(
         # exception", apache/arrow#34314).
         table = pacsv.read_csv(
             pa.BufferReader(chunk),
-            read_options=pacsv.ReadOptions(column_names=list(names), use_threads=False),
+            # One block for the whole chunk: a cell longer than pyarrow's default 1 MiB block would
+            # otherwise "straddle two block boundaries" and fail.
+            read_options=pacsv.ReadOptions(
+                column_names=list(names), use_threads=False, block_size=len(chunk) + 1
+            ),
             parse_options=_text_options(*dialect, on_bad),
             convert_options=convert_options,
         )

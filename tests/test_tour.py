@@ -1,0 +1,41 @@
+"""The README's tour runs as written, in order, in a fresh checkout's layout (../shared beside it)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tour_lines() -> list[str]:
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## A tour of the CLI") :]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block, "the README's tour has no bash block"
+    return [line for line in block.group(1).splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_readme_tour_runs_as_written(tmp_path, shared_data):
+    lines = tour_lines()
+    assert lines[0].startswith("source .venv/bin/activate")
+    # A checkout without runs/: the repository's files by link, ../shared beside it.
+    clone = tmp_path / "main"
+    clone.mkdir()
+    for name in ("configs", ".venv"):
+        (clone / name).symlink_to(REPO / name)
+    (tmp_path / "shared").symlink_to(shared_data.parent)
+    script = "set -euo pipefail\n" + "\n".join(lines) + "\n"
+    r = subprocess.run(["bash", "-c", script], cwd=clone, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert "resumed from" in r.stderr and "(step 30," in r.stderr
+    assert json.loads((clone / "runs" / "frappe" / "report.json").read_text())["steps"] == 60
+    scores = [json.loads(x) for x in r.stdout.splitlines() if x.startswith('{"auc"')]
+    assert len(scores) == 1 and scores[0]["rows"] == 57722 and scores[0]["auc"] > 0.8
+    assert "usage: recscale train" in r.stdout
