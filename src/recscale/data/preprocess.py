@@ -11,19 +11,28 @@ hash computed with numpy over the Arrow string buffers, so ids do not depend on 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from pydantic import ValidationError
 
 from recscale.data.schema import LABEL, WEIGHT_SUFFIX, Schema
-from recscale.errors import CheckpointError, DataError
+from recscale.errors import CheckpointError, DataError, StaleArtifactError
 from recscale.io import atomic_write_text
 
 ARTIFACT_VERSION = 1
+_ARTIFACT_KEYS = {"version", "schema", "vocabs"}
+# The artifact is mostly vocabularies: Criteo's 26 fields at min_count 1 hold ~33M ids, ~0.4 GB as
+# JSON. 1 GiB admits that with room to spare; larger vocabularies call for hash_buckets anyway, and
+# the cap keeps a hostile file from exhausting memory (parsing costs several times the file size).
+MAX_ARTIFACT_BYTES = 1 << 30
 OOV = 0
 
 
@@ -86,9 +95,12 @@ def _merge_counts(tables: list[pa.Table]) -> pa.Table:
 class Preprocessor:
     """Vocabularies and dense transforms for one ``Schema``; fit on training data only."""
 
-    def __init__(self, schema: Schema, vocabs: dict[str, pa.Array] | None = None) -> None:
+    def __init__(
+        self, schema: Schema, vocabs: dict[str, pa.Array] | None = None, fingerprint: str | None = None
+    ) -> None:
         self.schema = schema
         self.vocabs: dict[str, pa.Array] = vocabs or {}
+        self.fingerprint = fingerprint  # of the inputs it was fitted from, as saved (None: not recorded)
 
     # ---------------------------------------------------------------- fit
     @classmethod
@@ -166,29 +178,101 @@ class Preprocessor:
         return {"version": ARTIFACT_VERSION, "schema": self.schema.model_dump(), "vocabs": vocabs}
 
     @classmethod
-    def from_json(cls, obj: dict) -> Preprocessor:
-        if obj.get("version") != ARTIFACT_VERSION:
-            raise CheckpointError(
-                f"preprocessing artifact has version {obj.get('version')!r}, this recscale reads "
-                f"version {ARTIFACT_VERSION}; re-run training to rebuild it"
+    def from_json(cls, obj: Any) -> Preprocessor:
+        """Inverse of ``to_json`` (plus the optional ``fingerprint``). The artifact is untrusted
+        input (runs get copied around): every key and type is checked, anything else is a
+        one-line ``CheckpointError``."""
+
+        def bad(what: str) -> CheckpointError:
+            return CheckpointError(
+                f"preprocessing artifact {what}; delete it and re-run training to rebuild it"
             )
-        schema = Schema.model_validate(obj["schema"])
+
+        if type(obj) is not dict:
+            raise bad(f"is a JSON {type(obj).__name__}, not an object")
+        if type(obj.get("version")) is not int or obj["version"] != ARTIFACT_VERSION:
+            raise bad(
+                f"has version {_short(obj.get('version'))}, this recscale reads version {ARTIFACT_VERSION}"
+            )
+        if not _ARTIFACT_KEYS <= obj.keys() <= _ARTIFACT_KEYS | {"fingerprint"}:
+            raise bad(
+                f"has keys {_short(sorted(obj))}, expected {sorted(_ARTIFACT_KEYS)} and an optional fingerprint"
+            )
+        fingerprint = obj.get("fingerprint")
+        if fingerprint is not None and type(fingerprint) is not str:
+            raise bad("has a fingerprint that is not a string")
+        try:
+            schema = Schema.model_validate(obj["schema"])
+        except ValidationError as e:  # pydantic's text spans lines: keep the first error, on one line
+            err = e.errors()[0]
+            raise bad(
+                f"has an invalid schema ({_short('.'.join(map(str, err['loc'])))}: {_short(err['msg'])})"
+            ) from None
+        if type(obj["vocabs"]) is not dict:
+            raise bad("has vocabs that are not an object")
+        wanted = {f.name for f in schema.sparse if f.hash_buckets is None}
+        if obj["vocabs"].keys() != wanted:
+            raise bad(f"has vocabularies {_short(sorted(obj['vocabs']))} for fields {_short(sorted(wanted))}")
         vocabs = {}
         for name, v in obj["vocabs"].items():
-            vocabs[name] = pa.array(v["values"], type=pa.int64() if v["type"] == "int" else pa.string())
-        return cls(schema, vocabs)
+            if type(v) is not dict or v.keys() != {"type", "values"} or v["type"] not in ("int", "str"):
+                raise bad(
+                    f'has vocabulary {_short(repr(name))} not of the form {{"type": "int" or "str", "values": [...]}}'
+                )
+            kind = int if v["type"] == "int" else str
+            if type(v["values"]) is not list or not all(type(x) is kind for x in v["values"]):
+                raise bad(f"has vocabulary {_short(repr(name))} whose values are not all of type {v['type']}")
+            try:
+                vocabs[name] = pa.array(v["values"], type=pa.int64() if kind is int else pa.string())
+            except (pa.ArrowException, OverflowError, UnicodeError) as e:  # ids beyond int64, lone surrogates
+                raise bad(f"has vocabulary {_short(repr(name))} with unusable values ({_short(e)})") from None
+        return cls(schema, vocabs, fingerprint=fingerprint)
 
-    def save(self, path: Path) -> None:
-        atomic_write_text(path, json.dumps(self.to_json()))
+    def save(self, path: Path, fingerprint: str | None = None) -> None:
+        """Write atomically; ``fingerprint`` (stored when given) identifies the inputs it was fitted from."""
+        obj = self.to_json() | ({"fingerprint": fingerprint} if fingerprint is not None else {})
+        atomic_write_text(path, json.dumps(obj))
 
     @classmethod
-    def load(cls, path: Path) -> Preprocessor:
+    def load(cls, path: Path, expect_fingerprint: str | None = None) -> Preprocessor:
+        """Read an artifact written by ``save``. With ``expect_fingerprint``, one fitted from other
+        inputs (or with no fingerprint) is a ``StaleArtifactError``; every other fault (missing,
+        not a file, oversized, not UTF-8, not JSON, wrong structure) a one-line ``CheckpointError``."""
+        path = Path(path)
         try:
-            obj = json.loads(Path(path).read_text())
-            return cls.from_json(obj)
+            # O_NONBLOCK: a FIFO in place of the file fails the regular-file check instead of hanging.
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    raise CheckpointError(f"{path}: preprocessing artifact is not a regular file; "
+                                          "delete it and re-run training to rebuild it")  # fmt: skip
+                data = f.read(MAX_ARTIFACT_BYTES + 1)
         except FileNotFoundError:
             raise CheckpointError(
                 f"{path}: preprocessing artifact not found; is this a recscale run directory?"
             ) from None
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: preprocessing artifact is truncated or corrupt ({e})") from None
+        except OSError as e:
+            raise CheckpointError(
+                f"{path}: preprocessing artifact cannot be read ({e.strerror or e}); check that it is a readable file"
+            ) from None
+        if len(data) > MAX_ARTIFACT_BYTES:
+            raise CheckpointError(f"{path}: preprocessing artifact is larger than {MAX_ARTIFACT_BYTES >> 30} GiB; "
+                                  "cap the vocabularies (max_vocab, min_count or hash_buckets)")  # fmt: skip
+        try:
+            pre = cls.from_json(json.loads(data.decode("utf-8")))
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        except Exception as e:  # UnicodeDecodeError, JSONDecodeError, RecursionError, MemoryError, ...
+            raise CheckpointError(
+                f"{path}: preprocessing artifact is truncated or corrupt ({type(e).__name__}: {_short(e)}); "
+                "delete it and re-run training to rebuild it"
+            ) from None
+        if expect_fingerprint is not None and pre.fingerprint != expect_fingerprint:
+            raise StaleArtifactError(f"{path}: fitted from other data or settings")
+        return pre
+
+
+def _short(x: object, limit: int = 120) -> str:
+    """``x`` as text fit for a one-line message (artifact contents can hold newlines or be huge)."""
+    text = " ".join(str(x).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
