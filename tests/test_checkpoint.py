@@ -56,19 +56,21 @@ def test_save_load_round_trip(tmp_path):
 
 
 class Evil:
+    def __init__(self, canary):
+        self.canary = canary
+
     def __reduce__(self):
-        return (os.system, ("touch /tmp/recscale_pwned",))
+        return (os.system, (f"touch {self.canary}",))
 
 
 def test_tampered_metadata_is_refused_without_running_code(tmp_path):
+    # More cases, the CLI and a fuzzer: tests/test_security.py, bench/fuzz_rundir.py.
     path = tmp_path / "step_00000001"
     save_checkpoint(path, state())
-    (path / ".metadata").write_bytes(pickle.dumps(Evil()))
-    if os.path.exists("/tmp/recscale_pwned"):
-        os.remove("/tmp/recscale_pwned")
+    (path / ".metadata").write_bytes(pickle.dumps(Evil(tmp_path / "canary")))
     with pytest.raises(CheckpointError, match="tampered"):
         load_checkpoint(path, state())
-    assert not os.path.exists("/tmp/recscale_pwned")
+    assert not (tmp_path / "canary").exists()
 
 
 def test_truncated_files_are_clear_errors(tmp_path):

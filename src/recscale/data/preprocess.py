@@ -189,10 +189,11 @@ class Preprocessor:
             )
 
         if type(obj) is not dict:
-            raise bad(f"is a JSON {type(obj).__name__}, not an object")
+            kind = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+            raise bad(f"is a JSON {kind.get(type(obj), 'null')}, not an object")
         if type(obj.get("version")) is not int or obj["version"] != ARTIFACT_VERSION:
             raise bad(
-                f"has version {_short(obj.get('version'))}, this recscale reads version {ARTIFACT_VERSION}"
+                f"has version {_short(repr(obj.get('version')))}, this recscale reads version {ARTIFACT_VERSION}"
             )
         if not _ARTIFACT_KEYS <= obj.keys() <= _ARTIFACT_KEYS | {"fingerprint"}:
             raise bad(
@@ -206,7 +207,7 @@ class Preprocessor:
         except ValidationError as e:  # pydantic's text spans lines: keep the first error, on one line
             err = e.errors()[0]
             raise bad(
-                f"has an invalid schema ({_short('.'.join(map(str, err['loc'])))}: {_short(err['msg'])})"
+                f"has an invalid schema ({_short('.'.join(map(str, err['loc'])) or 'schema')}: {_short(err['msg'])})"
             ) from None
         if type(obj["vocabs"]) is not dict:
             raise bad("has vocabs that are not an object")
@@ -243,10 +244,12 @@ class Preprocessor:
             # O_NONBLOCK: a FIFO in place of the file fails the regular-file check instead of hanging.
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
             with os.fdopen(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
                     raise CheckpointError(f"{path}: preprocessing artifact is not a regular file; "
                                           "delete it and re-run training to rebuild it")  # fmt: skip
-                data = f.read(MAX_ARTIFACT_BYTES + 1)
+                too_big = st.st_size > MAX_ARTIFACT_BYTES
+                data = b"" if too_big else f.read(MAX_ARTIFACT_BYTES + 1)  # +1: it may have grown
         except FileNotFoundError:
             raise CheckpointError(
                 f"{path}: preprocessing artifact not found; is this a recscale run directory?"
@@ -255,7 +258,7 @@ class Preprocessor:
             raise CheckpointError(
                 f"{path}: preprocessing artifact cannot be read ({e.strerror or e}); check that it is a readable file"
             ) from None
-        if len(data) > MAX_ARTIFACT_BYTES:
+        if too_big or len(data) > MAX_ARTIFACT_BYTES:
             raise CheckpointError(f"{path}: preprocessing artifact is larger than {MAX_ARTIFACT_BYTES >> 30} GiB; "
                                   "cap the vocabularies (max_vocab, min_count or hash_buckets)")  # fmt: skip
         try:

@@ -95,14 +95,15 @@ def _read_regular_file(path: Path, cap: int) -> bytes:
         # O_NOFOLLOW: a link swapped in after the check still fails; O_NONBLOCK: a FIFO cannot hang us.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
                 raise _tampered(path, "is not a regular file")
-            data = f.read(cap + 1)
+            data = b"" if st.st_size > cap else f.read(cap + 1)  # +1: it may have grown since
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; the checkpoint is incomplete: delete it") from None
     except OSError as e:
         raise _tampered(path, f"cannot be read ({e.strerror or e})") from None
-    if len(data) > cap:
+    if st.st_size > cap or len(data) > cap:
         raise _tampered(path, f"is larger than {cap >> 20} MiB, more than any recscale checkpoint writes")
     if not data:
         raise _tampered(path, "is empty")
@@ -324,7 +325,8 @@ def load_metadata(ckpt: Path) -> Metadata:
     except CheckpointError:
         raise
     except Exception as e:  # a hostile pickle can raise anything; none of it may escape as-is
-        raise _tampered(path, f"is not readable DCP metadata ({type(e).__name__}: {_one_line(e)})") from None
+        detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise _tampered(path, f"is not readable DCP metadata ({detail})") from None
     return md
 
 
@@ -424,7 +426,10 @@ def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
             out[key] = join_state(own_plain, tensors) if own_tensors else join_state(saved[key], {})
         return out
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{state_file}: does not match the model's state ({_one_line(e)})") from None
+        raise CheckpointError(
+            f"{state_file}: does not match the model's state ({_one_line(e)}); "
+            "the checkpoint belongs to another model or config"
+        ) from None
 
 
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:
