@@ -3,12 +3,13 @@
     python bench/quality.py bench/quality_frappe.yaml              # every model, seeds 0 1 2
     python bench/quality.py bench/quality_frappe.yaml --models wukong dlrm --seeds 0
 
-A suite file names the dataset's shipped config and, per model, the tuned overrides; each run is the
-command ``recscale train CONFIG OVERRIDES seed=S``, printed as it starts, so any row reproduces by
-hand. Runs go to runs/quality/<suite>/<model>/seed<S>; a finished run (report.json) is not redone, and
-a run without a directory whose command is in the last <out>.csv is taken from there (so a changed
-model is rerun alone). Writes <out>.csv (one row per run) and <out>.md (mean ± std per model,
-published figures beside).
+A suite file names, per model, what it trains: ``{config: RECIPE, overrides: [...]}`` (a run config,
+e.g. configs/frappe/wukong.yaml, plus optional overrides), or a list of overrides of the suite's
+``config``. Each run is the command ``recscale train CONFIG OVERRIDES seed=S``, printed as it starts, so
+any row reproduces by hand. Runs go to runs/quality/<suite>/<model>/seed<S>; a finished run (report.json)
+is not redone, and a run without a directory that trains the same config as a row of the last <out>.csv
+is taken from there (so a changed model is rerun alone). Writes <out>.csv (one row per run) and <out>.md
+(mean ± std per model, published figures beside).
 A suite with ``baseline: NAME`` adds each model's mean AUC relative to NAME's, in percent. An override
 starting with ``--`` is an option of ``recscale train`` (e.g. ``--nproc=2``).
 """
@@ -26,15 +27,58 @@ from pathlib import Path
 
 import yaml
 
-from recscale.config import load_config, validate_config
+from recscale.config import RunConfig, load_config, validate_config
+from recscale.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def entries(suite: dict) -> dict[str, tuple[str, list[str]]]:
+    """Model -> (config, overrides) that the suite trains (before the seed)."""
+    out = {}
+    for model, entry in suite["models"].items():
+        if isinstance(entry, list) and "config" in suite:  # overrides of the suite's config
+            out[model] = (suite["config"], flatten(entry))
+        elif isinstance(entry, dict) and "config" in entry and set(entry) <= {"config", "overrides"}:
+            out[model] = (entry["config"], flatten(entry.get("overrides", [])))
+        else:
+            raise ConfigError(
+                f"models.{model}: write {{config: FILE, overrides: [...]}}, or a list of overrides "
+                "of the suite's config: FILE"
+            )
+    return out
+
+
+def run_config(config: str, overrides: list[str]) -> RunConfig:
+    """What ``recscale train CONFIG OVERRIDES`` trains as the suite runs it (options like --nproc aside)."""
+    return load_config(REPO / config, ["train.progress=false", *(o for o in overrides if o[:2] != "--")])
+
+
+def run_key(config: str, overrides: list[str]) -> str:
+    """A run's resolved config and launcher options: equal for two commands that train the same thing,
+    whether they name a recipe or spell its overrides out (as the tables before the recipes do)."""
+    return run_config(config, overrides).to_yaml() + shlex.join(o for o in overrides if o[:2] == "--")
+
+
+def recorded_rows(path: Path) -> dict[str, dict[str, str]]:
+    """Rows of a table written before, by ``run_key`` of their command."""
+    if not path.is_file():
+        return {}
+    rows = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            _, _, config, *overrides = shlex.split(row["command"])
+            try:
+                rows[run_key(config, overrides)] = row
+            except ConfigError:  # a config since removed or changed past validity: nothing can match it
+                pass
+    return rows
 
 
 def run_one(config: str, overrides: list[str], out: Path) -> dict:
     report = out / "report.json"
     if report.is_file():  # reuse it only if it was trained with what the suite now says
-        want = load_config(REPO / config, ["train.progress=false", *(o for o in overrides if o[:2] != "--")])
+        want = run_config(config, overrides)
         have = validate_config(yaml.safe_load((out / "config.yaml").read_text()))
         if want.model_dump() != have.model_dump():
             sys.exit(f"{out}: holds a run of another config (the suite changed since); delete it to rerun")
@@ -79,7 +123,7 @@ def mean_std(values: list[float], digits: int = 4) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("suite", help="suite YAML: config, reference, models: {name: [overrides]}")
+    ap.add_argument("suite", help="suite YAML: reference, models: {name: {config: FILE, overrides: [...]}}")
     ap.add_argument("--models", nargs="*", help="subset of the suite's models")
     ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
     ap.add_argument("--out", help="output path prefix (default docs/quality_<suite>)")
@@ -88,29 +132,29 @@ def main() -> None:
     suite_path = Path(args.suite)
     suite = yaml.safe_load(suite_path.read_text())
     name = suite_path.stem.removeprefix("quality_")
-    models = {name: flatten(items) for name, items in suite["models"].items()}
+    models = entries(suite)
     chosen = args.models or list(models)
     out = Path(args.out) if args.out else REPO / "docs" / f"quality_{name}"
     ref = published(suite.get("reference"))
     extra_ref = suite.get("published", {})  # figures not in the BARS table (e.g. Wukong's paper)
     ref_names = suite.get("reference_names", {})  # our model name -> the reference table's, where they differ
 
-    # Rows of the table written last time, by command: a run whose directory is gone (runs/ is not kept)
-    # is taken from there if the suite still gives the same command, so one model can be rerun alone.
-    recorded = {}
-    if out.with_suffix(".csv").is_file():
-        with open(out.with_suffix(".csv")) as f:
-            recorded = {row["command"]: row for row in csv.DictReader(f)}
+    # Rows of the table written last time, by what they trained: a run whose directory is gone (runs/ is
+    # not kept) is taken from there if the suite still trains the same config, so one model can be rerun
+    # alone; the row gets the suite's command now, which trains that config.
+    recorded = recorded_rows(out.with_suffix(".csv"))
     rows = []
     for model in chosen:
+        config, overrides = models[model]
         for seed in args.seeds:
-            overrides = [*models[model], f"seed={seed}"]
-            command = shlex.join(["recscale", "train", suite["config"], *overrides])
+            seeded = [*overrides, f"seed={seed}"]
+            command = shlex.join(["recscale", "train", config, *seeded])
             run_dir = REPO / "runs" / "quality" / name / model / f"seed{seed}"
-            if not (run_dir / "report.json").is_file() and command in recorded:
-                rows.append(from_csv(recorded[command]))
+            key = run_key(config, seeded)
+            if not (run_dir / "report.json").is_file() and key in recorded:
+                rows.append({**from_csv(recorded[key]), "command": command})
                 continue
-            r = run_one(suite["config"], overrides, run_dir)
+            r = run_one(config, seeded, run_dir)
             m = r[suite.get("split", "valid")]
             rows.append({
                 "model": model, "seed": seed, "auc": m["auc"], "logloss": m["logloss"], "ne": m["ne"],
@@ -155,4 +199,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as e:
+        sys.exit(f"error: {e}")

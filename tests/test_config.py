@@ -4,6 +4,8 @@ import pytest
 
 from recscale.config import load_config, validate_config
 from recscale.errors import ConfigError
+from recscale.models.registry import params_class
+from recscale.models.wukong import WukongParams
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -11,8 +13,37 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 @pytest.mark.parametrize("name", ["demo", "frappe", "movielens", "criteo"])
 def test_shipped_configs_validate(name):
     cfg = load_config(CONFIGS / f"{name}.yaml")
-    assert cfg.model.params is not None
+    # The shipped configs set only the model's name and embedding: its own params are the defaults.
+    assert cfg.model.params == params_class(cfg.model.name)()
+    assert type(cfg.model.params) is params_class(cfg.model.name)
     assert cfg.data.schema.sparse
+
+
+def test_model_params_are_validated_with_their_types():
+    overrides = ["model.num_layers=3", "model.fmb_mlp=[512]", "model.dropout=0", "model.fm=full"]
+    params = load_config(CONFIGS / "frappe.yaml", overrides).model.params
+    assert isinstance(params, WukongParams)
+    assert (params.num_layers, params.fmb_mlp, params.dropout, params.fm) == (3, [512], 0.0, "full")
+    assert type(params.dropout) is float  # YAML's 0 is an int: validated into the declared type
+    assert params.n_f == WukongParams().n_f  # keys not given keep their defaults
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("model.num_layers=three", ["model.num_layers", "integer"]),
+        ("model.num_layers=0", ["model.num_layers", "greater than or equal to 1"]),
+        ("model.dropout=1.5", ["model.dropout", "less than 1"]),
+        ("model.fm=huge", ["model.fm", "'optimized' or 'full'"]),
+        ("model.fmb_mlp=512", ["model.fmb_mlp", "list"]),
+    ],
+)
+def test_wrong_model_params_are_refused_naming_the_key(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "frappe.yaml", [override])
+    assert "\n" not in str(e.value)
+    for w in words:
+        assert w in str(e.value)
 
 
 def test_overrides_are_typed():
