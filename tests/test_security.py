@@ -312,6 +312,9 @@ METADATA_EDITS: dict[str, Callable[[Metadata], None]] = {
     "storage key not index": lambda md: md.storage_data.__setitem__(
         "k", next(iter(md.storage_data.values()))
     ),
+    "storage record missing": lambda md: md.storage_data.pop(
+        next(k for k in md.storage_data if k.fqn == "/model/w")
+    ),
     "planner_data list": lambda md: setattr(md, "planner_data", [1]),
     "version int": lambda md: setattr(md, "version", 3),
 }

@@ -279,6 +279,10 @@ def _check_metadata(md: Any, path: Path) -> None:
                 raise _tampered(path, f"entry {_one_line(repr(key), 80)} has a chunk outside the tensor")
     if type(md.storage_data) is not dict:
         raise _tampered(path, "has no storage records")
+    stored = {(i.fqn, tuple(i.offset or ())) for i in md.storage_data if type(i) is MetadataIndex}
+    for key, entry in md.state_dict_metadata.items():
+        if any((key, tuple(c.offsets)) not in stored for c in entry.chunks):
+            raise _tampered(path, f"entry {_one_line(repr(key), 80)} has a chunk with no storage record")
     file_sizes: dict[str, int] = {}
     for index, info in md.storage_data.items():
         if not (type(index) is MetadataIndex and type(index.fqn) is str
@@ -417,7 +421,10 @@ def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
         raise
     except (Exception, CheckpointException) as e:  # DCP wraps storage errors in a BaseException subclass
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: checkpoint could not be read ({_one_line(first)})") from None
+        raise CheckpointError(
+            f"{path}: could not be read into this model ({_one_line(first)}); the checkpoint is damaged, "
+            "or belongs to another model or config"
+        ) from None
     try:
         saved = dict(plain["__dict__"])
         out = {}
