@@ -38,14 +38,13 @@ def _overrides(args: argparse.Namespace) -> list[str]:
         "data.synthetic.rows.train=200000", "data.synthetic.rows.valid=1024", "data.synthetic.rows.test=1024",
         f"data.synthetic.vocab_sizes={args.vocab}", "data.num_workers=0", "train.progress=false",
         f"train.batch_size={args.batch}", f"model.embedding.dim={args.dim}",
-        f"distributed.sharding={args.sharding}", f"distributed.dense={args.dense}",
+        f"distributed.sharding={args.sharding}", f"distributed.dense={args.dense}", "distributed.count_bytes=true",
     ]  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from torch import nn
     from torch.profiler import ProfilerActivity, profile
 
     from recscale.config import load_config
@@ -58,20 +57,20 @@ def worker(args: argparse.Namespace) -> None:
     cfg = load_config(REPO / "configs" / "demo.yaml", _overrides(args))
     run_dir = Path(args.run_dir)
     trainer = Trainer(cfg, run_dir, resume=(run_dir / "config.yaml").is_file())  # data made once, reused
-    env, dmp, opt, meter = trainer.env, trainer.dmp, trainer.opt, trainer.comm
+    env, meter = trainer.env, trainer.comm
     index = epoch_batches(len(trainer.train_ds), args.batch, shuffle=True, seed=0, epoch=0, drop_last=True,
                           rank=env.rank, world_size=env.world_size)  # fmt: skip
     batches = list(iterate(trainer.train_ds, index[: args.steps]))
     timings = {"optimizer": 0.0}
 
-    def step(b) -> None:
-        with meter.recording():
-            loss = nn.functional.binary_cross_entropy_with_logits(dmp(b.dense, b.sparse), b.labels)
-            opt.zero_grad()
-            loss.backward()
-            t0 = time.perf_counter()
-            opt.step()
-            timings["optimizer"] += time.perf_counter() - t0
+    step, optimizer_step = trainer.train_step, trainer.opt.step
+
+    def timed_optimizer_step() -> None:  # the step training runs, with its optimizer step timed
+        t0 = time.perf_counter()
+        optimizer_step()
+        timings["optimizer"] += time.perf_counter() - t0
+
+    trainer.opt.step = timed_optimizer_step
 
     def timed(n: int) -> float:
         dist.barrier()
@@ -83,6 +82,7 @@ def worker(args: argparse.Namespace) -> None:
 
     for b in batches[:3]:  # warm-up
         step(b)
+    meter.reset()
     wall = timed(args.steps)
     meter.reset()
     meter.sync, timings["optimizer"] = True, 0.0
@@ -103,7 +103,7 @@ def worker(args: argparse.Namespace) -> None:
         result = {
             "nproc": w,
             "hosts": env.topology.num_hosts,
-            "parameters": dmp.recscale_parameters,
+            "parameters": trainer.built.parameters,
             "examples_per_s": round(n * args.batch / (local[0].item() / w), 1),
             "step_ms": round(local[0].item() / w / n * 1e3, 2),
             "breakdown_ms": {k: round(x, 2) for k, x in zip(names, ms, strict=True)},

@@ -41,7 +41,7 @@ def _overrides(args: argparse.Namespace, variant: str) -> list[str]:
         "data.synthetic.rows.test=256", f"data.synthetic.num_sparse={args.features}", "data.synthetic.num_multi=0",
         f"data.synthetic.vocab_sizes={args.vocab}", "data.num_workers=0", "train.progress=false",
         f"train.batch_size={args.batch}", f"model.embedding.dim={args.dim}", "model.num_layers=1",
-        "model.fmb_mlp=[64]", "model.final_mlp=[64]",
+        "model.fmb_mlp=[64]", "model.final_mlp=[64]", "distributed.count_bytes=true",
     ]  # fmt: skip
     if variant in FLAT:
         return [*base, f"distributed.sharding={variant}"]
@@ -52,7 +52,6 @@ def _overrides(args: argparse.Namespace, variant: str) -> list[str]:
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from torch import nn
 
     from recscale.config import load_config
     from recscale.data.dataset import epoch_batches, iterate
@@ -71,24 +70,18 @@ def worker(args: argparse.Namespace) -> None:
     for variant in (*FLAT, *DMT):
         cfg = load_config(REPO / "configs" / "demo.yaml", _overrides(args, variant))
         trainer = Trainer(cfg, Path(args.run_dir) / variant)
-        env, model, opt, meter = trainer.env, trainer.dmp, trainer.opt, trainer.comm
+        env, model, meter, step = trainer.env, trainer.built.model, trainer.comm, trainer.train_step
         index = epoch_batches(len(trainer.train_ds), args.batch, shuffle=True, seed=0, epoch=0, drop_last=True,
                               rank=env.rank, world_size=env.world_size)  # fmt: skip
         batches = list(iterate(trainer.train_ds, index[: args.steps + 2]))
 
-        def step(b, model=model, opt=opt) -> None:
-            loss = nn.functional.binary_cross_entropy_with_logits(model(b.dense, b.sparse), b.labels)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-
         for b in batches[:2]:  # warm-up
             step(b)
+        meter.reset()
         dist.barrier()
         t0 = time.perf_counter()
-        with meter.recording():
-            for b in batches[2:]:
-                step(b)
+        for b in batches[2:]:  # the step training runs; it records bytes (distributed.count_bytes)
+            step(b)
         dist.barrier()
         wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         total = meter.totals()

@@ -25,7 +25,6 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,18 +73,12 @@ def build_trainer(model: str, size: str, batch: int, steps: int, run_dir: Path, 
 
 def measure(trainer, batch: int, steps: int, warmup: int) -> dict:
     from recscale.data.dataset import epoch_batches, iterate
-    from recscale.train.loop import unwrap
+    from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER
 
     index = epoch_batches(len(trainer.train_ds), batch, shuffle=True, seed=0, epoch=0, drop_last=True)
     batches = list(iterate(trainer.train_ds, index[:steps]))
-    dmp, opt = trainer.dmp, trainer.opt
-    dmp.train()
-
-    def step(b) -> None:
-        loss = nn.functional.binary_cross_entropy_with_logits(dmp(b.dense, b.sparse), b.labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    trainer.module.train()
+    step = trainer.train_step  # the step training runs (schedule, clipping, regularisers included)
 
     for i in range(warmup):
         step(batches[i % len(batches)])
@@ -93,7 +86,7 @@ def measure(trainer, batch: int, steps: int, warmup: int) -> dict:
     for b in batches:
         step(b)
     seconds = time.perf_counter() - t0
-    flops = unwrap(dmp).train_flops_per_example()
+    flops = TRAIN_FLOPS_MULTIPLIER * trainer.built.flops_per_example
     rate = len(batches) * batch / seconds
     return {
         "mflops_per_example": round(flops / 3 / 1e6, 3),

@@ -30,7 +30,7 @@ def with_rows(cfg, rows: dict[str, int]):
 
 def time_data(cfg, rows: int, tmp: Path) -> float:
     """Seconds per training row to fit the preprocessing and materialise the split."""
-    from recscale.train.loop import fit_preprocessor, prepare_split
+    from recscale.train.data import fit_preprocessor, prepare_split
 
     small = with_rows(cfg, {"train": rows})
     t0 = time.perf_counter()
@@ -48,7 +48,8 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     from recscale.scaling.sweep import load_sweep
-    from recscale.train.loop import Trainer, evaluate
+    from recscale.train.evaluate import eval_batch_size, evaluate
+    from recscale.train.loop import Trainer
 
     _, runs = load_sweep(args.sweep)
     base = runs[0].config
@@ -67,7 +68,7 @@ def main() -> None:
             startup = time.perf_counter() - t0
             rate = measure(trainer, batch, args.steps, warmup=2)["examples_per_s"]
             t0 = time.perf_counter()
-            evaluate(trainer.dmp, trainer.valid_ds, max(batch, 8192), 0)
+            evaluate(trainer.module, trainer.valid_ds, eval_batch_size(batch), 0)
             eval_rate = 4 * batch / (time.perf_counter() - t0)
             seconds = startup + full["train"] / rate + (2 * full["valid"] + full["test"]) / eval_rate
             estimates.append({"run": run.name, "examples_per_s": rate, "seconds": round(seconds)})

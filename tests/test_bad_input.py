@@ -131,7 +131,7 @@ CASES = [
     Case("override into a value", lambda c: c.train("seed.x=1"), ("seed",)),
     Case("unknown data format", lambda c: c.train("data.format=xls"), ("data.format",)),
     Case("config without train file", lambda c: ["train", c.yaml("data: {format: csv}\nmodel: {name: lr}\n")], ("data.train",)),
-    Case("base config missing", lambda c: ["train", c.yaml("base: gone.yaml\nmodel: {name: lr}\n")], ("gone.yaml", "no such file")),
+    Case("base config missing", lambda c: ["train", c.yaml("base: gone.yaml\nmodel: {name: lr}\n")], ("gone.yaml", "not found")),
     Case("train without a config", lambda c: ["train", "--out", str(c.tmp / "new")], ("give a config",)),
     Case("--resume without --out", lambda c: ["train", "--resume"], ("--resume", "--out")),
     Case("--resume on no run", lambda c: ["train", "--resume", "--out", str(c.tmp / "new")], ("not a recscale run directory",)),

@@ -19,15 +19,16 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.config import validate_config
 from recscale.distributed import comms
-from recscale.distributed.dmt.build import build_dmt, build_unsharded
-from recscale.distributed.dmt.partitioner import resolve_assignment
+from recscale.distributed.dmt.assignment import resolve_assignment
+from recscale.distributed.dmt.build import build_unsharded
 from recscale.distributed.dmt.transform import Top
 from recscale.distributed.env import init_distributed, shutdown
 from recscale.distributed.launch import launch
 from recscale.errors import ConfigError
 from recscale.models.embedding import FeatureSet, SparseInput
 from recscale.models.registry import build_model
-from recscale.train.loop import EmbeddingL2
+from recscale.train.build import build
+from recscale.train.regularizers import EmbeddingL2
 
 B, D = 4, 8  # local batch, embedding dim
 FEATURES = FeatureSet(
@@ -47,6 +48,7 @@ def _cfg(tower_module: dict, sharding: str = "table_wise", model: dict | None = 
             "embedding": {"dim": D, "init_std": 0.1, "multi_embedding": {"b": 2}}},
         "train": {"sparse_optimizer": {"name": "sgd", "lr": 1.0}, "dense_optimizer": {"name": "sgd", "lr": 1.0}},
         "dmt": {"assignment": TOWERS, "tower_module": tower_module, "sharding": sharding},
+        "distributed": {"count_bytes": True},  # the traffic tests count the DDP all-reduce too
     }  # fmt: skip
 
 
@@ -123,7 +125,8 @@ def _semantics(sharding: str, rank: int, world: int, l2: float = 0.0) -> dict:
     """Identity tower modules against the flat model (with ``l2``: both with the embedding L2 penalty)."""
     env = init_distributed()
     cfg = validate_config(_cfg({"type": "identity"}, sharding))
-    model, opt = build_dmt(cfg, FEATURES, env)
+    built = build(cfg, FEATURES, env)
+    model, opt = built.module, built.opt
     torch.manual_seed(cfg.seed)
     flat = build_model(cfg.model.name, FEATURES, cfg.model.embedding, cfg.model.params)
     return _compare(model, opt, flat, flat, flat.embedding.ebc, rank, world, l2)
@@ -134,7 +137,8 @@ def _compressed(kind: str, rank: int, world: int) -> dict:
     tower modules' gradients (averaged over the host only, scaled by 1/H on the way back)."""
     env = init_distributed()
     cfg = validate_config(_cfg({"type": kind, "compression": 2}))
-    model, opt = build_dmt(cfg, FEATURES, env)
+    built = build(cfg, FEATURES, env)
+    model, opt = built.module, built.opt
     ref = build_unsharded(cfg, FEATURES, env.topology.num_hosts)
 
     def reference(dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
@@ -158,7 +162,8 @@ def _traffic(tower_module: dict, rank: int, world: int) -> dict:
     """Bytes of one training step (single-id features), summed over ranks, and the model's sizes."""
     env = init_distributed()
     cfg = validate_config(_cfg(tower_module))
-    model, opt = build_dmt(cfg, FEATURES, env)
+    built = build(cfg, FEATURES, env)
+    model, opt = built.module, built.opt
     comms.install()
     meter = comms.CommMeter(env.topology, env.rank)
     dense, kjt, labels = _batch(world * B, seed=2, multi=False)

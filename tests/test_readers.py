@@ -93,7 +93,7 @@ def test_csv_delimiter_option_and_gzip(tmp_path):
 
 def test_csv_many_blocks_keep_exact_lines(tmp_path, monkeypatch):
     # Small text chunks so rows cross chunk boundaries; the bad row's line must still be exact.
-    monkeypatch.setattr("recscale.data.readers.base.BLOCK_BYTES", 64)
+    monkeypatch.setattr("recscale.data.readers.text.BLOCK_BYTES", 64)
     lines = ["label,a"] + [f"{i % 2},{i}" for i in range(200)]
     lines[150] = "maybe,x"
     path = write(tmp_path / "t.csv", lines)

@@ -9,7 +9,8 @@ import torch
 from recscale.config import load_config
 from recscale.errors import ConfigError
 from recscale.train.checkpoint import load_checkpoint
-from recscale.train.loop import Trainer, eval_run
+from recscale.train.loop import Trainer
+from recscale.train.runs import eval_run
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SMALL_SYNTH = [
@@ -93,12 +94,12 @@ def test_tables_are_trained_by_the_fused_sparse_optimizer(tmp_path):
     """Every table is sharded with the fused kernel; none leaks into the dense optimizer."""
     cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=1"])
     tr = Trainer(cfg, tmp_path / "r")
-    fused, dense = tr.opt.optimizers[0][1], tr.opt.optimizers[1][1]
+    fused, dense = tr.built.tables, tr.built.dense
     tables = {f"embedding.ebc.embedding_bags.t_{f.name}.weight" for f in tr.pre.schema.sparse}
     assert set(fused.params) == tables
     assert not any("ebc" in name for name in dense.params)
     assert all(s.sharding_type == "table_wise" and s.compute_kernel == "fused"
-               for s in tr.dmp.plan.plan["embedding.ebc"].values())  # fmt: skip
+               for s in tr.module.plan.plan["embedding.ebc"].values())  # fmt: skip
 
 
 @pytest.mark.parametrize("wd", [0.0, 1.0])
@@ -110,10 +111,10 @@ def test_replicated_tables_take_a_torch_optimizer_with_whole_table_l2(tmp_path, 
     cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=1", "distributed.sharding=data_parallel",
                                               f"train.sparse_optimizer={{name: adam, lr: {lr}, weight_decay: {wd}}}"])  # fmt: skip
     tr = Trainer(cfg, tmp_path / "r")
-    tables = {k: v for k, v in tr.dmp.state_dict().items() if ".ebc." in k}
+    tables = {k: v for k, v in tr.module.state_dict().items() if ".ebc." in k}
     before = {k: v.clone() for k, v in tables.items()}
-    replicas = tr.opt.optimizers[0][1]
-    assert set(replicas.params) == set(tables) and not any("ebc" in n for n in tr.opt.optimizers[1][1].params)
+    replicas = tr.built.tables
+    assert set(replicas.params) == set(tables) and not any("ebc" in n for n in tr.built.dense.params)
     report = tr.fit()
     for k, w in tables.items():
         # The row's whole gradient is the decay's; Adam's first step is lr·g/(|g| + eps).
@@ -121,7 +122,7 @@ def test_replicated_tables_take_a_torch_optimizer_with_whole_table_l2(tmp_path, 
         torch.testing.assert_close(w[0], before[k][0] - lr * g / (g.abs() + 1e-8), rtol=0, atol=1e-7)
         assert not torch.equal(w[1:], before[k][1:])  # looked-up rows trained
     # `recscale eval` loads such a run (its optimizer has no fused kernel) and scores it the same.
-    again = eval_run(tmp_path / "r", str(tmp_path / "r" / "data" / "valid"), split="valid")
+    again = eval_run(tmp_path / "r", None, split="valid")
     assert again["auc"] == pytest.approx(report["valid"]["auc"])
 
 
@@ -136,7 +137,7 @@ def _tables_after(tmp_path: Path, overrides: list[str]) -> dict[str, torch.Tenso
     """The demo model's tables (this rank's shards) after training with ``overrides``."""
     tr = Trainer(load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, *overrides]), tmp_path)
     tr.fit()
-    return {k: v.local_shards()[0].tensor.clone() for k, v in tr.dmp.state_dict().items() if ".ebc." in k}
+    return {k: v.local_shards()[0].tensor.clone() for k, v in tr.module.state_dict().items() if ".ebc." in k}
 
 
 def test_embedding_l2_shrinks_the_tables(tmp_path):
@@ -175,7 +176,7 @@ def test_learning_rates_drop_on_plateau(tmp_path):
     lr = {r["step"]: r["lr"] for r in rows if r["split"] == "train"}
     base = cfg.train.dense_optimizer.lr
     assert lr[10] == pytest.approx(base) and lr[11] == pytest.approx(base * 0.5)
-    sparse = tr.opt.optimizers[0][1].param_groups[0]["lr"]
+    sparse = tr.built.tables.param_groups[0]["lr"]
     assert sparse == pytest.approx(cfg.train.sparse_optimizer.lr * 0.5)
 
 
@@ -192,10 +193,10 @@ def test_restore_best_on_plateau(tmp_path, restore):
 
     def weights() -> dict[str, torch.Tensor]:  # tables as this rank's shards
         return {k: (v.local_shards()[0].tensor if hasattr(v, "local_shards") else v).clone()
-                for k, v in tr.dmp.state_dict().items()}  # fmt: skip
+                for k, v in tr.module.state_dict().items()}  # fmt: skip
 
     best = weights()
-    load_checkpoint(tmp_path / "r" / "ckpt" / "step_00000010", {"model": tr.dmp.state_dict()})
+    load_checkpoint(tmp_path / "r" / "ckpt" / "step_00000010", {"model": tr.module.state_dict()})
     after = weights()
     assert any(".ebc." in k for k in best)
     assert all(torch.equal(after[k], best[k]) for k in best) == restore
@@ -209,13 +210,13 @@ def test_ema_reports_the_average_of_the_dense_weights(tmp_path):
 
     def dense(tr: Trainer) -> dict[str, torch.Tensor]:
         return {k: q.detach().clone() for k, q in tr.ema.params.items()} if tr.ema else {
-            k: q.detach().clone() for k, q in tr.opt.optimizers[1][1].params.items() if q.requires_grad}  # fmt: skip
+            k: q.detach().clone() for k, q in tr.built.trainable_dense().items()}  # fmt: skip
 
     raw = Trainer(load_config(CONFIGS / "demo.yaml", common), tmp_path / "raw")
     w = [dense(raw)]
     raw.fit()
     for step in (1, 2):
-        load_checkpoint(tmp_path / "raw" / "ckpt" / f"step_{step:08d}", {"model": raw.dmp.state_dict()})
+        load_checkpoint(tmp_path / "raw" / "ckpt" / f"step_{step:08d}", {"model": raw.module.state_dict()})
         w.append(dense(raw))
     tr = Trainer(load_config(CONFIGS / "demo.yaml", [*common, "train.ema_decay=0.5"]), tmp_path / "ema")
     report = tr.fit()
@@ -225,5 +226,5 @@ def test_ema_reports_the_average_of_the_dense_weights(tmp_path):
         torch.testing.assert_close(tr.ema.params[k], d2 * s1 + (1 - d2) * w[2][k])
     assert not torch.equal(tr.ema.params[k], w[2][k])
     # `recscale eval` scores the same average from the training checkpoint.
-    again = eval_run(tmp_path / "ema", str(tmp_path / "ema" / "data" / "valid"), split="valid")
+    again = eval_run(tmp_path / "ema", None, split="valid")
     assert again["auc"] == pytest.approx(report["valid"]["auc"])

@@ -13,10 +13,17 @@ from typing import NoReturn
 
 from recscale.errors import RecscaleError
 
+# Upstream notices a user cannot act on (ShardedTensor and torch.jit deprecations inside TorchRec,
+# fbgemm and DCP); every other warning, recscale's own included, reaches the user.
+_NOISY = (
+    (FutureWarning, r"torch\.distributed\.checkpoint|torchrec"),
+    (DeprecationWarning, r"torch\.jit|fbgemm_gpu|torchrec|torchmetrics"),
+)
+
 
 def _quiet() -> None:
-    # TorchRec and torch warn loudly about things a user cannot act on (planner estimates, fx tracing).
-    warnings.filterwarnings("ignore")
+    for category, module in _NOISY:
+        warnings.filterwarnings("ignore", category=category, module=module)
     import logging
 
     for name in ("torchrec", "torch.distributed", "torch.fx", "fbgemm_gpu"):
@@ -53,7 +60,8 @@ def print_report(report: dict) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from recscale.config import load_config
     from recscale.distributed.env import shutdown
-    from recscale.train.loop import Trainer, resume_config
+    from recscale.train.loop import Trainer
+    from recscale.train.runs import resume_config
 
     if args.resume and args.config is not None and "=" in args.config and not Path(args.config).is_file():
         args.overrides.insert(0, args.config)  # `train --resume --out RUN k=v`: the first override
@@ -93,7 +101,7 @@ def _launch(args: argparse.Namespace, out: Path) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from recscale.train.loop import eval_run
+    from recscale.train.runs import eval_run
 
     print(json.dumps(eval_run(Path(args.run_dir), args.data, args.format)))
 
@@ -122,10 +130,13 @@ def cmd_scaling_fit(args: argparse.Namespace) -> None:
 
 
 def cmd_dmt_partition(args: argparse.Namespace) -> None:
-    from recscale.distributed.dmt.partitioner import partition_report, run_stats, summary
+    from recscale.distributed.dmt.partitioner import feature_stats, partition_report, summary
     from recscale.io import atomic_write_text
+    from recscale.train.runs import load_training_sample
 
-    report = partition_report(run_stats(Path(args.run_dir), args.rows), args.towers, args.tolerance)
+    embedding, batch, pre = load_training_sample(Path(args.run_dir), args.rows)
+    stats = feature_stats(embedding, batch, pre.num_embeddings)
+    report = partition_report(stats, args.towers, args.tolerance)
     out = Path(args.out) if args.out else Path(args.run_dir) / f"dmt_towers_{args.towers}.json"
     atomic_write_text(out, json.dumps(report, indent=2))
     print(summary(report))

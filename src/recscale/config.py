@@ -181,6 +181,9 @@ class DistributedConfig(_Strict):
     dense: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard, for dense networks too big to replicate
     # Seconds a rank waits on a collective (and on rank 0 preprocessing the data) before failing.
     timeout_s: float = Field(1800, gt=0)
+    # Count the bytes every collective sends (intra/inter host) into metrics.jsonl. Off by default:
+    # it wraps torch.distributed's collectives and routes DDP's all-reduce through a Python hook.
+    count_bytes: bool = False
 
 
 class TowerModuleConfig(_Strict):
@@ -317,6 +320,8 @@ def load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if not isinstance(base, str):
         raise ConfigError(f"{path}: base must be the path of another config, got {base!r}")
     base_path = (path.parent / base).resolve()
+    if not base_path.is_file():
+        raise ConfigError(f"{path}: base {base} not found ({base_path}); fix the path, relative to this file")
     if base_path in seen:
         raise ConfigError(f"{path}: base {base} includes itself")
     return merge(load_raw(base_path, (*seen, base_path)), raw)
@@ -334,31 +339,3 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     if not path.is_file():
         raise ConfigError(f"config file {path} not found")
     return validate_config(apply_overrides(load_raw(path), overrides or []))
-
-
-def flat_keys(d: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"train": {"epochs": 3}}`` -> ``{"train.epochs": 3}`` (lists are values)."""
-    if not isinstance(d, dict) or not d:
-        return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out |= flat_keys(v, f"{prefix}.{k}" if prefix else str(k))
-    return out
-
-
-# What a resumed run may change: how long it trains, how often it logs/evaluates/keeps, how it
-# reports; not anything that shapes the model, its state or the data it has seen.
-RESUMABLE_KEYS = (
-    "train.epochs", "train.max_steps", "train.eval_every", "train.log_every", "train.progress",
-    "train.keep_checkpoints", "train.early_stopping.patience", "data.test", "data.num_workers",
-    "distributed.timeout_s",
-)  # fmt: skip
-
-
-def resume_changes(saved: RunConfig, new: RunConfig) -> tuple[list[str], list[str]]:
-    """(allowed, refused) dotted keys whose values differ between a run's config and a resume's."""
-    a = flat_keys(saved.model_dump(mode="json", by_alias=True))
-    b = flat_keys(new.model_dump(mode="json", by_alias=True))
-    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-    allowed = [k for k in changed if k in RESUMABLE_KEYS]
-    return allowed, [k for k in changed if k not in RESUMABLE_KEYS]

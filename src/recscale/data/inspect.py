@@ -28,18 +28,20 @@ from recscale.data.readers import FORMATS, ReadStats, read_batches, validate_opt
 from recscale.data.readers.base import (
     MAX_EXAMPLES,
     check_file,
-    column_of,
-    first_line,
     is_list,
-    iter_chunks,
-    iter_text_tables,
-    lines_of,
     parse_floats,
-    read_header,
     to_label,
 )
 from recscale.data.readers.criteo import COLUMNS as CRITEO_COLUMNS
 from recscale.data.readers.movielens import KEYS, RATING, files_of
+from recscale.data.readers.text import (
+    column_of,
+    first_line,
+    iter_chunks,
+    iter_text_tables,
+    lines_of,
+    read_header,
+)
 from recscale.data.schema import LABEL, WEIGHT_SUFFIX, DenseFeature, Schema, SparseFeature
 from recscale.errors import DataError
 

@@ -3,9 +3,10 @@
 Both plug into ``DistributedModelParallel`` as its ``data_parallel_wrapper``, which DMP calls after
 sharding the tables, on everything it did not shard.
 
-- DDP: TorchRec's default wrapper. Every DDP in the model (DMP's, and the one TorchRec puts around
-  ``data_parallel`` tables) gets torch's stock ``allreduce_hook``: the same averaging all-reduce as
-  DDP's built-in one, but issued through ``torch.distributed.all_reduce``, where ``comms`` counts it.
+- DDP: TorchRec's default wrapper. With ``distributed.count_bytes`` every DDP in the model (DMP's,
+  and the one TorchRec puts around ``data_parallel`` tables) gets torch's stock ``allreduce_hook``:
+  the same averaging all-reduce as DDP's built-in one, but issued through
+  ``torch.distributed.all_reduce``, where ``comms`` counts it.
 - FSDP2: every submodule without embedding tables is ``fully_shard`` ed: its parameters become
   DTensors sharded over the ranks, gathered for forward/backward, gradients reduce-scattered. For
   dense networks too big to replicate on each rank.
@@ -74,5 +75,8 @@ def _shard_dense(module: nn.Module, mesh: object, prefix: str) -> None:
             fully_shard(child, mesh=mesh)
 
 
-def dense_wrapper(kind: Literal["ddp", "fsdp"]) -> DataParallelWrapper:
-    return CountedDDPWrapper() if kind == "ddp" else FSDP2Wrapper()
+def dense_wrapper(kind: Literal["ddp", "fsdp"], counted: bool = False) -> DataParallelWrapper:
+    """``counted``: DDP's all-reduces go through ``torch.distributed`` where ``comms`` counts them."""
+    if kind == "fsdp":
+        return FSDP2Wrapper()
+    return CountedDDPWrapper() if counted else DefaultDataParallelWrapper()

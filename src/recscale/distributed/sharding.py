@@ -254,7 +254,7 @@ def shard_model(
         env=ShardingEnv.from_process_group(pg) if pg is not None else None,
         device=env.device,
         plan=plan,
-        data_parallel_wrapper=dense_wrapper(cfg.dense),
+        data_parallel_wrapper=dense_wrapper(cfg.dense, cfg.count_bytes),
     )
     load_full_tables(dmp.state_dict(), full)
     unwrapped = get_unwrapped_module(dmp)

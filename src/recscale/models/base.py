@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -42,3 +43,26 @@ class RecModel(nn.Module, ABC):
     def train_flops_per_example(self) -> int:
         """Forward + backward FLOPs per example."""
         return TRAIN_FLOPS_MULTIPLIER * self.flops_per_example()
+
+    def x0_sources(self) -> list[tuple[nn.Module, float]]:
+        """The modules whose outputs make up X0, each with the weight of its squared norm in an L2
+        penalty on X0 (``train.embedding_l2``): here the embedding layer, weight 1."""
+        return [(self.embedding, 1.0)]
+
+
+@runtime_checkable
+class TrainableModel(Protocol):
+    """What the trainer needs of a model beyond ``forward``: a flat ``RecModel`` or a DMT model."""
+
+    def flops_per_example(self) -> int: ...
+
+    def x0_sources(self) -> list[tuple[nn.Module, float]]: ...
+
+
+def count_parameters(model: RecModel) -> dict[str, int]:
+    """Dense and sparse (embedding table) parameter counts of an unsharded model."""
+    ebc = model.embedding.ebc
+    sparse = sum(c.num_embeddings * c.embedding_dim for c in ebc.embedding_bag_configs())
+    table_ids = {id(p) for p in ebc.parameters()}
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in table_ids)
+    return {"dense": int(dense), "sparse": int(sparse)}

@@ -16,13 +16,15 @@ from pydantic import BaseModel, ConfigDict
 from recscale.data.readers.base import (
     BadRows,
     check_file,
-    column_of,
     convert,
-    iter_text_tables,
     make_batch,
     missing_columns_error,
 )
 from recscale.data.readers.csv import source_columns
+from recscale.data.readers.text import (
+    column_of,
+    iter_text_tables,
+)
 from recscale.data.schema import Schema
 
 COLUMNS = ["label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27))]

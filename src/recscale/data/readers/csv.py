@@ -18,11 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from recscale.data.readers.base import (
     BadRows,
     check_file,
-    column_of,
     convert,
-    iter_text_tables,
     make_batch,
     missing_columns_error,
+)
+from recscale.data.readers.text import (
+    column_of,
+    iter_text_tables,
     read_header,
 )
 from recscale.data.schema import Schema

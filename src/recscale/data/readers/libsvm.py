@@ -28,11 +28,13 @@ from recscale.data.readers.base import (
     BadRows,
     Problem,
     check_file,
-    iter_chunks,
-    lines_of,
     make_batch,
     to_dense,
     to_label,
+)
+from recscale.data.readers.text import (
+    iter_chunks,
+    lines_of,
 )
 from recscale.data.schema import Schema
 from recscale.errors import DataError

@@ -38,13 +38,15 @@ from recscale.data.readers.base import (
     BadRows,
     Problem,
     check_file,
-    column_of,
-    iter_text_tables,
     missing_columns_error,
     raw_arrow_schema,
-    read_header,
     split_ids,
     to_dense,
+)
+from recscale.data.readers.text import (
+    column_of,
+    iter_text_tables,
+    read_header,
 )
 from recscale.data.schema import Schema
 from recscale.errors import DataError

@@ -12,20 +12,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.keyed import KeyedOptimizer
 
 from recscale.config import DistributedConfig, RunConfig
-from recscale.distributed.dmt.partitioner import resolve_assignment
+from recscale.distributed.dmt.assignment import resolve_assignment
 from recscale.distributed.dmt.towers import build_tower_module, tower_outputs
 from recscale.distributed.dmt.transform import DMTGroups, DMTModel, Top, Tower, data_parallel
 from recscale.distributed.env import DistEnv
 from recscale.distributed.sharding import shard_model
 from recscale.errors import ConfigError
+from recscale.models.base import count_parameters
 from recscale.models.embedding import EmbeddingConfig, EmbeddingLayer, FeatureSet, SparseInput
 from recscale.models.flops import module_flops
 from recscale.models.registry import build_model
-from recscale.train.optim import dense_optimizer_factory, sparse_optimizer
 
 
 def _check(cfg: RunConfig) -> None:
@@ -66,6 +65,7 @@ class UnshardedDMT:
     outputs: list[int]  # c_t
     order: list[int] | None  # see DMTModel
     counts: dict[str, int]  # dense and sparse parameters of the whole model
+    dense_flops: int  # forward FLOPs per example of the top and every tower's module
 
 
 def build_unsharded(cfg: RunConfig, features: FeatureSet, hosts: int) -> UnshardedDMT:
@@ -96,38 +96,40 @@ def build_unsharded(cfg: RunConfig, features: FeatureSet, hosts: int) -> Unshard
         )
         plain = emb.model_copy(update={"multi_embedding": {}})
         top_model = build_model(cfg.model.name, slots, plain, cfg.model.params)
+    tower_params = sum(p.numel() for t in modules for p in t.module.parameters())
+    counts = {
+        "dense": count_parameters(top_model)["dense"] + int(tower_params),
+        "sparse": count_parameters(flat)["sparse"],
+    }
     del top_model.embedding.ebc  # the towers own the tables
-    dense_count = sum(p.numel() for p in top_model.parameters()) + sum(
-        p.numel() for t in modules for p in t.module.parameters()
-    )
-    counts = {"dense": int(dense_count), "sparse": int(sum(v.numel() for v in tables.values()))}
     order = _vector_order(features, towers, emb) if identity else None
-    return UnshardedDMT(towers, modules, top_model, outputs, order, counts)
+    flops = top_model.flops_per_example() + sum(module_flops(t.module) for t in modules)
+    return UnshardedDMT(towers, modules, top_model, outputs, order, counts, flops)
 
 
-def build_dmt(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> tuple[DMTModel, CombinedOptimizer]:
-    """The DMT model for this rank and one optimizer over its fused tables and dense parameters.
-    ``model.recscale_parameters`` holds the whole model's parameter counts (all towers)."""
+def build_dmt(
+    cfg: RunConfig,
+    features: FeatureSet,
+    env: DistEnv,
+    table_optimizer: tuple[type[torch.optim.Optimizer], dict],
+) -> tuple[DMTModel, KeyedOptimizer, UnshardedDMT]:
+    """This rank's DMT model, its tables' (fused) optimizer from ``table_optimizer`` (class, kwargs),
+    and the unsharded model it was built from (parameter counts, FLOPs)."""
     topo, dmt = env.topology, cfg.dmt
+    assert dmt is not None
     u = build_unsharded(cfg, features, topo.num_hosts)
     groups = DMTGroups.create(topo, env.rank)
     mine = topo.host_of(env.rank)
     tower = u.modules[mine]
-    opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer, env.device)
-    table_kw = dict(opt_kw)
-    apply_optimizer_in_backward(opt_cls, tower.embedding.ebc.parameters(), opt_kw)
+    opt_cls, table_kw = table_optimizer
+    apply_optimizer_in_backward(opt_cls, tower.embedding.ebc.parameters(), dict(table_kw))
     local = topo.local_world_size
     host_env = DistEnv(env.rank % local, local, env.rank % local, local, env.device, env.backend)
-    host_plan = DistributedConfig(sharding=dmt.sharding, timeout_s=cfg.distributed.timeout_s)
-    tower_dmp, table_opt = shard_model(tower, host_env, host_plan, (opt_cls, table_kw), pg=groups.host)
-    top = data_parallel(Top(u.top).to(env.device), env.device)
-    dim = cfg.model.embedding.dim
-    model = DMTModel(u.towers, mine, tower_dmp, top, u.outputs, dim, groups, u.order).to(env.device)
-    fused = {id(p) for p in table_opt.params.values()}
-    dense = KeyedOptimizerWrapper(
-        {n: p for n, p in in_backward_optimizer_filter(model.named_parameters()) if id(p) not in fused},
-        dense_optimizer_factory(cfg.train.dense_optimizer),
+    host_plan = DistributedConfig(
+        sharding=dmt.sharding, timeout_s=cfg.distributed.timeout_s, count_bytes=cfg.distributed.count_bytes
     )
-    model.recscale_parameters = u.counts
-    model.dense_flops = u.top.flops_per_example() + sum(module_flops(t.module) for t in u.modules)
-    return model, CombinedOptimizer([table_opt, dense])
+    tower_dmp, table_opt = shard_model(tower, host_env, host_plan, (opt_cls, table_kw), pg=groups.host)
+    top = data_parallel(Top(u.top).to(env.device), env.device, counted=cfg.distributed.count_bytes)
+    dim = cfg.model.embedding.dim
+    model = DMTModel(u.towers, mine, tower_dmp, top, u.outputs, dim, groups, u.order, u.dense_flops)
+    return model.to(env.device), table_opt, u

@@ -1,7 +1,5 @@
-"""DMT's tower partitioner (TP): which features share a tower.
-
-``resolve_assignment`` turns the config's ``dmt.assignment`` into towers. The learned partition
-(``recscale dmt partition RUN_DIR``):
+"""DMT's tower partitioner (TP): which features share a tower, learned from a trained flat run
+(``recscale dmt partition RUN_DIR``; ``assignment.resolve_assignment`` reads what it writes):
 
 1. affinity: from a trained flat run, the embeddings of a sample of training rows; for features i
    and j, A_ij = E|<e_i, e_j>| / sqrt(E|e_i|² E|e_j|²): how strongly their learned vectors
@@ -21,51 +19,16 @@ random (the mean of 20 seeds) assignments as baselines.
 from __future__ import annotations
 
 import itertools
-import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
+from recscale.data.batch import Batch
+from recscale.distributed.dmt.assignment import random_assignment, round_robin
 from recscale.errors import ConfigError
-
-
-def round_robin(features: list[str], towers: int) -> dict[str, int]:
-    return {f: i % towers for i, f in enumerate(features)}
-
-
-def random_assignment(features: list[str], towers: int, seed: int) -> dict[str, int]:
-    """A uniformly random assignment with tower sizes differing by at most one (the control)."""
-    order = np.random.default_rng(seed).permutation(len(features))
-    return {features[j]: i % towers for i, j in enumerate(order)}
-
-
-def resolve_assignment(
-    assignment: str | dict[str, int], features: list[str], towers: int, seed: int
-) -> list[list[str]]:
-    """Per tower, its features in schema order."""
-    if assignment == "round_robin":
-        mapping = round_robin(features, towers)
-    elif assignment == "random":
-        mapping = random_assignment(features, towers, seed)
-    elif isinstance(assignment, str):
-        path = Path(assignment)
-        if not path.is_file():
-            raise ConfigError(
-                f"dmt.assignment: {path} is not a file (write one with `recscale dmt partition`)"
-            )
-        mapping = json.loads(path.read_text())["assignment"]
-    else:
-        mapping = assignment
-    where = f"dmt.assignment {assignment}" if isinstance(assignment, str) else "dmt.assignment"
-    missing, unknown = sorted(set(features) - set(mapping)), sorted(set(mapping) - set(features))
-    if missing or unknown:
-        raise ConfigError(f"{where}: features {missing} have no tower; {unknown} are not features")
-    out = [[f for f in features if mapping[f] == t] for t in range(towers)]
-    if any(not t for t in out) or max(mapping.values()) >= towers:
-        raise ConfigError(f"{where}: needs towers 0..{towers - 1} (one per host), each with a feature")
-    return out
 
 
 @dataclass(frozen=True)
@@ -78,21 +41,8 @@ class FeatureStats:
     memory: np.ndarray  # (n,) rows x table dim
 
 
-def run_stats(run_dir: Path, rows: int = 4096) -> FeatureStats:
-    """Affinity and costs from a trained flat run's best model and its training split."""
-    from recscale.data.dataset import ArrayDataset
-    from recscale.errors import RecscaleError
-    from recscale.train.loop import load_trained, unwrap
-
-    cfg, pre, dmp = load_trained(run_dir)
-    split = Path(run_dir) / "data" / "train"
-    if not (split / "meta.json").is_file():
-        raise RecscaleError(
-            f"{split}: the run's materialised training split is gone; retrain or resume the run"
-        )
-    ds = ArrayDataset(split)
-    batch = ds.gather(np.arange(min(rows, len(ds))))
-    embedding = unwrap(dmp).embedding
+def feature_stats(embedding: nn.Module, batch: Batch, num_embeddings: Callable[[str], int]) -> FeatureStats:
+    """Affinity and costs from a trained flat model's embedding layer on a batch of training rows."""
     with torch.no_grad():
         x = embedding(batch.dense, batch.sparse)  # (B, n, d)
     names = list(embedding.positions)
@@ -107,7 +57,7 @@ def run_stats(run_dir: Path, rows: int = 4096) -> FeatureStats:
     ids = dict(zip(batch.sparse.keys(), lengths.tolist(), strict=True))
     dims = {f: len(embedding.positions[f]) * embedding.dim for f in names}
     lookup = np.array([ids[f] * dims[f] for f in names])
-    memory = np.array([pre.num_embeddings(f) * dims[f] for f in names], dtype=float)
+    memory = np.array([num_embeddings(f) * dims[f] for f in names], dtype=float)
     return FeatureStats(names, affinity, lookup, memory)
 
 

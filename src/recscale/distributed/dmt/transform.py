@@ -135,13 +135,15 @@ class Top(nn.Module):
 
 
 def data_parallel(
-    module: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None
+    module: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None, counted: bool = False
 ) -> nn.Module:
-    """DDP over ``group`` (default: all ranks), its all-reduce issued where ``comms`` counts it."""
+    """DDP over ``group`` (default: all ranks); ``counted``: its all-reduce issued where ``comms``
+    counts it (a Python hook per bucket, so only when bytes are counted)."""
     ddp = DistributedDataParallel(
         module, device_ids=None if device.type == "cpu" else [device], process_group=group
     )
-    ddp.register_comm_hook(ddp.process_group, allreduce_hook)
+    if counted:
+        ddp.register_comm_hook(ddp.process_group, allreduce_hook)
     return ddp
 
 
@@ -163,6 +165,7 @@ class DMTModel(nn.Module):
         dim: int,
         groups: DMTGroups,
         order: list[int] | None,
+        dense_flops: int,
     ) -> None:
         super().__init__()
         self.tower_features, self.mine, self.outputs, self.dim, self.groups = (
@@ -174,9 +177,7 @@ class DMTModel(nn.Module):
         )
         self.towers = nn.ModuleDict({str(mine): tower})  # keyed by tower: checkpoint keys differ per host
         self.top = top
-        self.dense_flops = (
-            0  # forward FLOPs per example of the top and every tower's module (set by build_dmt)
-        )
+        self.dense_flops = dense_flops  # forward FLOPs per example of the top and every tower's module
         self.register_buffer("order", torch.tensor(order) if order is not None else None, persistent=False)
 
     def flops_per_example(self) -> int:
@@ -184,7 +185,7 @@ class DMTModel(nn.Module):
 
     def x0_sources(self) -> list[tuple[nn.Module, float]]:
         """Where the flat model's embedding vectors X0 are computed, with the weight of each part's
-        squared norm in an L2 penalty over this rank's B samples (see ``train.loop.EmbeddingL2``): the
+        squared norm in an L2 penalty over this rank's B samples (see ``train.regularizers.EmbeddingL2``): the
         tower's embedding layer serves H·B samples and its gradient is divided by L, so 1/H gives the
         tables the flat gradient (divided by H·L); the dense-feature MLP (top, DDP over all ranks) 1."""
         tower = get_unwrapped_module(self.towers[str(self.mine)])

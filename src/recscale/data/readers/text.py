@@ -1,0 +1,184 @@
+"""Streaming delimited text: whole-line chunks of a (compressed) file, parsed by pyarrow with exact
+line numbers for errors and dropped rows."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+
+from recscale.data.readers.base import Locate
+from recscale.errors import DataError
+
+# Bytes read per text chunk: big enough to amortise per-chunk overhead, small enough to stream.
+BLOCK_BYTES = 8 << 20
+
+def iter_chunks(path: Path, skip_first_line: bool = False) -> Iterator[tuple[int, bytes]]:
+    """Stream a text file (``.gz``/``.bz2``/... decompressed) as chunks of whole lines.
+
+    Yields (1-based line number of the chunk's first line, bytes). Only line ends are counted,
+    so line numbers are exact for any content.
+    """
+    line, carry = 1, b""
+    with pa.input_stream(str(path), compression="detect") as stream:
+        while data := stream.read(BLOCK_BYTES):
+            data = carry + data
+            cut = data.rfind(b"\n") + 1
+            chunk, carry = data[:cut], data[cut:]
+            if skip_first_line and chunk:
+                skip_first_line = False
+                chunk = chunk[chunk.find(b"\n") + 1 :]
+                line += 1
+            if chunk:
+                yield line, chunk
+                line += chunk.count(b"\n")
+    if carry and not skip_first_line:
+        yield line, carry
+
+
+def lines_of(chunk: bytes, where: Path, first_line: int) -> pa.Array:
+    """A chunk's lines as one string array (line ends included), built without a per-line loop."""
+    buf = np.frombuffer(chunk, dtype=np.uint8)
+    ends = np.flatnonzero(buf == 10) + 1
+    if not len(ends) or ends[-1] != len(buf):
+        ends = np.append(ends, len(buf))
+    offsets = np.concatenate([[0], ends]).astype(np.int32)
+    raw = pa.Array.from_buffers(pa.binary(), len(ends), [None, pa.py_buffer(offsets), pa.py_buffer(chunk)])
+    try:
+        return raw.cast(pa.string())
+    except pa.ArrowInvalid:
+        raise DataError(f"{where} lines {first_line}-{first_line + len(ends) - 1}: not UTF-8 text") from None
+
+
+def _text_options(delimiter: str, quote: bool, handler: Callable | None) -> pacsv.ParseOptions:
+    quote_char = '"' if quote else False
+    return pacsv.ParseOptions(delimiter=delimiter, quote_char=quote_char, invalid_row_handler=handler)
+
+
+def first_line(path: Path) -> bytes:
+    """A text file's first line (line end excluded), read without loading the file."""
+    with pa.input_stream(str(path), compression="detect") as stream:
+        head = b""
+        while b"\n" not in head and (more := stream.read(1 << 16)):
+            head += more
+    return head.split(b"\n", 1)[0].rstrip(b"\r")
+
+
+def read_header(path: Path, delimiter: str, quote: bool) -> list[str]:
+    """Column names in a delimited file's first line."""
+    line = first_line(path)
+    if not line.strip():
+        raise DataError(f"{path} is empty: no header line")
+    if b"\0" in line:
+        raise DataError(f"{path} line 1: binary data, not delimited text; check the path and data.format")
+    try:
+        table = pacsv.read_csv(
+            io.BytesIO(line + b"\n"),
+            read_options=pacsv.ReadOptions(use_threads=False),
+            parse_options=_text_options(delimiter, quote, None),
+        )
+    except pa.ArrowInvalid as e:
+        reason = str(e).splitlines()[0][:120]
+        raise DataError(f"{path} line 1: not a {delimiter!r}-delimited header ({reason}); check data.format") from None
+    return table.column_names
+
+
+def _nonempty_lines(chunk: bytes) -> np.ndarray:
+    """0-based indices of a chunk's non-empty lines: the ones pyarrow parses into rows."""
+    buf = np.frombuffer(chunk, dtype=np.uint8)
+    starts = np.concatenate([[0], np.flatnonzero(buf == 10) + 1])
+    if starts[-1] == len(buf):  # the "line" after a final newline does not exist
+        starts = starts[:-1]
+    ends = np.append(starts[1:] - 1, len(buf))
+    length = ends - starts
+    cr_only = (length == 1) & (buf[np.minimum(starts, len(buf) - 1)] == 13)
+    return np.flatnonzero((length > 0) & ~cr_only)
+
+
+@dataclass
+class TextChunk:
+    """One chunk of a delimited file: ``table`` has string columns (null = empty cell)."""
+
+    table: pa.Table
+    locate: Locate  # table row indices -> 1-based file lines
+    rejected: list[tuple[int, str]]  # (line, reason) of rows with a wrong column count, not in table
+
+
+def iter_text_tables(
+    path: Path,
+    names: Sequence[str],
+    include: Sequence[str],
+    *,
+    delimiter: str,
+    quote: bool,
+    skip_header: bool,
+) -> Iterator[TextChunk]:
+    """Stream a delimited text file as string tables of the ``include`` columns, with exact lines.
+
+    ``names`` are all the file's columns in order. Empty lines are skipped.
+    """
+    convert_options = pacsv.ConvertOptions(
+        include_columns=list(include),
+        column_types=dict.fromkeys(include, pa.string()),
+        strings_can_be_null=True,
+        null_values=[""],
+    )
+    for first, chunk in iter_chunks(path, skip_first_line=skip_header):
+        yield _parse_chunk(path, first, chunk, names, (delimiter, quote), convert_options)
+
+
+def _parse_chunk(
+    path: Path,
+    first: int,
+    chunk: bytes,
+    names: Sequence[str],
+    dialect: tuple[str, bool],
+    convert_options: pacsv.ConvertOptions,
+) -> TextChunk:
+    """Parse one chunk; rows with a wrong column count are dropped and reported by line."""
+    bad_rows: list[pacsv.InvalidRow] = []
+
+    def on_bad(row: pacsv.InvalidRow) -> str:
+        bad_rows.append(row)
+        return "skip"
+
+    try:
+        # Single-threaded: only then does pyarrow number rejected rows; and its CPU pool, used by
+        # threaded reads, can abort the process at exit ("terminate called without an active
+        # exception", apache/arrow#34314).
+        table = pacsv.read_csv(
+            pa.BufferReader(chunk),
+            # One block for the whole chunk: a cell longer than pyarrow's default 1 MiB block would
+            # otherwise "straddle two block boundaries" and fail.
+            read_options=pacsv.ReadOptions(
+                column_names=list(names), use_threads=False, block_size=len(chunk) + 1
+            ),
+            parse_options=_text_options(*dialect, on_bad),
+            convert_options=convert_options,
+        )
+    except pa.ArrowInvalid as e:  # e.g. bytes that are not UTF-8
+        last = first + chunk.count(b"\n") - chunk.endswith(b"\n")
+        raise DataError(f"{path} lines {first}-{last}: {e}") from None
+    lines = cache(lambda: _nonempty_lines(chunk))
+    # pyarrow numbers rejected rows 1-based among the chunk's non-empty lines.
+    gone = np.array([r.number - 1 for r in bad_rows], dtype=np.int64)
+    rejected = [
+        (first + int(lines()[k]), f"has {r.actual_columns} columns, expected {r.expected_columns}")
+        for k, r in zip(gone, bad_rows, strict=True)
+    ]
+
+    def locate(idx: np.ndarray) -> np.ndarray:
+        return first + np.delete(lines(), gone)[idx]
+
+    return TextChunk(table.combine_chunks(), locate, rejected)
+
+
+def column_of(table: pa.Table) -> Callable[[str], pa.Array]:
+    """Fetch a table column as one contiguous array."""
+    return lambda name: table.column(name).combine_chunks()

@@ -1,0 +1,97 @@
+"""Model assembly: one ``build(cfg, features, env) -> Built`` for the flat and the DMT model alike.
+
+    flat: the model from the registry -> tables under TorchRec's DistributedModelParallel (sharded,
+          fused optimizer in backward), the dense part DDP or FSDP2
+    DMT:  towers of tables per host, tower modules, a data-parallel top (``distributed.dmt``)
+
+Either way the trainer gets the module to call, the user's model behind it, the tables' and the
+dense optimizers by name, the unsharded model's parameter counts and its forward FLOPs per example.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.distributed.model_parallel import get_unwrapped_module
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from recscale.config import RunConfig
+from recscale.data.preprocess import Preprocessor
+from recscale.distributed.env import DistEnv
+from recscale.distributed.sharding import shard_model
+from recscale.models.base import TrainableModel, count_parameters
+from recscale.models.embedding import FeatureSet, SparseInput
+from recscale.models.registry import build_model
+from recscale.train.optim import dense_optimizer_factory, sparse_optimizer
+
+
+@dataclass
+class Built:
+    """A model ready to train on this rank."""
+
+    module: nn.Module  # what to call: (dense (B, n_dense), sparse KJT) -> logits (B,)
+    model: TrainableModel  # the user's model inside ``module`` (a DMT model is its own)
+    tables: KeyedOptimizer  # the tables' optimizer (fused in backward, or over replicated tables)
+    dense: KeyedOptimizer  # the dense parameters' optimizer
+    parameters: dict[str, int]  # {"dense": n, "sparse": n} of the whole unsharded model
+    flops_per_example: int  # forward, dense computation
+    opt: CombinedOptimizer = field(init=False)  # both as one (zero_grad, step, state_dict), tables first
+
+    def __post_init__(self) -> None:
+        self.opt = CombinedOptimizer([self.tables, self.dense])
+
+    def trainable_dense(self) -> dict[str, torch.Tensor]:
+        """The dense optimizer's trainable parameters by name."""
+        return {k: q for k, q in self.dense.params.items() if q.requires_grad}
+
+    def table_shards(self) -> list[torch.Tensor]:
+        """This rank's table storage: local shards (views of the fused weights) or replicated tables."""
+        return [x for w in self.tables.params.values() for x in local_tensors(w)]
+
+
+def local_tensors(w: torch.Tensor) -> list[torch.Tensor]:
+    """A table's tensors on this rank: its local shards, or the (replicated) table itself."""
+    return [x.tensor for x in w.local_shards()] if isinstance(w, ShardedTensor) else [w.data]
+
+
+def feature_set(pre: Preprocessor) -> FeatureSet:
+    sparse = tuple(
+        SparseInput(f.name, pre.num_embeddings(f.name), "mean" if f.multi else "sum", f.weighted)
+        for f in pre.schema.sparse
+    )
+    return FeatureSet(sparse=sparse, num_dense=len(pre.schema.dense))
+
+
+def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
+    """The run's model on this rank, seeded by ``cfg.seed`` (every rank builds the same one first)."""
+    opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer, env.device, cfg.dense_tables())
+    if cfg.dmt is not None:
+        from recscale.distributed.dmt.build import build_dmt
+
+        module, tables, u = build_dmt(cfg, features, env, (opt_cls, opt_kw))
+        model: TrainableModel = module
+        counts, flops = u.counts, u.dense_flops
+        table_params = {id(p) for p in tables.params.values()}
+        dense_params = {
+            n: p for n, p in in_backward_optimizer_filter(module.named_parameters()) if id(p) not in table_params
+        }
+    else:
+        torch.manual_seed(cfg.seed)
+        flat = build_model(cfg.model.name, features, cfg.model.embedding, cfg.model.params)
+        counts, flops = count_parameters(flat), flat.flops_per_example()
+        # apply_optimizer_in_backward adds its own keys to the kwargs it is given: hand it a copy.
+        apply_optimizer_in_backward(opt_cls, flat.embedding.ebc.parameters(), dict(opt_kw))
+        module, tables = shard_model(flat, env, cfg.distributed, (opt_cls, opt_kw))
+        model = get_unwrapped_module(module)
+        dense_params = {
+            n: p for n, p in in_backward_optimizer_filter(module.named_parameters()) if n not in tables.params
+        }
+        if cfg.train.compile:  # the dense part only: TorchRec's sharded lookups and KJTs do not trace well
+            model.interact = torch.compile(model.interact)
+    dense = KeyedOptimizerWrapper(dense_params, dense_optimizer_factory(cfg.train.dense_optimizer))
+    return Built(module, model, tables, dense, counts, int(flops))

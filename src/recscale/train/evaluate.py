@@ -1,0 +1,36 @@
+"""Scoring a model on a materialised split: logits on every rank, then the CTR metrics."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recscale.data.dataset import ArrayDataset, iterate
+from recscale.distributed.gather import eval_batches, gather_scores
+from recscale.train.metrics import ctr_metrics
+
+# Evaluation needs no gradients, so it takes larger batches than training (fewer, cheaper steps).
+EVAL_BATCH_SIZE = 8192
+
+
+def eval_batch_size(train_batch_size: int) -> int:
+    return max(train_batch_size, EVAL_BATCH_SIZE)
+
+
+@torch.no_grad()  # not inference_mode: gloo collectives fail inside it
+def predict(model: nn.Module, ds: ArrayDataset, batch_size: int, num_workers: int) -> torch.Tensor:
+    """Logits (N,) for every row of ``ds`` in order, on every rank (each rank scores a slice)."""
+    was_training = model.training
+    model.eval()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    device = next(model.parameters()).device
+    for b in iterate(ds, eval_batches(len(ds), batch_size, rank, world), num_workers):
+        out.append(model(b.dense.to(device), b.sparse.to(device)).float())
+    model.train(was_training)
+    return gather_scores(torch.cat(out), len(ds), batch_size, world).cpu()  # gathered on the device (NCCL)
+
+
+def evaluate(model: nn.Module, ds: ArrayDataset, batch_size: int, num_workers: int) -> dict[str, float]:
+    return ctr_metrics(predict(model, ds, batch_size, num_workers), torch.from_numpy(ds.labels().copy()))

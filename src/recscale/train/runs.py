@@ -1,0 +1,167 @@
+"""A run directory read back: its config, its preprocessing, its trained model; ``--resume`` checks.
+
+Every file is parsed as data (YAML safe_load, JSON, DCP tensors through ``checkpoint``'s safe
+reader) and validated; a bad one is a one-line ``CheckpointError`` naming it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from recscale.config import (
+    DistributedConfig,
+    RunConfig,
+    apply_overrides,
+    load_config,
+    read_yaml_mapping,
+    validate_config,
+)
+from recscale.data.batch import Batch
+from recscale.data.dataset import ArrayDataset
+from recscale.data.preprocess import Preprocessor
+from recscale.distributed.env import init_distributed
+from recscale.errors import CheckpointError, ConfigError, DataError, RecscaleError
+from recscale.train.build import Built, build, feature_set
+from recscale.train.checkpoint import list_checkpoints, load_checkpoint
+from recscale.train.data import prepare_split
+from recscale.train.evaluate import EVAL_BATCH_SIZE, evaluate
+
+
+def flat_keys(d: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"epochs": 3}}`` -> ``{"train.epochs": 3}`` (lists are values)."""
+    if not isinstance(d, dict) or not d:
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out |= flat_keys(v, f"{prefix}.{k}" if prefix else str(k))
+    return out
+
+
+# What a resumed run may change: how long it trains, how often it logs/evaluates/keeps, how it
+# reports; not anything that shapes the model, its state or the data it has seen.
+RESUMABLE_KEYS = (
+    "train.epochs", "train.max_steps", "train.eval_every", "train.log_every", "train.progress",
+    "train.keep_checkpoints", "train.early_stopping.patience", "data.test", "data.num_workers",
+    "distributed.timeout_s", "distributed.count_bytes",
+)  # fmt: skip
+
+
+def resume_changes(saved: RunConfig, new: RunConfig) -> tuple[list[str], list[str]]:
+    """(allowed, refused) dotted keys whose values differ between a run's config and a resume's."""
+    a = flat_keys(saved.model_dump(mode="json", by_alias=True))
+    b = flat_keys(new.model_dump(mode="json", by_alias=True))
+    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    allowed = [k for k in changed if k in RESUMABLE_KEYS]
+    return allowed, [k for k in changed if k not in RESUMABLE_KEYS]
+
+
+def run_config(run_dir: Path) -> RunConfig:
+    """The resolved config a run directory was trained with."""
+    run_dir = Path(run_dir)
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{run_dir}: not a recscale run directory (no config.yaml)")
+    try:
+        return validate_config(read_yaml_mapping(cfg_path, "a run's config.yaml"))
+    except ConfigError as e:
+        raise CheckpointError(
+            f"{cfg_path} is corrupt or was edited by hand ({e}); restore it or train a new run"
+        ) from None
+
+
+def load_run(run_dir: Path) -> tuple[RunConfig, Preprocessor]:
+    """The resolved config and preprocessing artifact of a finished or running run."""
+    return run_config(run_dir), Preprocessor.load(Path(run_dir) / "preprocess.json")
+
+
+def resume_config(run_dir: Path, config: str | None, overrides: list[str]) -> RunConfig:
+    """The config a ``--resume`` continues with: the run's own (or ``config``), with ``overrides``;
+    refused, before any file is touched, if it changes more than the run may change when resumed."""
+    if not (Path(run_dir) / "config.yaml").is_file():
+        raise RecscaleError(f"--resume: {run_dir} is not a recscale run directory (no config.yaml)")
+    if config is None:
+        raw = read_yaml_mapping(Path(run_dir) / "config.yaml", "a run's config.yaml")
+        cfg = validate_config(apply_overrides(raw, overrides))
+    else:
+        cfg = load_config(config, overrides)
+    check_resume(run_dir, cfg)
+    return cfg
+
+
+def check_resume(run_dir: Path, cfg: RunConfig) -> None:
+    if not (Path(run_dir) / "config.yaml").is_file():
+        raise RecscaleError(f"--resume: {run_dir} is not a recscale run directory (no config.yaml)")
+    _, refused = resume_changes(run_config(run_dir), cfg)
+    if refused:
+        more = f" and {len(refused) - 4} more" if len(refused) > 4 else ""
+        raise ConfigError(
+            f"--resume: the config changes {', '.join(refused[:4])}{more} of the run in {run_dir}; a resumed "
+            f"run keeps its model, data and optimizer (it may change {', '.join(RESUMABLE_KEYS)}); "
+            "train a new run with another --out instead"
+        )
+
+
+def load_trained(run_dir: Path) -> tuple[RunConfig, Preprocessor, Built]:
+    """The run's config, preprocessing and best (else latest) model, in this process."""
+    run_dir = Path(run_dir)
+    cfg, pre = load_run(run_dir)
+    if cfg.dmt is not None:
+        raise CheckpointError(f"{run_dir}: a DMT run's towers load only at its own hosts; use a flat run")
+    env = init_distributed()
+    # Scores do not depend on the sharding, and a multi-rank run's placements may name ranks this
+    # process does not have: the checkpoint loads into the default plan at any world size (replicated
+    # tables stay replicated: their optimizer may have no fused kernel).
+    plan = DistributedConfig(sharding="data_parallel") if cfg.dense_tables() else DistributedConfig()
+    built = build(cfg.model_copy(update={"distributed": plan}), feature_set(pre), env)
+    best = run_dir / "best"
+    ckpts = list_checkpoints(run_dir / "ckpt")
+    source = best if (best / ".metadata").is_file() else (ckpts[-1] if ckpts else None)
+    if source is None:
+        raise CheckpointError(f"{run_dir}: no complete checkpoint to evaluate; train the run first")
+    load_checkpoint(source, {"model": built.module.state_dict()})
+    if source != best and cfg.train.ema_decay:  # a training checkpoint: its dense average is the model
+        with torch.no_grad():
+            load_checkpoint(source, {"ema": built.trainable_dense()})
+    return cfg, pre, built
+
+
+def load_training_sample(run_dir: Path, rows: int) -> tuple[nn.Module, Batch, Preprocessor]:
+    """A trained flat run's embedding layer, its first ``rows`` training rows and its preprocessing."""
+    _, pre, built = load_trained(run_dir)
+    split = Path(run_dir) / "data" / "train"
+    if not (split / "meta.json").is_file():
+        raise RecscaleError(f"{split}: the run's materialised training split is gone; retrain or resume the run")
+    ds = ArrayDataset(split)
+    return built.model.embedding, ds.gather(np.arange(min(rows, len(ds)))), pre  # type: ignore[attr-defined]
+
+
+def eval_run(
+    run_dir: Path, data_path: str | None, fmt: str | None = None, split: str = "test"
+) -> dict[str, float]:
+    """Score the run's best (else latest) model on another file of the same format; a run on
+    synthetic data, without a file, on its own synthetic ``split``."""
+    run_config(run_dir)  # a directory that is not a run is named first
+    if data_path is not None and not Path(data_path).is_file():
+        raise DataError(f"--data {data_path}: no such file; give the file to score")
+    cfg, pre, built = load_trained(run_dir)
+    if (fmt or cfg.data.format) == "synthetic" and data_path is not None:
+        raise RecscaleError(
+            f"{run_dir} was trained on synthetic data, which has no file format to read --data {data_path} "
+            "with; pass --format csv (or parquet) for a file with the run's columns "
+            f"({', '.join(pre.schema.column_names()[:4])}, ...)"
+        )
+    if data_path is None and (fmt or cfg.data.format) != "synthetic":
+        raise RecscaleError(f"{run_dir}: give the file to score (--data)")
+    data = cfg.data.model_copy(update={"format": fmt or cfg.data.format})
+    with tempfile.TemporaryDirectory(prefix="recscale-eval-") as tmp:
+        ds, stats = prepare_split(data, pre, split, data_path, Path(tmp) / "eval", progress=False)
+        m = evaluate(built.module, ds, EVAL_BATCH_SIZE, 0)
+    if stats.skipped:
+        m["skipped_rows"] = stats.skipped
+    return m
