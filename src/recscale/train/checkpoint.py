@@ -17,16 +17,20 @@ people), and loading one must never execute code from it. Loading reads three ki
   class). The result is then type-checked field by field (``_check_metadata``).
 - Every entry must be ``TensorStorageMetadata``: DCP reads ``BytesStorageMetadata`` entries with
   ``torch.load(weights_only=False)``, i.e. a pickle that could run code, and recscale never writes
-  them (non-tensors go to state.json). Every storage record must name a plain file of this
-  directory (no ``/``, no ``..``, not a symlink) and a non-negative in-bounds byte range. As a
-  second guard the load planner refuses to unpickle bytes at all (``_TensorsOnlyPlanner``).
+  them (non-tensors go to state.json). Every chunk must have a storage record, and every record
+  must name a ``*.distcp`` file of this directory (no ``/``, no ``..``, a regular file, not a
+  symlink) and a non-negative byte range inside it. As a second guard the load planner refuses to
+  unpickle bytes at all (``_TensorsOnlyPlanner``).
 - The tensors themselves DCP reads with ``torch.load(weights_only=True)``, torch's restricted
   unpickler. ``state.json`` is JSON checked against the structure ``split_state`` writes.
 
-The metadata read once is the metadata DCP uses (``SafeReader`` caches it), so a file swapped
-between the check and the load is not read. Any fault — missing, empty, truncated, oversized,
-symlinked, not a regular file, tampered — is a one-line ``CheckpointError`` naming the file, raised
-before DCP reads any tensor data; loading writes nothing.
+The metadata checked is the metadata DCP uses (``SafeReader`` reads it once and caches it), so a
+file swapped in after the check is not read. Every fault the checks find (missing, empty,
+truncated, oversized, symlinked, not a regular file, malformed, tampered) is a one-line
+``CheckpointError`` naming the file, raised before DCP reads any tensor data; a data file that then
+fails to decode is a one-line ``CheckpointError`` naming the checkpoint. Loading writes nothing.
+Size caps bound the memory a hostile file can cost. The run's other files are checked where they
+are read: ``preprocess.json`` by ``Preprocessor.load``, ``config.yaml`` by ``train.loop``.
 """
 
 from __future__ import annotations
