@@ -143,6 +143,21 @@ def cmd_dmt_partition(args: argparse.Namespace) -> None:
     print(f"assignment: {out}  (use it as dmt.assignment={out})")
 
 
+def cmd_precision_probe(args: argparse.Namespace) -> None:
+    import shlex
+
+    from recscale.io import atomic_write_text
+    from recscale.train.probe import DEFAULT_FORMATS, probe, table
+
+    formats = args.formats or DEFAULT_FORMATS
+    plan = probe(Path(args.run_dir), args.data, args.rows, formats, args.target, args.tolerance)
+    out = Path(args.out) if args.out else Path(args.run_dir) / "precision_plan.json"
+    atomic_write_text(out, json.dumps(plan, indent=2))
+    print(table(plan))
+    layers = json.dumps(plan["model.quant"]["layers"], separators=(",", ":"))
+    print(f"plan: {out}  (train with it: {shlex.quote(f'model.quant.layers={layers}')})")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with the CLI's one-line errors (its default prints the usage block first)."""
 
@@ -215,6 +230,20 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--rows", type=int, default=4096, help="training rows to measure the affinity on")
     dp.add_argument("--out", help="assignment JSON (default RUN_DIR/dmt_towers_K.json)")
     dp.set_defaults(fn=cmd_dmt_partition)
+
+    pr = sub.add_parser("precision", help="low-precision (MX, FP8) tools")
+    prsub = pr.add_subparsers(dest="precision_command", required=True)
+    pp = prsub.add_parser("probe", help="per-layer error of MX/FP8 formats in a trained run, and a plan of layers to lower",
+                          description="Lower one linear layer at a time to each format; measure its output error and the "
+                                      "model's AUC/LogLoss; plan the layers that fit the target within the tolerance.")  # fmt: skip
+    pp.add_argument("run_dir")
+    pp.add_argument("--data", help="calibrate on this file (default: the run's valid split)")
+    pp.add_argument("--rows", type=int, default=16384, help="calibration rows (a seeded random subset)")
+    pp.add_argument("--formats", nargs="+", metavar="FMT", help="formats to probe (default: the six MX formats)")
+    pp.add_argument("--target", default="mxfp8_e4m3", help="the plan's format (default mxfp8_e4m3)")
+    pp.add_argument("--tolerance", type=float, default=5e-4, help="allowed AUC drop of the plan (default 0.0005)")
+    pp.add_argument("--out", help="plan JSON (default RUN_DIR/precision_plan.json)")
+    pp.set_defaults(fn=cmd_precision_probe)
     return p
 
 

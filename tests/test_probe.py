@@ -1,0 +1,103 @@
+"""``recscale precision probe`` on a tiny trained run: the plan file, and that it loads back as model.quant."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from recscale.cli import main
+from recscale.config import load_config
+from recscale.models.quant import QuantLinear, linear_names, quantize_model
+from recscale.models.registry import build_model
+from recscale.train.build import feature_set
+from recscale.train.probe import calibration_sample, logits, lowered, probe
+from recscale.train.runs import load_trained
+
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("probe") / "run"
+    code = main(["train", str(DEMO), "--out", str(out), "data.synthetic.rows={train: 2000, valid: 500, test: 500}",
+                 "train.max_steps=30", "train.progress=false"])  # fmt: skip
+    assert code == 0
+    return out
+
+
+def _strict_json(path: Path) -> dict:
+    def refuse(c: str) -> None:
+        raise AssertionError(f"{path} holds {c}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_probe_writes_a_plan_that_loads_back(run, tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    code = main(["precision", "probe", str(run), "--formats", "mxfp8_e4m3", "mxfp4", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "all layers" in printed and "model.quant.layers=" in printed
+    plan = _strict_json(out)
+    assert {"model.quant", "per_layer", "baseline", "with_plan", "all_layers"} <= set(plan)
+    assert plan["target"] == "mxfp8_e4m3" and plan["tolerance"] == 5e-4 and plan["rows"] == 500
+
+    cfg, pre, _ = load_trained(run)
+    model = build_model(cfg.model.name, feature_set(pre), cfg.model.embedding, cfg.model.params)
+    names = linear_names(model)
+    rows = plan["per_layer"]
+    assert [(r["layer"], r["format"]) for r in rows] == [
+        (n, f) for n in names for f in ("mxfp8_e4m3", "mxfp4")
+    ]
+    for r in rows:
+        assert r["rel_err"] > 0 and r["sqnr_db"] > 0 and 0 < r["auc"] < 1
+        assert r["d_auc"] == pytest.approx(r["auc"] - plan["baseline"]["auc"])
+        assert r["sqnr_db"] == pytest.approx(-20 * torch.tensor(r["rel_err"]).log10().item())
+    err = {(r["layer"], r["format"]): r["rel_err"] for r in rows}
+    assert all(err[n, "mxfp4"] > err[n, "mxfp8_e4m3"] for n in names)
+
+    layers = plan["model.quant"]["layers"]
+    assert set(layers) <= set(names) and set(layers.values()) <= {"mxfp8_e4m3"}
+    assert -plan["with_plan"]["d_auc"] <= 5e-4
+    # what the CLI tells the user to pass back, through the config, into a model of the run
+    override = printed.split("train with it: ")[1].strip().removesuffix(")").strip("'")
+    quant = load_config(DEMO, [override]).model.quant
+    assert quant is not None and quant.layers == layers
+    assert quantize_model(model, quant) == [n for n in names if n in layers]
+
+    # every layer lowered to mxfp4 moves the logits more than to mxfp8_e4m3
+    change = {f: plan["all_layers"][f]["logit_rel_change"] for f in ("mxfp8_e4m3", "mxfp4")}
+    assert 0 < change["mxfp8_e4m3"] < change["mxfp4"]
+
+
+def test_probe_api_lowers_and_restores(run) -> None:
+    cfg, pre, built = load_trained(run)
+    batches = calibration_sample(run, cfg, pre, None, 300)
+    assert sum(b.size for b in batches) == 300
+    z0 = logits(built.module, batches)
+    names = linear_names(built.model)
+    change = {}
+    for fmt in ("mxfp8_e4m3", "mxfp4"):
+        with lowered(built.model, dict.fromkeys(names, fmt)) as q:
+            assert all(isinstance(m, QuantLinear) and m.fmt == fmt for m in q.values())
+            change[fmt] = (logits(built.module, batches) - z0).norm().item()
+        assert not any(isinstance(built.model.get_submodule(n), QuantLinear) for n in names)
+    assert 0 < change["mxfp8_e4m3"] < change["mxfp4"]
+    assert torch.equal(logits(built.module, batches), z0)  # restored exactly
+    # a tolerance nothing breaks takes every layer
+    plan = probe(run, rows=300, formats=["mxfp8_e4m3"], tolerance=1.0)
+    assert list(plan["model.quant"]["layers"]) == names
+
+
+def test_probe_user_errors(run, tmp_path, capsys) -> None:
+    for argv, words in [
+        (["precision", "probe", str(run), "--formats", "mxfp5"], "unknown format mxfp5"),
+        (["precision", "probe", str(run), "--tolerance", "-1"], "--tolerance -1"),
+        (["precision", "probe", str(run), "--data", str(tmp_path / "x.csv")], "no such file"),
+        (["precision", "probe", str(tmp_path)], "not a recscale run directory"),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
