@@ -2,21 +2,34 @@
 
 Single-process training goes through the same TorchRec ``DistributedModelParallel`` path as a
 multi-process job, on a world of size 1, so there is one code path to test.
+
+Hangs: each rank of a multi-process job posts a heartbeat (its last step) to the rendezvous store
+(``heartbeat``). A rank whose collective times out reads them to name the rank that stopped
+responding (``lost_peer``) and, under ``recscale train --nproc``, leaves that verdict in
+``$RECSCALE_FAULT_DIR``, where the launcher picks it up and kills the hung rank at once.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from recscale.distributed.topology import Topology
+
+FAULT_DIR_ENV = "RECSCALE_FAULT_DIR"  # set by recscale's launcher: where ranks leave hang verdicts
+_BEAT_EVERY_S = 1.0  # a beat is a round trip to the store's host: one a second at most, however short a step
+_PEER_SETTLE_S = 2.0  # ranks stuck in one collective time out within about a step of each other
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,27 @@ class DistEnv:
         return Topology(self.world_size, self.local_world_size)
 
 
+@dataclass
+class _Heartbeat:
+    """This rank's beats, and what it needs to read the others' (keys ``hb/{rank}``, ``stuck/{rank}``
+    in the attempt's store)."""
+
+    store: dist.Store
+    rank: int
+    world_size: int
+    timeout_s: float
+    last: float = -math.inf  # time.monotonic() of the last beat
+
+    def beat(self, step: int | None) -> None:
+        self.last = time.monotonic()
+        # Wall-clock time: other ranks (on other hosts, with synchronised clocks) read how long ago.
+        beat = {"step": step, "time": time.time(), "pid": os.getpid()}
+        self.store.set(f"hb/{self.rank}", json.dumps(beat))
+
+
+_heartbeat: _Heartbeat | None = None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,6 +84,7 @@ def init_distributed(timeout_s: float | None = None) -> DistEnv:
     ``timeout_s`` bounds every collective: a rank whose peer hangs fails after it instead of
     waiting forever (a peer that dies is noticed at once, by its closed connections).
     """
+    global _heartbeat
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -69,6 +104,10 @@ def init_distributed(timeout_s: float | None = None) -> DistEnv:
             # torchrun's static rendezvous keeps one store across restarts (torch 2.13): without a
             # fresh prefix per attempt, a restarted group reads the dead attempt's addresses and hangs.
             store = dist.PrefixStore(f"recscale/attempt_{restarts}", store)
+            if world > 1:
+                # A first beat before the group forms, so every rank's key exists once it has.
+                _heartbeat = _Heartbeat(store, rank, world, timeout.total_seconds())
+                _heartbeat.beat(None)
         else:
             os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # TorchRec's planner reads it
             store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
@@ -76,7 +115,23 @@ def init_distributed(timeout_s: float | None = None) -> DistEnv:
     return DistEnv(rank, world, local_rank, local_world, device, backend, restarts)
 
 
+def heartbeat(step: int) -> None:
+    """Tell the other ranks that this one has completed ``step``: call it after every step.
+
+    Free between beats (one a second at most) and a no-op in a world of one; what a rank that times
+    out reads to name the rank that stopped (see ``lost_peer``).
+    """
+    hb = _heartbeat
+    if hb is not None and time.monotonic() - hb.last >= _BEAT_EVERY_S:
+        try:
+            hb.beat(step)
+        except dist.DistError:  # advisory: if the store's host is gone, the collectives fail anyway
+            pass
+
+
 def shutdown() -> None:
+    global _heartbeat
+    _heartbeat = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -84,11 +139,64 @@ def shutdown() -> None:
 def lost_peer(e: BaseException) -> str | None:
     """One line for an error meaning another rank died or stopped answering; None for other errors.
 
-    gloo reports a dead peer as a plain RuntimeError ("Connection closed by peer"); timeouts and
-    NCCL failures are ``torch.distributed.DistError`` s.
+    gloo reports a dead peer as a plain RuntimeError ("Connection closed by peer"), and a silent one
+    as one too ("Timed out waiting 10000ms for send operation to complete", "Application timeout
+    caused pair closure") where TorchRec waits on it, as a ``DistError`` elsewhere; NCCL failures are
+    ``DistError`` s. For a timeout the line names the rank that stopped, from the heartbeats: that
+    takes up to ``_PEER_SETTLE_S``, and under recscale's launcher leaves the verdict in
+    ``$RECSCALE_FAULT_DIR``.
     """
     text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip().split("\n")[0])  # drop gloo's "[file:line]"
-    if not isinstance(e, dist.DistError) and not re.search(r"(closed|reset) by peer", text):
+    timed_out = re.search(r"timed out|timeout", text, re.IGNORECASE) is not None
+    gloo = re.search(r"(closed|reset) by peer|Timed out waiting \d+ms|Application timeout", text)
+    if not isinstance(e, dist.DistError) and gloo is None:
         return None
+    if timed_out and _heartbeat is not None and (line := _name_the_hung(_heartbeat)) is not None:
+        return line
     rank = os.environ.get("RANK", "0")
     return f"rank {rank} lost contact with another rank ({text.split('. ')[0][:160]}); that rank failed first"
+
+
+def _name_the_hung(hb: _Heartbeat) -> str | None:
+    """After a timeout: the ranks that did not time out too are the ones that stopped, as one line
+    (None if the store cannot tell). The healthy ranks are all stuck in collectives, so their
+    heartbeats are as old as the hung rank's: a mark each posts on timing out tells them apart."""
+    limit = f"distributed.timeout_s={hb.timeout_s:g}"
+    others = [r for r in range(hb.world_size) if r != hb.rank]
+    try:
+        hb.store.set(f"stuck/{hb.rank}", "1")
+        deadline = time.monotonic() + _PEER_SETTLE_S
+        while True:
+            silent = [r for r in others if not hb.store.check([f"stuck/{r}"])]
+            if not silent or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        # A rank's first beat precedes its joining the group: none means it never joined this attempt.
+        beats = {r: json.loads(hb.store.get(f"hb/{r}")) for r in silent if hb.store.check([f"hb/{r}"])}
+    except (dist.DistError, ValueError):
+        return None
+    if not silent:
+        return f"rank {hb.rank} timed out after {limit}, as did every other rank: each waited for another"
+    silent.sort(key=lambda r: beats[r]["time"] if r in beats else -math.inf)
+    now = time.time()
+
+    def last(r: int) -> str:
+        if r not in beats:
+            return "it never joined"
+        at = "before its first step" if beats[r]["step"] is None else f"at step {beats[r]['step']}"
+        return f"last heartbeat {at}, {now - beats[r]['time']:.0f} s ago"
+
+    if len(silent) == 1:
+        line = f"rank {silent[0]} stopped responding ({last(silent[0])}); "
+        line += f"rank {hb.rank} timed out waiting for it after {limit}"
+    else:
+        line = f"ranks {', '.join(f'{r} ({last(r)})' for r in silent)} stopped responding; "
+        line += f"rank {hb.rank} timed out waiting for them after {limit}"
+    if fault_dir := os.environ.get(FAULT_DIR_ENV):
+        pids = [beats[r]["pid"] for r in silent if r in beats]
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        verdict = {"error": line, "pids": pids, "time": now, "attempt": attempt}
+        path = Path(fault_dir) / f"rank{hb.rank}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(verdict))
+        path.with_suffix(".tmp").replace(path)  # the launcher never reads half a file
+    return line

@@ -10,6 +10,12 @@ and, while restarts remain (``--max-restarts``), starts them again (the trainer 
 the last checkpoint); workers on other hosts fail on their closed connections and restart too.
 When restarts run out the agent exits; this launcher stops the other agents and reports the first
 failure in one line.
+
+Hangs: a rank whose collective times out (``distributed.timeout_s``) names the rank that stopped
+responding and leaves that verdict in ``$RECSCALE_FAULT_DIR`` (see ``recscale.distributed.env``).
+This launcher SIGKILLs the hung rank as soon as it reads it: torch elastic would SIGTERM it and wait
+out a grace period, and a stopped process does not act on SIGTERM. While restarts remain, the agents
+then restart the job; otherwise the launcher stops it at once, the verdict its one-line error.
 """
 
 from __future__ import annotations
@@ -26,12 +32,15 @@ import time
 import uuid
 from pathlib import Path
 
-from recscale.distributed.env import free_port
+from recscale.distributed.env import FAULT_DIR_ENV, free_port
 from recscale.errors import RecscaleError
 
 _POLL_S = 0.2
 _STOP_GRACE_S = 60.0
 _SETTLE_S = 3.0
+# torch elastic's grace between SIGTERM and SIGKILL when stopping workers (its default: 30 s). The
+# trainer does not handle SIGTERM, so a worker that can die dies at once; only a hung one waits it out.
+_WORKER_GRACE_S = 5
 
 
 def launch(command: list[str], nproc: int, local_world_size: int | None, max_restarts: int) -> None:
@@ -49,6 +58,9 @@ def launch(command: list[str], nproc: int, local_world_size: int | None, max_res
     port, run_id = free_port(), uuid.uuid4().hex[:12]
     with tempfile.TemporaryDirectory(prefix="recscale-launch-") as tmp:
         summaries = [Path(tmp) / f"host{h}.json" for h in range(hosts)]
+        faults = Path(tmp) / "faults"
+        faults.mkdir()
+        env[FAULT_DIR_ENV] = str(faults)
         agents = [
             subprocess.Popen(
                 [
@@ -76,39 +88,87 @@ def launch(command: list[str], nproc: int, local_world_size: int | None, max_res
             )  # fmt: skip
             for h in range(hosts)
         ]
-        failed = _wait(agents)
-        if failed is not None:
-            # The root cause is the earliest failure: on other hosts, ranks then fail on lost connections.
-            # Failure times are whole seconds, so a rank that died of a lost peer (gloo aborts, or
-            # the trainer exits with an error) can tie with the cause; one killed from outside wins.
+        if _wait(agents, faults, max_restarts):
+            # A hang named by a rank that timed out waiting for it is the cause (its agent may not even
+            # have reported). Verdicts of earlier attempts, restarted since, are not.
+            verdicts = [v for v in _verdicts(faults) if v["attempt"] == max_restarts]
+            # Otherwise the root cause is the earliest failure: on other hosts, ranks then fail on lost
+            # connections. Failure times are whole seconds, so a rank that died of a lost peer (gloo
+            # aborts, or the trainer exits with an error) can tie with the cause; one killed from outside wins.
             found = [json.loads(p.read_text()) for p in summaries if p.is_file()]
-            if found:
+            if verdicts:
+                what = min(verdicts, key=lambda v: v["time"])["error"]
+            elif found:
                 what = min(found, key=lambda f: (f["maybe_consequence"], f["time"]))["error"]
             else:
-                what = f"host {failed}'s agent exited with code {agents[failed].returncode}"
+                what = f"the hosts' agents exited with codes {[a.returncode for a in agents]}"
             raise RecscaleError(f"{what}; the other ranks were stopped")
 
 
-def _wait(agents: list[subprocess.Popen]) -> int | None:
-    """Wait for every agent; on the first failure stop the rest. Returns the failed agent's index."""
+def _wait(agents: list[subprocess.Popen], faults: Path, final_attempt: int) -> bool:
+    """Wait for every agent, killing ranks found hung; on the first failure stop the rest. Returns
+    whether the job failed."""
+    seen: set[Path] = set()
+
+    def doomed() -> bool:  # a rank named a hung one with no restarts left: it is failing, and the job
+        return any(v["attempt"] == final_attempt for v in _kill_hung(faults, seen, agents))
+
     try:
         while True:
+            if doomed():
+                _stop(agents)
+                return True
             codes = [a.poll() for a in agents]
-            failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is not None:
+            if any(c not in (None, 0) for c in codes):
                 # Let agents whose ranks are failing too finish writing their summaries: the root
                 # cause may be on a host whose agent exits a moment later than this one.
                 deadline = time.monotonic() + _SETTLE_S
-                while any(a.poll() is None for a in agents) and time.monotonic() < deadline:
+                while any(a.poll() is None for a in agents) and time.monotonic() < deadline and not doomed():
                     time.sleep(_POLL_S)
                 _stop(agents)
-                return failed
+                return True
             if all(c == 0 for c in codes):
-                return None
+                return False
             time.sleep(_POLL_S)
     except KeyboardInterrupt:
         _stop(agents)
         raise
+
+
+def _verdicts(faults: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(faults.glob("*.json"))]
+
+
+def _kill_hung(faults: Path, seen: set[Path], agents: list[subprocess.Popen]) -> list[dict]:
+    """SIGKILL the workers named by verdicts not seen before (``seen`` collects them); returns those
+    verdicts. Their agents then restart them, or fail."""
+    ours, new = {a.pid for a in agents}, []
+    for path in sorted(set(faults.glob("*.json")) - seen):
+        seen.add(path)
+        new.append(verdict := json.loads(path.read_text()))
+        for pid in verdict["pids"]:
+            if _parent(pid) in ours:  # a worker of this job, not a process that reused its pid
+                _kill_worker(pid)
+    return new
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # after "pid (comm) state": comm may hold spaces
+
+
+def _kill_worker(pid: int) -> None:
+    """SIGKILL a worker and its children (data loaders): torch elastic starts each in its own session."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _stop(agents: list[subprocess.Popen]) -> None:
@@ -120,6 +180,10 @@ def _stop(agents: list[subprocess.Popen]) -> None:
         try:
             a.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            # Its workers lead sessions of their own: killing the agent alone would orphan them.
+            for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+                if _parent(pid) == a.pid:
+                    _kill_worker(pid)
             a.kill()
             a.wait()
 
@@ -152,6 +216,7 @@ def _agent(args: argparse.Namespace) -> int:
         rdzv_configs={"rank": args.host},
         run_id=args.run_id,
         max_restarts=args.max_restarts,
+        shutdown_timeout=_WORKER_GRACE_S,
     )
     try:
         elastic_launch(config, entrypoint=sys.executable)(*args.command)
