@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test test-fast lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,11 +25,18 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
 	$(PY) -m pytest
+
+# For local work: no type check, no multi-process or slow tests.
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(PY) -m pytest -m "not dist and not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
 	$(VENV)/bin/ruff format --check src tests bench
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs .mypy_cache

@@ -245,6 +245,7 @@ def planted_aucs() -> dict[str, float]:
     return aucs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in sorted(SMALL) if n != "lr"])
 def test_learns_planted_interactions(name: str, planted_aucs: dict[str, float]) -> None:
     assert planted_aucs["lr"] < 0.6, planted_aucs

@@ -32,6 +32,7 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if r["split"] == "train"}
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     # With a moving average of the dense weights too: its state must resume exactly as well.
     common = [
@@ -140,6 +141,7 @@ def _tables_after(tmp_path: Path, overrides: list[str]) -> dict[str, torch.Tenso
     return {k: v.local_shards()[0].tensor.clone() for k, v in tr.module.state_dict().items() if ".ebc." in k}
 
 
+@pytest.mark.slow
 def test_embedding_l2_shrinks_the_tables(tmp_path):
     """train.embedding_l2 reaches the fused tables (fbgemm's own weight decay does not, on CPU)."""
     norms = {
@@ -166,6 +168,7 @@ def test_table_weight_decay_shrinks_every_row_after_the_step(tmp_path):
         torch.testing.assert_close(w, tables[0.0][k] * shrink)
 
 
+@pytest.mark.slow
 def test_learning_rates_drop_on_plateau(tmp_path):
     es = "train.early_stopping={metric: logloss, patience: 10, min_delta: 1.0, reduce_lr_factor: 0.5}"
     cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.eval_every=5", "train.max_steps=15", es])
@@ -202,6 +205,7 @@ def test_restore_best_on_plateau(tmp_path, restore):
     assert all(torch.equal(after[k], best[k]) for k in best) == restore
 
 
+@pytest.mark.slow
 def test_ema_reports_the_average_of_the_dense_weights(tmp_path):
     """train.ema_decay: the model kept and reported is the bias-corrected moving average of the raw
     dense weights (decay min(0.5, (1+n)/(10+n)) after n steps), which training itself never sees."""

@@ -73,6 +73,7 @@ def materialize(
                         files[f"{f.name}.offsets"].write(ends.tobytes())
                         offsets_end[f.name] = int(ends[-1]) if len(ends) else offsets_end[f.name]
                     if f.weighted:
+                        assert weights is not None  # transform() gives weights for weighted features
                         files[f"{f.name}.weights"].write(weights.tobytes())
                 rows += cols.rows
                 if bar is not None:

@@ -149,9 +149,9 @@ class Preprocessor:
         n = batch.num_rows
         label = batch.column(LABEL).to_numpy(zero_copy_only=False).astype(np.float32)
         dense = np.empty((n, len(self.schema.dense)), dtype=np.float32)
-        for j, f in enumerate(self.schema.dense):
-            col = pc.fill_null(batch.column(f.name), f.fill).to_numpy(zero_copy_only=False)
-            if f.transform == "log1p":
+        for j, d in enumerate(self.schema.dense):
+            col = pc.fill_null(batch.column(d.name), d.fill).to_numpy(zero_copy_only=False)
+            if d.transform == "log1p":
                 # Criteo's integer counts can be negative; clip at 0 as the DLRM reference does.
                 col = np.log1p(np.maximum(col, 0.0))
             dense[:, j] = col
@@ -189,8 +189,8 @@ class Preprocessor:
             )
 
         if type(obj) is not dict:
-            kind = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
-            raise bad(f"is a JSON {kind.get(type(obj), 'null')}, not an object")
+            json_type = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+            raise bad(f"is a JSON {json_type.get(type(obj), 'null')}, not an object")
         if type(obj.get("version")) is not int or obj["version"] != ARTIFACT_VERSION:
             raise bad(
                 f"has version {_short(repr(obj.get('version')))}, this recscale reads version {ARTIFACT_VERSION}"

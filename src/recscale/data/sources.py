@@ -12,6 +12,7 @@ from typing import Any
 import pyarrow as pa
 
 from recscale.data.readers import ReadStats, read_batches
+from recscale.data.readers.base import OnBadRow
 from recscale.data.schema import Schema
 from recscale.data.synthetic import SyntheticSpec, synthetic_batches
 from recscale.errors import DataError
@@ -26,14 +27,16 @@ def open_split(
     *,
     synthetic: SyntheticSpec | None = None,
     chunk_rows: int = 65536,
-    on_bad_row: str = "error",
+    on_bad_row: OnBadRow = "error",
     stats: ReadStats | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Raw record batches of ``split`` (train/valid/test). MovieLens picks its split by option."""
     if fmt == "synthetic":
+        assert synthetic is not None  # DataConfig fills it for format synthetic
         return synthetic_batches(synthetic, split, chunk_rows=chunk_rows)
     if fmt == "movielens":
         options = {**options, "split": split if split in ("train", "valid", "test") else "all"}
+    assert path is not None  # file formats: DataConfig requires train; other splits are read only when set
     return read_batches(path, fmt, schema, options, chunk_rows=chunk_rows, on_bad_row=on_bad_row, stats=stats)
 
 

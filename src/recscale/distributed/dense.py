@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.model_parallel import (
@@ -54,7 +54,7 @@ def _holds_tables(module: nn.Module) -> bool:
     return any(isinstance(m, ShardedModule) for m in module.modules())
 
 
-def _shard_dense(module: nn.Module, mesh: object, prefix: str) -> None:
+def _shard_dense(module: nn.Module, mesh: DeviceMesh, prefix: str) -> None:
     stray = [f"{prefix}{n}" for n, _ in module.named_parameters(recurse=False)]
     if stray:
         raise ConfigError(

@@ -6,6 +6,8 @@ logit = b + w_1ᵀo_1 + w_2ᵀo_2 + Σ_h o_1hᵀ W_h o_2h
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from pydantic import Field
 from torch import Tensor, nn
@@ -58,9 +60,8 @@ class FinalMLP(RecModel):
             positions = _context_positions(self.embedding, context)
             self.gates.append(FeatureSelection(n, d, positions, params.fs_hidden, device))
             self.streams.append(MLP(n * d, hidden, norm=params.norm, dropout=params.dropout, device=device))
-        self.fusion = BilinearFusion(
-            self.streams[0].out_features, self.streams[1].out_features, params.fusion_heads, device
-        )
+        out1, out2 = (cast(MLP, s).out_features for s in self.streams)  # the two MLPs just appended
+        self.fusion = BilinearFusion(out1, out2, params.fusion_heads, device)
 
     def interact(self, x0: Tensor) -> Tensor:
         o1, o2 = (mlp(gate(x0)) for gate, mlp in zip(self.gates, self.streams, strict=True))

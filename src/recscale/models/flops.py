@@ -8,12 +8,21 @@ two matmuls per forward matmul: one for the input gradient, one for the weight g
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 TRAIN_FLOPS_MULTIPLIER = 3
+
+
+@runtime_checkable
+class CountsFlops(Protocol):
+    """A block that counts its own forward FLOPs per example."""
+
+    def flops_per_example(self) -> int: ...
 
 
 def matmul_flops(m: int, n: int, k: int) -> int:
@@ -33,7 +42,7 @@ def module_flops(module: nn.Module) -> int:
     A module whose matmuls are not one pass per child must define ``flops_per_example()``;
     the FlopCounterMode tests catch one that does not.
     """
-    if hasattr(module, "flops_per_example"):
+    if isinstance(module, CountsFlops):
         return module.flops_per_example()
     if isinstance(module, nn.Linear):
         return linear_flops(module)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +137,7 @@ def fake_quant(x: Tensor, fmt: str, block: int = 32) -> Tensor:
     f = FORMATS[fmt]
     if f.kind == "cast":
         return x.to(f.dtype).to(x.dtype)
+    assert f.elem is not None  # every per-tensor and MX format has an element type
     if f.kind == "tensor":
         return _per_tensor(x, f.elem)
     return _mx(x, f.elem, block)
@@ -248,7 +249,8 @@ def quantize_model(model: nn.Module, cfg: QuantConfig | None) -> list[str]:
         if fmt is None and cfg.format is not None and any(fnmatch.fnmatchcase(name, p) for p in cfg.where):
             fmt = cfg.format
         if fmt is not None:
-            model.set_submodule(name, QuantLinear(model.get_submodule(name), fmt, cfg.gradients))
+            linear = cast(nn.Linear, model.get_submodule(name))  # a name from linear_names()
+            model.set_submodule(name, QuantLinear(linear, fmt, cfg.gradients))
             done.append(name)
     return done
 
@@ -257,5 +259,5 @@ def dequantize_model(model: nn.Module) -> list[str]:
     """Swap every ``QuantLinear`` back for a plain ``nn.Linear`` (same Parameters); their names."""
     names = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
     for name in names:
-        model.set_submodule(name, model.get_submodule(name).to_linear())
+        model.set_submodule(name, cast(QuantLinear, model.get_submodule(name)).to_linear())
     return names

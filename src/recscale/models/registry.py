@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from pydantic import BaseModel
-from torch import nn
 
+from recscale.models.base import RecModel
 from recscale.models.embedding import EmbeddingConfig, FeatureSet
 
-_M = TypeVar("_M", bound=type[nn.Module])
-_REGISTRY: dict[str, tuple[type[nn.Module], type[BaseModel]]] = {}
+
+class ModelClass(Protocol):
+    """A registered model class: ``cls(features, embedding, params, device=None)``."""
+
+    def __call__(
+        self,
+        features: FeatureSet,
+        embedding: EmbeddingConfig,
+        params: Any,
+        device: torch.device | None = None,
+    ) -> RecModel: ...
+
+
+_M = TypeVar("_M", bound=ModelClass)
+_REGISTRY: dict[str, tuple[ModelClass, type[BaseModel]]] = {}
 
 
 def register(name: str, params: type[BaseModel]) -> Callable[[_M], _M]:
@@ -31,7 +44,7 @@ def model_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _lookup(name: str) -> tuple[type[nn.Module], type[BaseModel]]:
+def _lookup(name: str) -> tuple[ModelClass, type[BaseModel]]:
     if name not in _REGISTRY:
         raise ValueError(f"unknown model '{name}'; known models: {', '.join(model_names())}")
     return _REGISTRY[name]
@@ -47,7 +60,7 @@ def build_model(
     embedding: EmbeddingConfig,
     params: BaseModel | dict,
     device: torch.device | None = None,
-) -> nn.Module:
+) -> RecModel:
     """Build model ``name``; ``params`` is its params class or a dict validated into it."""
     cls, params_cls = _lookup(name)
     if isinstance(params, dict):

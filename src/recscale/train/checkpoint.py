@@ -215,7 +215,7 @@ _OPCODES = (pickle.PROTO, pickle.FRAME, pickle.STOP, pickle.MARK, pickle.NONE, p
 
 
 def _gated(op: bytes, allowed: Callable[[Any], bool], what: str) -> Callable[[Any], None]:
-    base = pickle._Unpickler.dispatch[op[0]]  # type: ignore[attr-defined]
+    base = pickle._Unpickler.dispatch[op[0]]
 
     def load(self: Any) -> None:
         target = self.stack[-2]  # REDUCE/NEWOBJ: (callable, args); BUILD: (instance, state)
@@ -231,12 +231,12 @@ class _Dispatch(dict):
         raise pickle.UnpicklingError(f"pickle opcode {bytes([code])!r} is not used by DCP metadata")
 
 
-class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+class _MetadataUnpickler(pickle._Unpickler):
     """Python's pure-Python unpickler restricted to ``_OPCODES`` and ``_ALLOWED_GLOBALS``. Pure Python
     because only there can BUILD, REDUCE and NEWOBJ be gated: the C unpickler's BUILD would also set
     attributes on an allowed *class*. Costs ~1 s per MB of metadata, ~0.04 s for a typical run."""
 
-    dispatch = _Dispatch({op[0]: pickle._Unpickler.dispatch[op[0]] for op in _OPCODES})  # type: ignore[attr-defined]
+    dispatch = _Dispatch({op[0]: pickle._Unpickler.dispatch[op[0]] for op in _OPCODES})
     dispatch[pickle.BUILD[0]] = _gated(
         pickle.BUILD, lambda o: type(o) in _DATACLASSES, "setting the state of"
     )
@@ -285,6 +285,7 @@ def _check_metadata(md: Any, path: Path) -> None:
         raise _tampered(path, "has no storage records")
     stored = {(i.fqn, tuple(i.offset or ())) for i in md.storage_data if type(i) is MetadataIndex}
     for key, entry in md.state_dict_metadata.items():
+        assert type(entry) is TensorStorageMetadata  # checked in the first loop
         if any((key, tuple(c.offsets)) not in stored for c in entry.chunks):
             raise _tampered(path, f"entry {_one_line(repr(key), 80)} has a chunk with no storage record")
     file_sizes: dict[str, int] = {}

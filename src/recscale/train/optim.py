@@ -47,13 +47,14 @@ def sparse_optimizer(
 
 
 def dense_optimizer_factory(cfg: OptimizerConfig) -> Callable[[Iterable], torch.optim.Optimizer]:
-    kw = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    return {
-        "adam": lambda p: torch.optim.Adam(p, eps=cfg.eps, **kw),
-        "adamw": lambda p: torch.optim.AdamW(p, eps=cfg.eps, **kw),
-        "sgd": lambda p: torch.optim.SGD(p, **kw),
-        "adagrad": lambda p: torch.optim.Adagrad(p, eps=cfg.eps, **kw),
-    }[cfg.name]
+    lr, wd, eps = cfg.lr, cfg.weight_decay, cfg.eps
+    factories: dict[str, Callable[[Iterable], torch.optim.Optimizer]] = {
+        "adam": lambda p: torch.optim.Adam(p, lr=lr, eps=eps, weight_decay=wd),
+        "adamw": lambda p: torch.optim.AdamW(p, lr=lr, eps=eps, weight_decay=wd),
+        "sgd": lambda p: torch.optim.SGD(p, lr=lr, weight_decay=wd),
+        "adagrad": lambda p: torch.optim.Adagrad(p, lr=lr, eps=eps, weight_decay=wd),
+    }
+    return factories[cfg.name]
 
 
 def lr_factor(cfg: TrainConfig, step: int, total_steps: int) -> float:

@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
 from recscale.errors import DataError, RecscaleError
+from recscale.models.base import RecModel
 from recscale.models.quant import (
     FORMATS,
     QuantConfig,
@@ -143,7 +144,7 @@ def probe(
     formats = list(dict.fromkeys([*formats, target]))
     run_config(run_dir)  # a directory that is not a run is named first
     cfg, pre, built = load_trained(run_dir)
-    model = built.model
+    model = cast(RecModel, built.model)  # flat: load_trained refuses DMT runs
     dequantize_model(model)  # a run trained with model.quant: measure against its fp32 computation
     names = linear_names(model)
     if not names:

@@ -24,7 +24,9 @@ class EmbeddingL2:
             module.register_forward_hook(lambda m, x, out, i=i, s=scale: self.parts.__setitem__(i, (out, s)))
 
     def __call__(self, batch_size: int) -> torch.Tensor:
-        return self.weight * sum(s * x.square().sum() for x, s in self.parts.values()) / batch_size
+        total = sum(s * x.square().sum() for x, s in self.parts.values())
+        assert isinstance(total, torch.Tensor)  # after a forward: the hooks have filled every part
+        return self.weight * total / batch_size
 
 
 class TableDecay:

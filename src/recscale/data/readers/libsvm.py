@@ -76,7 +76,7 @@ def _batches(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iter
         nonblank = pc.not_equal(lines, "").to_numpy(zero_copy_only=False)
         line_no = first + np.flatnonzero(nonblank)
         arrays, problems = _parse(lines.filter(pa.array(nonblank)), schema, options)
-        keep = bad.keep(len(line_no), problems, lambda idx, line_no=line_no: line_no[idx])
+        keep = bad.keep(len(line_no), problems, line_no.take)
         yield make_batch(arrays, schema, keep)
 
 

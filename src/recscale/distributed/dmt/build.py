@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import KeyedOptimizer
 
@@ -21,7 +20,7 @@ from recscale.distributed.dmt.transform import DMTGroups, DMTModel, Top, Tower, 
 from recscale.distributed.env import DistEnv
 from recscale.distributed.sharding import shard_model
 from recscale.errors import ConfigError
-from recscale.models.base import count_parameters
+from recscale.models.base import RecModel, count_parameters
 from recscale.models.embedding import EmbeddingConfig, EmbeddingLayer, FeatureSet, SparseInput
 from recscale.models.flops import module_flops
 from recscale.models.registry import build_model
@@ -61,7 +60,7 @@ class UnshardedDMT:
 
     towers: list[list[str]]  # per tower, its features in schema order
     modules: list[Tower]
-    top: nn.Module  # the model without its tables
+    top: RecModel  # the model without its tables
     outputs: list[int]  # c_t
     order: list[int] | None  # see DMTModel
     counts: dict[str, int]  # dense and sparse parameters of the whole model

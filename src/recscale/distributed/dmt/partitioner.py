@@ -21,14 +21,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from recscale.data.batch import Batch
 from recscale.distributed.dmt.assignment import random_assignment, round_robin
 from recscale.errors import ConfigError
+from recscale.models.embedding import EmbeddingLayer
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,9 @@ class FeatureStats:
     memory: np.ndarray  # (n,) rows x table dim
 
 
-def feature_stats(embedding: nn.Module, batch: Batch, num_embeddings: Callable[[str], int]) -> FeatureStats:
+def feature_stats(
+    embedding: EmbeddingLayer, batch: Batch, num_embeddings: Callable[[str], int]
+) -> FeatureStats:
     """Affinity and costs from a trained flat model's embedding layer on a batch of training rows."""
     with torch.no_grad():
         x = embedding(batch.dense, batch.sparse)  # (B, n, d)
@@ -64,7 +67,7 @@ def feature_stats(embedding: nn.Module, batch: Batch, num_embeddings: Callable[[
 def _caps(stats: FeatureStats, towers: int, tolerance: float) -> tuple[float, float]:
     return tuple(
         max((1 + tolerance) * cost.sum() / towers, cost.max()) for cost in (stats.lookup, stats.memory)
-    )  # type: ignore[return-value]
+    )
 
 
 def intra_affinity(stats: FeatureStats, labels: np.ndarray) -> float:
@@ -138,7 +141,7 @@ def describe(stats: FeatureStats, labels: np.ndarray, towers: int) -> dict:
     """Balance (max / mean tower load) and intra-tower affinity (also as a share of all pairs')."""
     total = float(np.triu(stats.affinity, 1).sum())
     intra = intra_affinity(stats, labels)
-    per_tower = []
+    per_tower: list[dict[str, Any]] = []
     for t in range(towers):
         members = labels == t
         per_tower.append({

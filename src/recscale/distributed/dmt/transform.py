@@ -36,6 +36,7 @@ from torchrec.distributed.model_parallel import get_unwrapped_module
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.distributed.topology import Topology
+from recscale.models.base import RecModel
 from recscale.models.embedding import EmbeddingLayer
 
 
@@ -124,7 +125,7 @@ class Top(nn.Module):
     """(dense (B, n_dense), towers' vectors (B, Σ c_t, d)) -> logits (B,): the model's dense-feature
     embeddings and interaction, without its tables."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: RecModel) -> None:
         super().__init__()
         self.model = model
 
@@ -178,6 +179,7 @@ class DMTModel(nn.Module):
         self.towers = nn.ModuleDict({str(mine): tower})  # keyed by tower: checkpoint keys differ per host
         self.top = top
         self.dense_flops = dense_flops  # forward FLOPs per example of the top and every tower's module
+        self.order: Tensor | None
         self.register_buffer("order", torch.tensor(order) if order is not None else None, persistent=False)
 
     def flops_per_example(self) -> int:

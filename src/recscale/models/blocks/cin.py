@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -53,4 +54,5 @@ class CIN(nn.Module):
         return torch.cat(pooled, dim=1)
 
     def flops_per_example(self) -> int:
-        return sum(matmul_flops(c.out_channels, self.dim, c.in_channels) for c in self.convs)
+        convs = cast(Iterable[nn.Conv1d], self.convs)  # __init__ appends only Conv1d layers
+        return sum(matmul_flops(c.out_channels, self.dim, c.in_channels) for c in convs)
