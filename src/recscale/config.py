@@ -18,6 +18,7 @@ from recscale.data.schema import Schema
 from recscale.data.synthetic import SyntheticSpec
 from recscale.errors import ConfigError
 from recscale.models.embedding import EmbeddingConfig
+from recscale.models.quant import QuantConfig
 from recscale.models.registry import model_names, params_class
 
 
@@ -60,11 +61,13 @@ class DataConfig(_Strict):
         return self
 
     @property
-    def schema(self) -> Schema:
+    def schema(self) -> Schema:  # type: ignore[override]  # shadows pydantic's deprecated v1 BaseModel.schema()
         if self.format == "synthetic":
             from recscale.data.synthetic import synthetic_schema
 
+            assert self.synthetic is not None  # _check fills it
             return synthetic_schema(self.synthetic)
+        assert self.schema_ is not None  # _check requires it for file formats
         return self.schema_
 
 
@@ -73,6 +76,9 @@ class ModelConfig(BaseModel):
 
     name: str
     embedding: EmbeddingConfig = EmbeddingConfig()
+    # Low-precision GEMMs of the model's linear layers (recscale.models.quant); a declared field, so
+    # not one of the model's own parameters (those are ``model_extra``).
+    quant: QuantConfig | None = None
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="after")
@@ -128,6 +134,9 @@ class TrainConfig(_Strict):
     keep_checkpoints: int = Field(2, ge=1)
     log_every: int = Field(50, ge=1)
     progress: bool = True
+    # Compute precision of the dense network: bf16 = autocast mixed precision (fp32 master weights,
+    # optimizer state, loss and metrics; see recscale.train.precision).
+    precision: Literal["fp32", "bf16"] = "fp32"
     # torch.compile the model's dense interaction (not the embedding lookups); see docs/BENCHMARKS.md
     compile: bool = False
 
@@ -321,7 +330,7 @@ def load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"{path}: base must be the path of another config, got {base!r}")
     base_path = (path.parent / base).resolve()
     if not base_path.is_file():
-        raise ConfigError(f"{path}: base {base} not found ({base_path}); fix the path, relative to this file")
+        raise ConfigError(f"{path}: base {base}: no such file ({base_path}); fix the path, relative to this file")
     if base_path in seen:
         raise ConfigError(f"{path}: base {base} includes itself")
     return merge(load_raw(base_path, (*seen, base_path)), raw)

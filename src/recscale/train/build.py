@@ -24,8 +24,10 @@ from recscale.config import RunConfig
 from recscale.data.preprocess import Preprocessor
 from recscale.distributed.env import DistEnv
 from recscale.distributed.sharding import shard_model
+from recscale.errors import ConfigError
 from recscale.models.base import TrainableModel, count_parameters
 from recscale.models.embedding import FeatureSet, SparseInput
+from recscale.models.quant import quantize_model
 from recscale.models.registry import build_model
 from recscale.train.optim import dense_optimizer_factory, sparse_optimizer
 
@@ -67,8 +69,17 @@ def feature_set(pre: Preprocessor) -> FeatureSet:
     return FeatureSet(sparse=sparse, num_dense=len(pre.schema.dense))
 
 
+def check_features(cfg: RunConfig, features: FeatureSet) -> None:
+    """Feature names the config gives the embedding layer exist (a ConfigError naming the key)."""
+    names, emb = {f.name for f in features.sparse}, cfg.model.embedding
+    for key, chosen in (("multi_embedding", set(emb.multi_embedding)), ("small_dim_features", set(emb.small_dim_features))):
+        if unknown := sorted(chosen - names):
+            raise ConfigError(f"model.embedding.{key} names unknown sparse features {unknown}; features: {sorted(names)}")
+
+
 def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
     """The run's model on this rank, seeded by ``cfg.seed`` (every rank builds the same one first)."""
+    check_features(cfg, features)
     opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer, env.device, cfg.dense_tables())
     if cfg.dmt is not None:
         from recscale.distributed.dmt.build import build_dmt
@@ -83,6 +94,8 @@ def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
     else:
         torch.manual_seed(cfg.seed)
         flat = build_model(cfg.model.name, features, cfg.model.embedding, cfg.model.params)
+        if cfg.model.quant is not None:  # emulated low-precision GEMMs (before FLOPs are counted: same)
+            quantize_model(flat, cfg.model.quant)
         counts, flops = count_parameters(flat), flat.flops_per_example()
         # apply_optimizer_in_backward adds its own keys to the kwargs it is given: hand it a copy.
         apply_optimizer_in_backward(opt_cls, flat.embedding.ebc.parameters(), dict(opt_kw))
@@ -92,6 +105,6 @@ def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
             n: p for n, p in in_backward_optimizer_filter(module.named_parameters()) if n not in tables.params
         }
         if cfg.train.compile:  # the dense part only: TorchRec's sharded lookups and KJTs do not trace well
-            model.interact = torch.compile(model.interact)
+            flat.interact = torch.compile(flat.interact)  # type: ignore[method-assign]
     dense = KeyedOptimizerWrapper(dense_params, dense_optimizer_factory(cfg.train.dense_optimizer))
     return Built(module, model, tables, dense, counts, int(flops))

@@ -9,6 +9,7 @@ from torch import nn
 from recscale.data.dataset import ArrayDataset, iterate
 from recscale.distributed.gather import eval_batches, gather_scores
 from recscale.train.metrics import ctr_metrics
+from recscale.train.precision import Precision, autocast
 
 # Evaluation needs no gradients, so it takes larger batches than training (fewer, cheaper steps).
 EVAL_BATCH_SIZE = 8192
@@ -19,18 +20,25 @@ def eval_batch_size(train_batch_size: int) -> int:
 
 
 @torch.no_grad()  # not inference_mode: gloo collectives fail inside it
-def predict(model: nn.Module, ds: ArrayDataset, batch_size: int, num_workers: int) -> torch.Tensor:
-    """Logits (N,) for every row of ``ds`` in order, on every rank (each rank scores a slice)."""
+def predict(
+    model: nn.Module, ds: ArrayDataset, batch_size: int, num_workers: int, precision: Precision = "fp32"
+) -> torch.Tensor:
+    """Logits (N,) for every row of ``ds`` in order, on every rank (each rank scores a slice), in
+    float32 whatever the compute ``precision``."""
     was_training = model.training
     model.eval()
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
     device = next(model.parameters()).device
     for b in iterate(ds, eval_batches(len(ds), batch_size, rank, world), num_workers):
-        out.append(model(b.dense.to(device), b.sparse.to(device)).float())
+        with autocast(precision, device):
+            out.append(model(b.dense.to(device), b.sparse.to(device)).float())
     model.train(was_training)
     return gather_scores(torch.cat(out), len(ds), batch_size, world).cpu()  # gathered on the device (NCCL)
 
 
-def evaluate(model: nn.Module, ds: ArrayDataset, batch_size: int, num_workers: int) -> dict[str, float]:
-    return ctr_metrics(predict(model, ds, batch_size, num_workers), torch.from_numpy(ds.labels().copy()))
+def evaluate(
+    model: nn.Module, ds: ArrayDataset, batch_size: int, num_workers: int, precision: Precision = "fp32"
+) -> dict[str, float]:
+    logits = predict(model, ds, batch_size, num_workers, precision)
+    return ctr_metrics(logits, torch.from_numpy(ds.labels().copy()))

@@ -23,6 +23,7 @@ import json
 import shutil
 import sys
 import time
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -35,9 +36,9 @@ from torch import nn
 
 from recscale.config import RunConfig
 from recscale.data.batch import Batch
-from recscale.data.dataset import epoch_batches, iterate
+from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
 from recscale.distributed import comms
-from recscale.distributed.env import init_distributed
+from recscale.distributed.env import heartbeat, init_distributed
 from recscale.errors import ConfigError, RecscaleError
 from recscale.io import atomic_write_text
 from recscale.train.build import build, feature_set
@@ -52,6 +53,7 @@ from recscale.train.data import prepare_run_data
 from recscale.train.evaluate import eval_batch_size, evaluate
 from recscale.train.metrics import binary_entropy
 from recscale.train.optim import lr_factor
+from recscale.train.precision import autocast, native_bf16
 from recscale.train.regularizers import DenseEMA, EmbeddingL2, TableDecay
 from recscale.train.runs import check_resume
 from recscale.train.state import Progress, RunLog, rng_state, set_rng_state
@@ -92,6 +94,12 @@ class Trainer:
             self._barrier()
         self.built = build(cfg, feature_set(self.pre), self.env)
         self.module, self.opt = self.built.module, self.built.opt
+        if t.precision == "bf16" and not native_bf16(self.env.device) and self.main:
+            warnings.warn(
+                "train.precision=bf16: this CPU has no bf16 matmul instructions (AVX512-BF16 or AMX), so "
+                "bf16 is emulated and much slower than fp32 here; use train.precision=fp32",
+                stacklevel=2,
+            )
         if cfg.distributed.count_bytes:
             comms.install()
         self.comm = comms.CommMeter(self.env.topology, self.env.rank)
@@ -211,8 +219,9 @@ class Trainer:
         for g, lr in zip(self.built.tables.param_groups, self.sparse_base_lrs, strict=True):
             g["lr"] = lr * p.lr_scale
         with self._recording():
-            logits = self.module(batch.dense, batch.sparse)
-            loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+            with autocast(t.precision, self.env.device):
+                logits = self.module(batch.dense, batch.sparse)
+            loss = nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
             objective = loss if self.l2 is None else loss + self.l2(batch.size)
             self.opt.zero_grad()
             objective.backward()
@@ -252,6 +261,7 @@ class Trainer:
                     window_n += 1
                     p.batch += 1
                     bar.update(1)
+                    heartbeat(p.step)  # lets a peer that times out name this rank if it hangs
                     if p.step % t.log_every == 0:
                         mean_loss = self._log_window(window_loss, window_n, time.perf_counter() - window_t)
                         bar.set_postfix(loss=f"{mean_loss:.4f}")
@@ -302,7 +312,7 @@ class Trainer:
         es, stop, improved, restore = t.early_stopping, False, False, False
         if self.valid_ds is not None:
             with self.ema.applied() if self.ema else nullcontext():  # the averaged weights are the model
-                m = evaluate(self.module, self.valid_ds, eval_batch_size(t.batch_size), self.cfg.data.num_workers)
+                m = self._evaluate(self.valid_ds)
                 if es is not None:
                     sign = 1 if HIGHER_IS_BETTER[es.metric] else -1
                     improved = p.best is None or sign * (m[es.metric] - p.best) > es.min_delta
@@ -326,6 +336,10 @@ class Trainer:
             prune_checkpoints(self.dir / "ckpt", t.keep_checkpoints)
         return stop
 
+    def _evaluate(self, ds: ArrayDataset) -> dict[str, float]:
+        t = self.cfg.train
+        return evaluate(self.module, ds, eval_batch_size(t.batch_size), self.cfg.data.num_workers, t.precision)
+
     def finish(self) -> dict[str, Any]:
         p = self.progress
         if not self.load_best() and self.ema:  # no best kept: report the average, as evaluated
@@ -347,15 +361,15 @@ class Trainer:
             # order can move the step early stopping keeps.
             "torch_threads": torch.get_num_threads(),
         }
-        eb, nw = eval_batch_size(self.cfg.train.batch_size), self.cfg.data.num_workers
         if self.valid_ds is not None:
-            report["valid"] = evaluate(self.module, self.valid_ds, eb, nw)
+            report["valid"] = self._evaluate(self.valid_ds)
         if self.test_ds is not None:
-            report["test"] = evaluate(self.module, self.test_ds, eb, nw)
+            report["test"] = self._evaluate(self.test_ds)
         if self.cfg.data.format == "synthetic":
             from recscale.data.synthetic import bayes_logloss
 
             split = "valid" if self.valid_ds is not None else "train"
+            assert self.cfg.data.synthetic is not None  # DataConfig fills it for format synthetic
             floor = bayes_logloss(self.cfg.data.synthetic, split)
             ctr = float(np.mean((self.valid_ds or self.train_ds).labels()))
             report["bayes_logloss"] = floor

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
-from torch import nn
 
 from recscale.config import (
     DistributedConfig,
@@ -27,6 +26,8 @@ from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
 from recscale.distributed.env import init_distributed
 from recscale.errors import CheckpointError, ConfigError, DataError, RecscaleError
+from recscale.models.base import RecModel
+from recscale.models.embedding import EmbeddingLayer
 from recscale.train.build import Built, build, feature_set
 from recscale.train.checkpoint import list_checkpoints, load_checkpoint
 from recscale.train.data import prepare_split
@@ -118,7 +119,10 @@ def load_trained(run_dir: Path) -> tuple[RunConfig, Preprocessor, Built]:
     # process does not have: the checkpoint loads into the default plan at any world size (replicated
     # tables stay replicated: their optimizer may have no fused kernel).
     plan = DistributedConfig(sharding="data_parallel") if cfg.dense_tables() else DistributedConfig()
-    built = build(cfg.model_copy(update={"distributed": plan}), feature_set(pre), env)
+    try:
+        built = build(cfg.model_copy(update={"distributed": plan}), feature_set(pre), env)
+    except ConfigError as e:  # the run's config.yaml does not fit its own features: edited by hand
+        raise CheckpointError(f"{run_dir / 'config.yaml'} does not fit the run ({e}); restore it") from None
     best = run_dir / "best"
     ckpts = list_checkpoints(run_dir / "ckpt")
     source = best if (best / ".metadata").is_file() else (ckpts[-1] if ckpts else None)
@@ -131,14 +135,15 @@ def load_trained(run_dir: Path) -> tuple[RunConfig, Preprocessor, Built]:
     return cfg, pre, built
 
 
-def load_training_sample(run_dir: Path, rows: int) -> tuple[nn.Module, Batch, Preprocessor]:
+def load_training_sample(run_dir: Path, rows: int) -> tuple[EmbeddingLayer, Batch, Preprocessor]:
     """A trained flat run's embedding layer, its first ``rows`` training rows and its preprocessing."""
     _, pre, built = load_trained(run_dir)
     split = Path(run_dir) / "data" / "train"
     if not (split / "meta.json").is_file():
         raise RecscaleError(f"{split}: the run's materialised training split is gone; retrain or resume the run")
     ds = ArrayDataset(split)
-    return built.model.embedding, ds.gather(np.arange(min(rows, len(ds)))), pre  # type: ignore[attr-defined]
+    model = cast(RecModel, built.model)  # flat: load_trained refuses DMT runs
+    return model.embedding, ds.gather(np.arange(min(rows, len(ds)))), pre
 
 
 def eval_run(
@@ -161,7 +166,7 @@ def eval_run(
     data = cfg.data.model_copy(update={"format": fmt or cfg.data.format})
     with tempfile.TemporaryDirectory(prefix="recscale-eval-") as tmp:
         ds, stats = prepare_split(data, pre, split, data_path, Path(tmp) / "eval", progress=False)
-        m = evaluate(built.module, ds, EVAL_BATCH_SIZE, 0)
+        m = evaluate(built.module, ds, EVAL_BATCH_SIZE, 0, cfg.train.precision)
     if stats.skipped:
         m["skipped_rows"] = stats.skipped
     return m

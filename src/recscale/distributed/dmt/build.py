@@ -30,6 +30,7 @@ def _check(cfg: RunConfig) -> None:
     unsupported = {
         "model.embedding.small_dim_features": bool(cfg.model.embedding.small_dim_features),
         "train.compile": cfg.train.compile,
+        "model.quant": cfg.model.quant is not None,
         "distributed.dense=fsdp": cfg.distributed.dense == "fsdp",
         "distributed.tables (a host's tables follow dmt.sharding)": bool(cfg.distributed.tables),
     }
