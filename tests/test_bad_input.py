@@ -81,7 +81,11 @@ def trained(tmp_path_factory) -> tuple[Path, Path, Path, Path]:
     cfg = base / "run.yaml"
     cfg.write_text(config_text(str(good)))
     assert main(["train", str(cfg), "--out", str(base / "run")]) == 0
-    syn = ["data.synthetic.rows={train: 300, valid: 100, test: 100}", "train.max_steps=1", "train.progress=false"]
+    syn = [
+        "data.synthetic.rows={train: 300, valid: 100, test: 100}",
+        "train.max_steps=1",
+        "train.progress=false",
+    ]
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
     assert main(["train", str(demo), "--out", str(base / "syn"), *syn, "train.batch_size=64"]) == 0
     return cfg, good, base / "run", base / "syn"
@@ -121,7 +125,11 @@ def run_dir(c: Ctx) -> Path:
 CASES = [
     # -------- config and command line
     Case("config file missing", lambda c: ["train", str(c.tmp / "nope.yaml")], ("nope.yaml", "not found")),
-    Case("config not YAML", lambda c: ["train", c.yaml("data:\n  format: csv\n   train: x\n")], ("c.yaml:3", "yaml")),
+    Case(
+        "config not YAML",
+        lambda c: ["train", c.yaml("data:\n  format: csv\n   train: x\n")],
+        ("c.yaml:3", "yaml"),
+    ),
     Case("config a list", lambda c: ["train", c.yaml("- a\n- b\n")], ("c.yaml", "mapping")),
     Case("config unknown key", lambda c: c.train("train.batch_sise=3"), ("train.batch_sise", "unknown key")),
     Case("config wrong type", lambda c: c.train("train.batch_size=abc"), ("train.batch_size",)),
@@ -130,92 +138,265 @@ CASES = [
     Case("override without =", lambda c: c.train("train.max_steps"), ("key=value",)),
     Case("override into a value", lambda c: c.train("seed.x=1"), ("seed",)),
     Case("unknown data format", lambda c: c.train("data.format=xls"), ("data.format",)),
-    Case("config without train file", lambda c: ["train", c.yaml("data: {format: csv}\nmodel: {name: lr}\n")], ("data.train",)),
-    Case("base config missing", lambda c: ["train", c.yaml("base: gone.yaml\nmodel: {name: lr}\n")], ("gone.yaml", "no such file")),
+    Case(
+        "config without train file",
+        lambda c: ["train", c.yaml("data: {format: csv}\nmodel: {name: lr}\n")],
+        ("data.train",),
+    ),
+    Case(
+        "base config missing",
+        lambda c: ["train", c.yaml("base: gone.yaml\nmodel: {name: lr}\n")],
+        ("gone.yaml", "no such file"),
+    ),
     Case("train without a config", lambda c: ["train", "--out", str(c.tmp / "new")], ("give a config",)),
     Case("--resume without --out", lambda c: ["train", "--resume"], ("--resume", "--out")),
-    Case("--resume on no run", lambda c: ["train", "--resume", "--out", str(c.tmp / "new")], ("not a recscale run directory",)),
-    Case("--resume changes the model", lambda c: ["train", "--resume", "--out", str(c.run), "model.name=fm"],
-         ("--resume", "model.name", "another --out"), watch=run_dir),
-    Case("--resume with a config of another shape", lambda c: ["train", str(c.cfg), "--resume", "--out", str(c.run),
-         "model.embedding.dim=8"], ("model.embedding.dim",), watch=run_dir),
-    Case("--resume with a corrupt config.yaml", lambda c: ["train", "--resume", "--out", str(c.run)], ("config.yaml", "yaml"),
-         setup=lambda c: _write(c.run / "config.yaml", "model: [\n"), watch=run_dir),
-    Case("train into an existing run", lambda c: ["train", str(c.cfg), "--out", str(c.run)], ("already holds a run", "--resume"),
-         watch=run_dir),
-    Case("--out is a file", lambda c: ["train", str(c.cfg), "--out", str(c.good)], ("is a file",), watch=lambda c: c.good),
+    Case(
+        "--resume on no run",
+        lambda c: ["train", "--resume", "--out", str(c.tmp / "new")],
+        ("not a recscale run directory",),
+    ),
+    Case(
+        "--resume changes the model",
+        lambda c: ["train", "--resume", "--out", str(c.run), "model.name=fm"],
+        ("--resume", "model.name", "another --out"),
+        watch=run_dir,
+    ),
+    Case(
+        "--resume with a config of another shape",
+        lambda c: ["train", str(c.cfg), "--resume", "--out", str(c.run), "model.embedding.dim=8"],
+        ("model.embedding.dim",),
+        watch=run_dir,
+    ),
+    Case(
+        "--resume with a corrupt config.yaml",
+        lambda c: ["train", "--resume", "--out", str(c.run)],
+        ("config.yaml", "yaml"),
+        setup=lambda c: _write(c.run / "config.yaml", "model: [\n"),
+        watch=run_dir,
+    ),
+    Case(
+        "train into an existing run",
+        lambda c: ["train", str(c.cfg), "--out", str(c.run)],
+        ("already holds a run", "--resume"),
+        watch=run_dir,
+    ),
+    Case(
+        "--out is a file",
+        lambda c: ["train", str(c.cfg), "--out", str(c.good)],
+        ("is a file",),
+        watch=lambda c: c.good,
+    ),
     Case("--local-world-size without --nproc", lambda c: c.train("--local-world-size", "2"), ("--nproc",)),
-    Case("--nproc does not split into hosts", lambda c: c.train("--nproc", "3", "--local-world-size", "2"), ("cannot be split",)),
-    Case("sparse optimizer without CPU kernel", lambda c: c.train("train.sparse_optimizer={name: adam, lr: 0.001}"),
-         ("no fused cpu kernel",)),
-    Case("unknown small_dim feature", lambda c: c.train("model.embedding.small_dim_features=[nope]"), ("small_dim_features", "nope")),
-    Case("table weight decay on fused tables", lambda c: c.train("train.sparse_optimizer={name: rowwise_adagrad, lr: 0.1, weight_decay: 0.1}"),
-         ("weight_decay", "data_parallel")),
-    Case("dense value not a number", lambda c: c.train(
-        "data.schema={label: label, dense: [{name: user}], sparse: [{name: item}]}", f"data.train={c.csv('d.csv', HEADER + chr(10) + '1,abc,2,1,2,3,4,5,6,7,8' + chr(10))}"),
-         ("d.csv", "line 2", "user")),
+    Case(
+        "--nproc does not split into hosts",
+        lambda c: c.train("--nproc", "3", "--local-world-size", "2"),
+        ("cannot be split",),
+    ),
+    Case(
+        "sparse optimizer without CPU kernel",
+        lambda c: c.train("train.sparse_optimizer={name: adam, lr: 0.001}"),
+        ("no fused cpu kernel",),
+    ),
+    Case(
+        "unknown small_dim feature",
+        lambda c: c.train("model.embedding.small_dim_features=[nope]"),
+        ("small_dim_features", "nope"),
+    ),
+    Case(
+        "table weight decay on fused tables",
+        lambda c: c.train("train.sparse_optimizer={name: rowwise_adagrad, lr: 0.1, weight_decay: 0.1}"),
+        ("weight_decay", "data_parallel"),
+    ),
+    Case(
+        "dense value not a number",
+        lambda c: c.train(
+            "data.schema={label: label, dense: [{name: user}], sparse: [{name: item}]}",
+            f"data.train={c.csv('d.csv', HEADER + chr(10) + '1,abc,2,1,2,3,4,5,6,7,8' + chr(10))}",
+        ),
+        ("d.csv", "line 2", "user"),
+    ),
     # -------- data files
     Case("train file missing", lambda c: c.train(f"data.train={c.tmp / 'gone.csv'}"), ("gone.csv",)),
-    Case("valid file missing", lambda c: c.train(f"data.valid={c.tmp / 'gone.csv'}"), ("data.valid", "gone.csv", "does not exist")),
+    Case(
+        "valid file missing",
+        lambda c: c.train(f"data.valid={c.tmp / 'gone.csv'}"),
+        ("data.valid", "gone.csv", "does not exist"),
+    ),
     Case("train file empty", lambda c: c.bad_train(b""), ("bad.csv", "empty")),
     Case("train file header only", lambda c: c.bad_train([]), ("bad.csv", "no data rows")),
-    Case("train file is binary", lambda c: c.bad_train(os.urandom(2000).replace(b"\n", b"") + b"\0\n"), ("bad.csv", "binary")),
+    Case(
+        "train file is binary",
+        lambda c: c.bad_train(os.urandom(2000).replace(b"\n", b"") + b"\0\n"),
+        ("bad.csv", "binary"),
+    ),
     Case("train file is a directory", lambda c: c.train(f"data.train={c.tmp}"), ("directory",)),
-    Case("bad label", lambda c: c.bad_train([*ROWS, "x,1,2,3,4,5,6,7,8,9,10"]), ("bad.csv", "line 66", "label")),
+    Case(
+        "bad label", lambda c: c.bad_train([*ROWS, "x,1,2,3,4,5,6,7,8,9,10"]), ("bad.csv", "line 66", "label")
+    ),
     Case("label 2", lambda c: c.bad_train([*ROWS, "2,1,2,3,4,5,6,7,8,9,10"]), ("bad.csv", "label '2'")),
     Case("label yes", lambda c: c.bad_train([*ROWS, "yes,1,2,3,4,5,6,7,8,9,10"]), ("bad.csv", "label 'yes'")),
     Case("short row", lambda c: c.bad_train([*ROWS, "1,1,2"]), ("bad.csv", "line 66", "columns")),
-    Case("missing column", lambda c: c.bad_train(ROWS, header=HEADER.replace("city", "town")), ("bad.csv", "city")),
-    Case("not UTF-8", lambda c: c.bad_train(("\n".join([HEADER, *ROWS]) + "\n").encode() + b"1,\xff\xfe,2,3,4,5,6,7,8,9,10\n"),
-         ("bad.csv", "utf")),
+    Case(
+        "missing column",
+        lambda c: c.bad_train(ROWS, header=HEADER.replace("city", "town")),
+        ("bad.csv", "city"),
+    ),
+    Case(
+        "not UTF-8",
+        lambda c: c.bad_train(
+            ("\n".join([HEADER, *ROWS]) + "\n").encode() + b"1,\xff\xfe,2,3,4,5,6,7,8,9,10\n"
+        ),
+        ("bad.csv", "utf"),
+    ),
     Case("CSV read as parquet", lambda c: c.train("data.format=parquet"), ("parquet",)),
     Case("CSV read as Criteo TSV", lambda c: c.train("data.format=criteo"), ("good.csv",)),
     Case("CSV read as libsvm", lambda c: c.train("data.format=libsvm"), ("good.csv",)),
     Case("bad data.options", lambda c: c.train("data.options={delimter: ';'}"), ("delimter",)),
     # -------- eval
-    Case("eval: run missing", lambda c: ["eval", str(c.tmp / "gone"), "--data", str(c.good)], ("not a recscale run directory",)),
-    Case("eval: run is a file", lambda c: ["eval", str(c.good), "--data", str(c.good)], ("not a recscale run directory",),
-         watch=lambda c: c.good),
-    Case("eval: data missing", lambda c: ["eval", str(c.run), "--data", str(c.tmp / "gone.csv")], ("gone.csv", "no such file"),
-         watch=run_dir),
-    Case("eval: data lacks a column", lambda c: ["eval", str(c.run), "--data", c.csv("e.csv", HEADER.replace("user", "usr") + "\n1,1,1,1,1,1,1,1,1,1,1\n")],
-         ("e.csv", "user"), watch=run_dir),
-    Case("eval: bad label in data", lambda c: ["eval", str(c.run), "--data", c.csv("e.csv", HEADER + "\nz,1,1,1,1,1,1,1,1,1,1\n")],
-         ("e.csv", "label"), watch=run_dir),
-    Case("eval: synthetic run without --format", lambda c: ["eval", str(c.syn_run), "--data", str(c.good)], ("synthetic", "--format"),
-         watch=lambda c: c.syn_run),
-    Case("eval: unknown --format", lambda c: ["eval", str(c.run), "--data", str(c.good), "--format", "xls"], ("xls",), watch=run_dir),
-    Case("eval: corrupt config.yaml", lambda c: ["eval", str(c.run), "--data", str(c.good)], ("config.yaml",),
-         setup=lambda c: _write(c.run / "config.yaml", "data: {format: csv\n"), watch=run_dir),
-    Case("eval: config.yaml of another shape", lambda c: ["eval", str(c.run), "--data", str(c.good)], ("config.yaml", "train.batch_size"),
-         setup=lambda c: _write(c.run / "config.yaml", (c.run / "config.yaml").read_text().replace("batch_size: 16", "batch_size: -1")),
-         watch=run_dir),
-    Case("eval: config.yaml names unknown features", lambda c: ["eval", str(c.run), "--data", str(c.good)], ("config.yaml", "small_dim_features"),
-         setup=lambda c: _write(c.run / "config.yaml", (c.run / "config.yaml").read_text().replace("small_dim_features: []", "small_dim_features: [a, b]")),
-         watch=run_dir),
-    Case("eval: preprocess.json not an object", lambda c: ["eval", str(c.run), "--data", str(c.good)], ("preprocess.json",),
-         setup=lambda c: _write(c.run / "preprocess.json", "[1, 2]"), watch=run_dir),
-    Case("eval: preprocess.json truncated", lambda c: ["eval", str(c.run), "--data", str(c.good)], ("preprocess.json",),
-         setup=lambda c: _write(c.run / "preprocess.json", (c.run / "preprocess.json").read_bytes()[:50]), watch=run_dir),
-    Case("eval: preprocess.json missing", lambda c: ["eval", str(c.run), "--data", str(c.good)], ("preprocess.json",),
-         setup=lambda c: (c.run / "preprocess.json").unlink(), watch=run_dir),
-    Case("eval: no checkpoint", lambda c: ["eval", str(c.run), "--data", str(c.good)], ("no complete checkpoint",),
-         setup=lambda c: [shutil.rmtree(c.run / d) for d in ("ckpt", "best")], watch=run_dir),
-    Case("eval: checkpoint metadata truncated", lambda c: ["eval", str(c.run), "--data", str(c.good)], (".metadata",),
-         setup=lambda c: [_write(p / ".metadata", (p / ".metadata").read_bytes()[:40]) for p in (c.run / "best", _ckpt(c.run))],
-         watch=run_dir),
-    Case("resume: checkpoint state.json not JSON", lambda c: ["train", "--resume", "--out", str(c.run), "train.max_steps=4"],
-         ("state.json",), setup=lambda c: _write(_ckpt(c.run) / "state.json", "{"), watch=run_dir),
+    Case(
+        "eval: run missing",
+        lambda c: ["eval", str(c.tmp / "gone"), "--data", str(c.good)],
+        ("not a recscale run directory",),
+    ),
+    Case(
+        "eval: run is a file",
+        lambda c: ["eval", str(c.good), "--data", str(c.good)],
+        ("not a recscale run directory",),
+        watch=lambda c: c.good,
+    ),
+    Case(
+        "eval: data missing",
+        lambda c: ["eval", str(c.run), "--data", str(c.tmp / "gone.csv")],
+        ("gone.csv", "no such file"),
+        watch=run_dir,
+    ),
+    Case(
+        "eval: data lacks a column",
+        lambda c: [
+            "eval",
+            str(c.run),
+            "--data",
+            c.csv("e.csv", HEADER.replace("user", "usr") + "\n1,1,1,1,1,1,1,1,1,1,1\n"),
+        ],
+        ("e.csv", "user"),
+        watch=run_dir,
+    ),
+    Case(
+        "eval: bad label in data",
+        lambda c: ["eval", str(c.run), "--data", c.csv("e.csv", HEADER + "\nz,1,1,1,1,1,1,1,1,1,1\n")],
+        ("e.csv", "label"),
+        watch=run_dir,
+    ),
+    Case(
+        "eval: synthetic run without --format",
+        lambda c: ["eval", str(c.syn_run), "--data", str(c.good)],
+        ("synthetic", "--format"),
+        watch=lambda c: c.syn_run,
+    ),
+    Case(
+        "eval: unknown --format",
+        lambda c: ["eval", str(c.run), "--data", str(c.good), "--format", "xls"],
+        ("xls",),
+        watch=run_dir,
+    ),
+    Case(
+        "eval: corrupt config.yaml",
+        lambda c: ["eval", str(c.run), "--data", str(c.good)],
+        ("config.yaml",),
+        setup=lambda c: _write(c.run / "config.yaml", "data: {format: csv\n"),
+        watch=run_dir,
+    ),
+    Case(
+        "eval: config.yaml of another shape",
+        lambda c: ["eval", str(c.run), "--data", str(c.good)],
+        ("config.yaml", "train.batch_size"),
+        setup=lambda c: _write(
+            c.run / "config.yaml",
+            (c.run / "config.yaml").read_text().replace("batch_size: 16", "batch_size: -1"),
+        ),
+        watch=run_dir,
+    ),
+    Case(
+        "eval: config.yaml names unknown features",
+        lambda c: ["eval", str(c.run), "--data", str(c.good)],
+        ("config.yaml", "small_dim_features"),
+        setup=lambda c: _write(
+            c.run / "config.yaml",
+            (c.run / "config.yaml")
+            .read_text()
+            .replace("small_dim_features: []", "small_dim_features: [a, b]"),
+        ),
+        watch=run_dir,
+    ),
+    Case(
+        "eval: preprocess.json not an object",
+        lambda c: ["eval", str(c.run), "--data", str(c.good)],
+        ("preprocess.json",),
+        setup=lambda c: _write(c.run / "preprocess.json", "[1, 2]"),
+        watch=run_dir,
+    ),
+    Case(
+        "eval: preprocess.json truncated",
+        lambda c: ["eval", str(c.run), "--data", str(c.good)],
+        ("preprocess.json",),
+        setup=lambda c: _write(c.run / "preprocess.json", (c.run / "preprocess.json").read_bytes()[:50]),
+        watch=run_dir,
+    ),
+    Case(
+        "eval: preprocess.json missing",
+        lambda c: ["eval", str(c.run), "--data", str(c.good)],
+        ("preprocess.json",),
+        setup=lambda c: (c.run / "preprocess.json").unlink(),
+        watch=run_dir,
+    ),
+    Case(
+        "eval: no checkpoint",
+        lambda c: ["eval", str(c.run), "--data", str(c.good)],
+        ("no complete checkpoint",),
+        setup=lambda c: [shutil.rmtree(c.run / d) for d in ("ckpt", "best")],
+        watch=run_dir,
+    ),
+    Case(
+        "eval: checkpoint metadata truncated",
+        lambda c: ["eval", str(c.run), "--data", str(c.good)],
+        (".metadata",),
+        setup=lambda c: [
+            _write(p / ".metadata", (p / ".metadata").read_bytes()[:40])
+            for p in (c.run / "best", _ckpt(c.run))
+        ],
+        watch=run_dir,
+    ),
+    Case(
+        "resume: checkpoint state.json not JSON",
+        lambda c: ["train", "--resume", "--out", str(c.run), "train.max_steps=4"],
+        ("state.json",),
+        setup=lambda c: _write(_ckpt(c.run) / "state.json", "{"),
+        watch=run_dir,
+    ),
     # -------- data inspect, sweep, scaling, dmt
-    Case("inspect: missing file", lambda c: ["data", "inspect", str(c.tmp / "gone.csv")], ("gone.csv", "no such file")),
+    Case(
+        "inspect: missing file",
+        lambda c: ["data", "inspect", str(c.tmp / "gone.csv")],
+        ("gone.csv", "no such file"),
+    ),
     Case("inspect: empty file", lambda c: ["data", "inspect", c.csv("e.csv", b"")], ("e.csv", "empty")),
-    Case("inspect: binary file", lambda c: ["data", "inspect", c.csv("b.csv", b"\x00\x01\x02abc\n")], ("b.csv",)),
+    Case(
+        "inspect: binary file",
+        lambda c: ["data", "inspect", c.csv("b.csv", b"\x00\x01\x02abc\n")],
+        ("b.csv",),
+    ),
     Case("inspect: unknown format", lambda c: ["data", "inspect", str(c.good), "--format", "xls"], ("xls",)),
     Case("sweep: missing file", lambda c: ["sweep", str(c.tmp / "gone.yaml")], ("gone.yaml", "not found")),
     Case("sweep: not a mapping", lambda c: ["sweep", c.yaml("[1, 2]\n")], ("c.yaml", "mapping")),
-    Case("scaling fit: missing results", lambda c: ["scaling", "fit", str(c.tmp / "gone.csv")], ("gone.csv",)),
+    Case(
+        "scaling fit: missing results", lambda c: ["scaling", "fit", str(c.tmp / "gone.csv")], ("gone.csv",)
+    ),
     Case("scaling fit: not a results file", lambda c: ["scaling", "fit", str(c.good)], ("good.csv",)),
-    Case("dmt partition: missing run", lambda c: ["dmt", "partition", str(c.tmp / "gone"), "--towers", "2"], ("not a recscale run directory",)),
+    Case(
+        "dmt partition: missing run",
+        lambda c: ["dmt", "partition", str(c.tmp / "gone"), "--towers", "2"],
+        ("not a recscale run directory",),
+    ),
 ]
 
 
@@ -245,7 +426,9 @@ def tmpfs(tmp_path) -> Iterator[Callable[..., Path]]:
     def mount(name: str, size: str = "1m", ro: bool = False) -> Path:
         point = tmp_path / name
         point.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True
+        )
         if r.returncode:
             pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
         mounts.append(point)
@@ -304,8 +487,13 @@ def test_a_stale_preprocess_json_is_refitted(ctx: Ctx) -> None:
 
 def test_long_cells_are_read(ctx: Ctx) -> None:
     """A 5 MB cell is longer than pyarrow's default read block; it is one id like any other."""
-    path = ctx.csv("long.csv", "\n".join([HEADER, "1," + "a" * 5_000_000 + ",1,1,1,1,1,1,1,1,1", *ROWS]) + "\n")
-    assert main(["train", str(ctx.cfg), "--out", str(ctx.tmp / "r"), f"data.train={path}", "train.max_steps=1"]) == 0
+    path = ctx.csv(
+        "long.csv", "\n".join([HEADER, "1," + "a" * 5_000_000 + ",1,1,1,1,1,1,1,1,1", *ROWS]) + "\n"
+    )
+    assert (
+        main(["train", str(ctx.cfg), "--out", str(ctx.tmp / "r"), f"data.train={path}", "train.max_steps=1"])
+        == 0
+    )
 
 
 def test_run_files_have_normal_permissions(ctx: Ctx) -> None:

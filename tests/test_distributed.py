@@ -64,7 +64,11 @@ VARIANTS = {t: [f"distributed.sharding={t}", *(ADAGRAD if "column" in t else [])
 COMM = ["data.synthetic.num_multi=0", "distributed.sharding=table_wise", "distributed.count_bytes=true",
         *(f"distributed.tables.s{i}={{type: table_wise, ranks: [{r}]}}" for i, r in enumerate([0, 1, 2, 2]))]  # fmt: skip
 # The same data with every table row-wise over the ranks of one host (hosts alternate by table).
-COMM_TWRW = ["data.synthetic.num_multi=0", "distributed.sharding=table_row_wise", "distributed.count_bytes=true"]
+COMM_TWRW = [
+    "data.synthetic.num_multi=0",
+    "distributed.sharding=table_row_wise",
+    "distributed.count_bytes=true",
+]
 dist_mark = pytest.mark.dist
 
 

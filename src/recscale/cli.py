@@ -167,9 +167,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="recscale", description="Train and evaluate large-scale recommendation models."
-    )
+    p = _Parser(prog="recscale", description="Train and evaluate large-scale recommendation models.")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -239,9 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("run_dir")
     pp.add_argument("--data", help="calibrate on this file (default: the run's valid split)")
     pp.add_argument("--rows", type=int, default=16384, help="calibration rows (a seeded random subset)")
-    pp.add_argument("--formats", nargs="+", metavar="FMT", help="formats to probe (default: the six MX formats)")
+    pp.add_argument(
+        "--formats", nargs="+", metavar="FMT", help="formats to probe (default: the six MX formats)"
+    )
     pp.add_argument("--target", default="mxfp8_e4m3", help="the plan's format (default mxfp8_e4m3)")
-    pp.add_argument("--tolerance", type=float, default=5e-4, help="allowed AUC drop of the plan (default 0.0005)")
+    pp.add_argument(
+        "--tolerance", type=float, default=5e-4, help="allowed AUC drop of the plan (default 0.0005)"
+    )
     pp.add_argument("--out", help="plan JSON (default RUN_DIR/precision_plan.json)")
     pp.set_defaults(fn=cmd_precision_probe)
     return p
@@ -312,7 +314,10 @@ def _error_line(e: Exception) -> tuple[int, str]:
     if isinstance(e, RuntimeError) and (line := lost_peer(e)) is not None:
         return 3, line
     first = (str(e).strip().splitlines() or [""])[0][:200]
-    return 1, f"internal error {type(e).__name__}: {first} (rerun with --debug for the traceback and report it)"
+    return (
+        1,
+        f"internal error {type(e).__name__}: {first} (rerun with --debug for the traceback and report it)",
+    )
 
 
 if __name__ == "__main__":

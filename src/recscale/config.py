@@ -330,7 +330,9 @@ def load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(f"{path}: base must be the path of another config, got {base!r}")
     base_path = (path.parent / base).resolve()
     if not base_path.is_file():
-        raise ConfigError(f"{path}: base {base}: no such file ({base_path}); fix the path, relative to this file")
+        raise ConfigError(
+            f"{path}: base {base}: no such file ({base_path}); fix the path, relative to this file"
+        )
     if base_path in seen:
         raise ConfigError(f"{path}: base {base} includes itself")
     return merge(load_raw(base_path, (*seen, base_path)), raw)

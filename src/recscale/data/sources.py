@@ -46,7 +46,9 @@ def source_fingerprint(fmt: str, path: str | None, split: str, extra: dict[str, 
     if path is not None:
         p = Path(path).resolve()
         if not p.exists():
-            raise DataError(f"data.{split}: {path} does not exist; fix the path in the config or set data.{split}=PATH")
+            raise DataError(
+                f"data.{split}: {path} does not exist; fix the path in the config or set data.{split}=PATH"
+            )
         st = os.stat(p)
         info.update(path=str(p), size=st.st_size, mtime_ns=st.st_mtime_ns)
     return hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode()).hexdigest()

@@ -72,9 +72,14 @@ def feature_set(pre: Preprocessor) -> FeatureSet:
 def check_features(cfg: RunConfig, features: FeatureSet) -> None:
     """Feature names the config gives the embedding layer exist (a ConfigError naming the key)."""
     names, emb = {f.name for f in features.sparse}, cfg.model.embedding
-    for key, chosen in (("multi_embedding", set(emb.multi_embedding)), ("small_dim_features", set(emb.small_dim_features))):
+    for key, chosen in (
+        ("multi_embedding", set(emb.multi_embedding)),
+        ("small_dim_features", set(emb.small_dim_features)),
+    ):
         if unknown := sorted(chosen - names):
-            raise ConfigError(f"model.embedding.{key} names unknown sparse features {unknown}; features: {sorted(names)}")
+            raise ConfigError(
+                f"model.embedding.{key} names unknown sparse features {unknown}; features: {sorted(names)}"
+            )
 
 
 def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
@@ -89,7 +94,9 @@ def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
         counts, flops = u.counts, u.dense_flops
         table_params = {id(p) for p in tables.params.values()}
         dense_params = {
-            n: p for n, p in in_backward_optimizer_filter(module.named_parameters()) if id(p) not in table_params
+            n: p
+            for n, p in in_backward_optimizer_filter(module.named_parameters())
+            if id(p) not in table_params
         }
     else:
         torch.manual_seed(cfg.seed)

@@ -86,7 +86,9 @@ def prepare_run_data(
     splits, stats = {}, {}
     for split, path in (("train", data.train), ("valid", data.valid), ("test", data.test)):
         if split == "train" or path is not None or data.format == "synthetic":
-            splits[split], stats[split] = prepare_split(data, pre, split, path, run_dir / "data" / split, progress)
+            splits[split], stats[split] = prepare_split(
+                data, pre, split, path, run_dir / "data" / split, progress
+            )
     if fitted and main:
         pre.save(pre_path, fingerprint=fingerprint)
     return pre, splits, stats

@@ -107,7 +107,9 @@ class Trainer:
         self.sparse_base_lrs = [g["lr"] for g in self.built.tables.param_groups]
         self.dense_params = list(self.built.trainable_dense().values())
         self.l2 = EmbeddingL2(self.built.model, t.embedding_l2) if t.embedding_l2 > 0 else None
-        self.decay = TableDecay(self.built.table_shards(), t.table_weight_decay) if t.table_weight_decay else None
+        self.decay = (
+            TableDecay(self.built.table_shards(), t.table_weight_decay) if t.table_weight_decay else None
+        )
         self.ema = DenseEMA(self.built.trainable_dense(), t.ema_decay) if t.ema_decay else None
         n = len(self.train_ds)
         self.steps_per_epoch = n // t.batch_size + (1 if n % t.batch_size and n < t.batch_size else 0)
@@ -317,7 +319,9 @@ class Trainer:
                     sign = 1 if HIGHER_IS_BETTER[es.metric] else -1
                     improved = p.best is None or sign * (m[es.metric] - p.best) > es.min_delta
                 if improved:
-                    save_checkpoint(self.dir / "best", {"model": self.module.state_dict()}, rank=self.env.rank)
+                    save_checkpoint(
+                        self.dir / "best", {"model": self.module.state_dict()}, rank=self.env.rank
+                    )
             self.log({"split": "valid", "step": p.step, "epoch": p.epoch, **m})
             if es is not None:
                 if improved:
@@ -338,7 +342,9 @@ class Trainer:
 
     def _evaluate(self, ds: ArrayDataset) -> dict[str, float]:
         t = self.cfg.train
-        return evaluate(self.module, ds, eval_batch_size(t.batch_size), self.cfg.data.num_workers, t.precision)
+        return evaluate(
+            self.module, ds, eval_batch_size(t.batch_size), self.cfg.data.num_workers, t.precision
+        )
 
     def finish(self) -> dict[str, Any]:
         p = self.progress

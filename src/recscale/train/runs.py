@@ -140,7 +140,9 @@ def load_training_sample(run_dir: Path, rows: int) -> tuple[EmbeddingLayer, Batc
     _, pre, built = load_trained(run_dir)
     split = Path(run_dir) / "data" / "train"
     if not (split / "meta.json").is_file():
-        raise RecscaleError(f"{split}: the run's materialised training split is gone; retrain or resume the run")
+        raise RecscaleError(
+            f"{split}: the run's materialised training split is gone; retrain or resume the run"
+        )
     ds = ArrayDataset(split)
     model = cast(RecModel, built.model)  # flat: load_trained refuses DMT runs
     return model.embedding, ds.gather(np.arange(min(rows, len(ds)))), pre

@@ -19,6 +19,7 @@ from recscale.errors import DataError
 # Bytes read per text chunk: big enough to amortise per-chunk overhead, small enough to stream.
 BLOCK_BYTES = 8 << 20
 
+
 def iter_chunks(path: Path, skip_first_line: bool = False) -> Iterator[tuple[int, bytes]]:
     """Stream a text file (``.gz``/``.bz2``/... decompressed) as chunks of whole lines.
 
@@ -85,7 +86,9 @@ def read_header(path: Path, delimiter: str, quote: bool) -> list[str]:
         )
     except pa.ArrowInvalid as e:
         reason = str(e).splitlines()[0][:120]
-        raise DataError(f"{path} line 1: not a {delimiter!r}-delimited header ({reason}); check data.format") from None
+        raise DataError(
+            f"{path} line 1: not a {delimiter!r}-delimited header ({reason}); check data.format"
+        ) from None
     return table.column_names
 
 
