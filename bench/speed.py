@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python bench/speed.py                     # prints one JSON line
     OMP_NUM_THREADS=1 python bench/speed.py --models wukong --compile   # with and without torch.compile
+    python bench/speed.py --models wukong --sizes frappe --precision fp32 bf16   # train.precision
 
 Sizes: ``frappe`` is the model section of configs/frappe.yaml (Wukong's defaults, d = 16) on synthetic
 data shaped like Frappe (10 single-id fields); ``mid`` is ~10 MFLOP/example (forward) on synthetic data
@@ -17,6 +18,7 @@ a busy machine lowers the peak no more than the models).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import tempfile
@@ -103,6 +105,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="timed steps per model")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="also measure each model with train.compile=true")
+    p.add_argument(
+        "--precision", nargs="+", default=["fp32"], choices=["fp32", "bf16"], help="train.precision"
+    )
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -112,12 +117,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="recscale-speed-") as tmp:
         for size in args.sizes:
             for model in args.models:
-                for compiled in (False, True) if args.compile else (False,):
-                    run_dir = Path(tmp) / f"{model}-{size}-{compiled}"
-                    extra = ["train.compile=true"] if compiled else []
+                for compiled, precision in itertools.product(
+                    (False, True) if args.compile else (False,), args.precision
+                ):
+                    run_dir = Path(tmp) / f"{model}-{size}-{compiled}-{precision}"
+                    extra = [f"train.precision={precision}", *(["train.compile=true"] if compiled else [])]
                     trainer = build_trainer(model, size, args.batch, args.steps, run_dir, extra)
                     result = measure(trainer, args.batch, args.steps, args.warmup)
-                    runs.append({"model": model, "size": size, "compile": compiled, **result})
+                    runs.append(
+                        {"model": model, "size": size, "compile": compiled, "precision": precision, **result}
+                    )
     peak = max(peak, matmul_peak(info))
     for r in runs:
         r["utilisation"] = round(r["train_gflops_per_s"] / peak, 3)

@@ -122,6 +122,11 @@ def run_dir(c: Ctx) -> Path:
     return c.run
 
 
+def tampered(id: str, words: tuple[str, ...], setup: Callable[[Ctx], object]) -> Case:
+    """``recscale eval`` of the run after ``setup`` tampered with one of its files."""
+    return Case(id, lambda c: ["eval", str(c.run), "--data", str(c.good)], words, setup=setup, watch=run_dir)
+
+
 CASES = [
     # -------- config and command line
     Case("config file missing", lambda c: ["train", str(c.tmp / "nope.yaml")], ("nope.yaml", "not found")),
@@ -299,72 +304,54 @@ CASES = [
         ("xls",),
         watch=run_dir,
     ),
-    Case(
+    tampered(
         "eval: corrupt config.yaml",
-        lambda c: ["eval", str(c.run), "--data", str(c.good)],
         ("config.yaml",),
-        setup=lambda c: _write(c.run / "config.yaml", "data: {format: csv\n"),
-        watch=run_dir,
+        lambda c: _write(c.run / "config.yaml", "data: {format: csv\n"),
     ),
-    Case(
+    tampered(
         "eval: config.yaml of another shape",
-        lambda c: ["eval", str(c.run), "--data", str(c.good)],
         ("config.yaml", "train.batch_size"),
-        setup=lambda c: _write(
+        lambda c: _write(
             c.run / "config.yaml",
             (c.run / "config.yaml").read_text().replace("batch_size: 16", "batch_size: -1"),
         ),
-        watch=run_dir,
     ),
-    Case(
+    tampered(
         "eval: config.yaml names unknown features",
-        lambda c: ["eval", str(c.run), "--data", str(c.good)],
         ("config.yaml", "small_dim_features"),
-        setup=lambda c: _write(
+        lambda c: _write(
             c.run / "config.yaml",
             (c.run / "config.yaml")
             .read_text()
             .replace("small_dim_features: []", "small_dim_features: [a, b]"),
         ),
-        watch=run_dir,
     ),
-    Case(
+    tampered(
         "eval: preprocess.json not an object",
-        lambda c: ["eval", str(c.run), "--data", str(c.good)],
         ("preprocess.json",),
-        setup=lambda c: _write(c.run / "preprocess.json", "[1, 2]"),
-        watch=run_dir,
+        lambda c: _write(c.run / "preprocess.json", "[1, 2]"),
     ),
-    Case(
+    tampered(
         "eval: preprocess.json truncated",
-        lambda c: ["eval", str(c.run), "--data", str(c.good)],
         ("preprocess.json",),
-        setup=lambda c: _write(c.run / "preprocess.json", (c.run / "preprocess.json").read_bytes()[:50]),
-        watch=run_dir,
+        lambda c: _write(c.run / "preprocess.json", (c.run / "preprocess.json").read_bytes()[:50]),
     ),
-    Case(
-        "eval: preprocess.json missing",
-        lambda c: ["eval", str(c.run), "--data", str(c.good)],
-        ("preprocess.json",),
-        setup=lambda c: (c.run / "preprocess.json").unlink(),
-        watch=run_dir,
+    tampered(
+        "eval: preprocess.json missing", ("preprocess.json",), lambda c: (c.run / "preprocess.json").unlink()
     ),
-    Case(
+    tampered(
         "eval: no checkpoint",
-        lambda c: ["eval", str(c.run), "--data", str(c.good)],
         ("no complete checkpoint",),
-        setup=lambda c: [shutil.rmtree(c.run / d) for d in ("ckpt", "best")],
-        watch=run_dir,
+        lambda c: [shutil.rmtree(c.run / d) for d in ("ckpt", "best")],
     ),
-    Case(
+    tampered(
         "eval: checkpoint metadata truncated",
-        lambda c: ["eval", str(c.run), "--data", str(c.good)],
         (".metadata",),
-        setup=lambda c: [
+        lambda c: [
             _write(p / ".metadata", (p / ".metadata").read_bytes()[:40])
             for p in (c.run / "best", _ckpt(c.run))
         ],
-        watch=run_dir,
     ),
     Case(
         "resume: checkpoint state.json not JSON",

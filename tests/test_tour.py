@@ -34,8 +34,8 @@ def test_readme_tour_runs_as_written(tmp_path, shared_data):
     r = subprocess.run(["bash", "-c", script], cwd=clone, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
-    assert "resumed from" in r.stderr and "(step 30," in r.stderr
-    assert json.loads((clone / "runs" / "frappe" / "report.json").read_text())["steps"] == 60
+    assert "resumed from" in r.stderr and "(step 10," in r.stderr
+    assert json.loads((clone / "runs" / "frappe" / "report.json").read_text())["steps"] == 20
     scores = [json.loads(x) for x in r.stdout.splitlines() if x.startswith('{"auc"')]
     assert len(scores) == 1 and scores[0]["rows"] == 57722 and scores[0]["auc"] > 0.8
     assert "usage: recscale train" in r.stdout

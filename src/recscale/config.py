@@ -180,6 +180,24 @@ class TablePlan(_Strict):
         return self
 
 
+CommPrecision = Literal["fp32", "fp16", "bf16", "int8", "mx4", "fp8"]
+
+
+class QComms(_Strict):
+    """``distributed.qcomms``: precision on the wire. On CPU (gloo) fbgemm's codecs take fp16 for every
+    sharding type and int8 / mx4 for table- and column-wise all-to-alls; bf16 becomes fp16 on CPU."""
+
+    forward: CommPrecision = "fp32"
+    backward: CommPrecision = "fp32"
+    dense: Literal["fp32", "fp16", "bf16"] = "fp32"  # DDP's gradient all-reduce
+
+    @model_validator(mode="after")
+    def _supported(self) -> QComms:
+        if "fp8" in (self.forward, self.backward):
+            raise ValueError("distributed.qcomms: fp8 has no CPU codec in fbgemm 1.8; use fp16, int8 or mx4")
+        return self
+
+
 class DistributedConfig(_Strict):
     """How a multi-process run splits the model: tables sharded by TorchRec, the dense part data-parallel."""
 
@@ -193,6 +211,9 @@ class DistributedConfig(_Strict):
     # Count the bytes every collective sends (intra/inter host) into metrics.jsonl. Off by default:
     # it wraps torch.distributed's collectives and routes DDP's all-reduce through a Python hook.
     count_bytes: bool = False
+    # Quantized collectives: the embedding all-to-all / reduce-scatter through TorchRec's codecs
+    # (forward: pooled embeddings, backward: their gradients), and the dense all-reduce (DDP hook).
+    qcomms: QComms = QComms()
 
 
 class TowerModuleConfig(_Strict):

@@ -18,7 +18,11 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -75,8 +79,32 @@ def _shard_dense(module: nn.Module, mesh: DeviceMesh, prefix: str) -> None:
             fully_shard(child, mesh=mesh)
 
 
-def dense_wrapper(kind: Literal["ddp", "fsdp"], counted: bool = False) -> DataParallelWrapper:
-    """``counted``: DDP's all-reduces go through ``torch.distributed`` where ``comms`` counts them."""
+class CompressedDDPWrapper(DefaultDataParallelWrapper):
+    """DMP's default DDP with gradients all-reduced in fp16 or bf16 (torch's compression hooks, which
+    issue ``torch.distributed.all_reduce`` on the compressed buffer: ``comms`` counts its real bytes)."""
+
+    def __init__(self, precision: Literal["fp16", "bf16"]) -> None:
+        super().__init__()
+        self.hook = fp16_compress_hook if precision == "fp16" else bf16_compress_hook
+
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        super().wrap(dmp, env, device)
+        for m in dmp.modules():
+            if isinstance(m, DistributedDataParallel):
+                m.register_comm_hook(m.process_group, self.hook)
+
+
+def dense_wrapper(
+    kind: Literal["ddp", "fsdp"], counted: bool = False, compress: Literal["fp32", "fp16", "bf16"] = "fp32"
+) -> DataParallelWrapper:
+    """``counted``: DDP's all-reduces go through ``torch.distributed`` where ``comms`` counts them;
+    ``compress``: DDP's gradients travel in that precision (counted either way)."""
     if kind == "fsdp":
+        if compress != "fp32":
+            raise ConfigError(
+                "distributed.qcomms.dense compresses DDP's all-reduce; with dense: fsdp leave it fp32"
+            )
         return FSDP2Wrapper()
+    if compress != "fp32":
+        return CompressedDDPWrapper(compress)
     return CountedDDPWrapper() if counted else DefaultDataParallelWrapper()

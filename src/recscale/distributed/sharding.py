@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,8 @@ from torch import Tensor, nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.remote_device import _remote_device
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
 from torchrec.distributed.model_parallel import get_unwrapped_module
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner import Topology as PlannerTopology
@@ -35,6 +37,7 @@ from torchrec.distributed.types import (
     Awaitable,
     EmbeddingModuleShardingPlan,
     EnumerableShardingSpec,
+    ModuleSharder,
     ParameterSharding,
     ShardingEnv,
     ShardingPlan,
@@ -229,6 +232,18 @@ def load_full_tables(sharded: dict[str, Tensor], full: dict[str, Tensor]) -> Non
             dst.copy_(src)
 
 
+def qcomm_sharders(cfg: DistributedConfig, device: torch.device) -> list[ModuleSharder[nn.Module]] | None:
+    """Sharders whose all-to-all / reduce-scatter encode with ``cfg.qcomms`` (None: TorchRec's defaults)."""
+    q = cfg.qcomms
+    if q.forward == q.backward == "fp32":
+        return None
+    codecs = get_qcomm_codecs_registry(
+        QCommsConfig(forward_precision=CommType(q.forward), backward_precision=CommType(q.backward)),
+        device=device,  # its default is cuda
+    )
+    return [cast(ModuleSharder[nn.Module], EmbeddingBagCollectionSharder(qcomm_codecs_registry=codecs))]
+
+
 def shard_model(
     model: nn.Module,
     env: DistEnv,
@@ -254,7 +269,8 @@ def shard_model(
         env=ShardingEnv.from_process_group(pg) if pg is not None else None,
         device=env.device,
         plan=plan,
-        data_parallel_wrapper=dense_wrapper(cfg.dense, cfg.count_bytes),
+        data_parallel_wrapper=dense_wrapper(cfg.dense, cfg.count_bytes, cfg.qcomms.dense),
+        sharders=qcomm_sharders(cfg, env.device),
     )
     load_full_tables(dmp.state_dict(), full)
     unwrapped = get_unwrapped_module(dmp)
