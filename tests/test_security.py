@@ -34,7 +34,7 @@ from recscale.data.preprocess import Preprocessor
 from recscale.data.schema import Schema, SparseFeature
 from recscale.distributed.env import init_distributed, shutdown
 from recscale.errors import CheckpointError, StaleArtifactError
-from recscale.train import checkpoint as ck
+from recscale.train import dcp_safety as safety
 from recscale.train.checkpoint import load_checkpoint, save_checkpoint, split_state
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -135,8 +135,8 @@ def test_allowlist_covers_real_checkpoints_and_resolves_exactly(ckpt, trained_ru
 
     for meta in [ckpt / ".metadata", *trained_run.glob("**/.metadata")]:
         Recorder(io.BytesIO(meta.read_bytes())).load()
-    assert seen <= set(ck._ALLOWED_GLOBALS), seen - set(ck._ALLOWED_GLOBALS)
-    for (module, name), obj in ck._ALLOWED_GLOBALS.items():
+    assert seen <= set(safety._ALLOWED_GLOBALS), seen - set(safety._ALLOWED_GLOBALS)
+    for (module, name), obj in safety._ALLOWED_GLOBALS.items():
         assert "." not in name and getattr(importlib.import_module(module), name) is obj
 
 
@@ -237,7 +237,7 @@ def test_bytes_entry_with_pickled_payload_is_refused(ckpt, canary, tmp_path):
 def test_second_guard_planner_never_unpickles_bytes():
     item = type("Item", (), {"dest_index": MetadataIndex("/x")})()
     with pytest.raises(CheckpointError, match="pickled bytes"):
-        ck._TensorsOnlyPlanner().load_bytes(item, io.BytesIO(pickle.dumps(1)))  # type: ignore[arg-type]
+        safety.TensorsOnlyPlanner().load_bytes(item, io.BytesIO(pickle.dumps(1)))  # type: ignore[arg-type]
 
 
 def test_build_cannot_set_attributes_on_an_allowed_class(ckpt, canary):
@@ -381,7 +381,7 @@ def _swap_for_fifo(path: Path) -> None:
 
 
 FILE_SWAPS: dict[str, Callable[[Path], None]] = {
-    "oversized": lambda p: _oversized(p, ck.MAX_METADATA_BYTES + 1),
+    "oversized": lambda p: _oversized(p, safety.MAX_METADATA_BYTES + 1),
     "symlink out of the run": _swap_for_symlink,
     "dangling symlink": lambda p: (p.unlink(), p.symlink_to(p.parent / "nowhere")),
     "directory": _swap_for_dir,

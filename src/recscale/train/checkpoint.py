@@ -5,113 +5,39 @@ under a temporary name and renamed (``recscale.io.atomic_dir``), so a run killed
 no directory that looks valid. It holds ``.metadata`` (DCP's index, a pickle), the DCP data files
 ``__<rank>_<n>.distcp`` and ``state.json`` (every non-tensor value).
 
-Security model: a checkpoint directory is untrusted input (runs are copied between machines and
-people), and loading one must never execute code from it. Loading reads three kinds of file:
-
-- ``.metadata`` is a pickle, read by ``_MetadataUnpickler``: a pure-Python unpickler whose globals
-  come from an exact ``(module, name)`` table (``_ALLOWED_GLOBALS``: DCP's metadata dataclasses,
-  ``torch.Size``, a few dtypes, ``torch.serialization._get_layout``, ``pathlib.PosixPath``) by plain
-  dictionary lookup, never by import or attribute walk, so dotted names cannot reach through a
-  module's globals. Only the opcodes DCP's metadata uses are accepted; REDUCE/NEWOBJ call only
-  objects from that table and BUILD only sets state on instances of DCP's dataclasses (never on a
-  class). The result is then type-checked field by field (``_check_metadata``).
-- Every entry must be ``TensorStorageMetadata``: DCP reads ``BytesStorageMetadata`` entries with
-  ``torch.load(weights_only=False)``, i.e. a pickle that could run code, and recscale never writes
-  them (non-tensors go to state.json). Every chunk must have a storage record, and every record
-  must name a ``*.distcp`` file of this directory (no ``/``, no ``..``, a regular file, not a
-  symlink) and a non-negative byte range inside it. As a second guard the load planner refuses to
-  unpickle bytes at all (``_TensorsOnlyPlanner``).
-- The tensors themselves DCP reads with ``torch.load(weights_only=True)``, torch's restricted
-  unpickler. ``state.json`` is JSON checked against the structure ``split_state`` writes.
-
-The metadata checked is the metadata DCP uses (``SafeReader`` reads it once and caches it), so a
-file swapped in after the check is not read. Every fault the checks find (missing, empty,
-truncated, oversized, symlinked, not a regular file, malformed, tampered) is a one-line
-``CheckpointError`` naming the file, raised before DCP reads any tensor data; a data file that then
-fails to decode is a one-line ``CheckpointError`` naming the checkpoint. Loading writes nothing.
-Size caps bound the memory a hostile file can cost. The run's other files are checked where they
-are read: ``preprocess.json`` by ``Preprocessor.load``, ``config.yaml`` by ``train.loop``.
+Loading one executes nothing from it: ``.metadata`` goes through ``dcp_safety`` (read that module's
+docstring for the security model), ``state.json`` is JSON checked against the structure
+``split_state`` writes, the tensors are read by ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pathlib
-import pickle
 import shutil
-import stat
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    _MEM_FORMAT_ENCODING,
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import ReadItem
 
 from recscale.errors import CheckpointError
 from recscale.io import atomic_dir
+from recscale.train.dcp_safety import (
+    METADATA_FILE,
+    SafeReader,
+    TensorsOnlyPlanner,
+    one_line,
+    read_regular_file,
+    tampered,
+)
 
 STATE_FILE = "state.json"
-METADATA_FILE = ".metadata"
-# DCP's index costs ~300 bytes per tensor chunk: 64 MiB is ~200k chunks, far beyond any model
-# sharded over hundreds of ranks, yet small enough that a hostile file cannot exhaust memory.
-MAX_METADATA_BYTES = 64 << 20
 # state.json holds counters, hyper-parameters, one tensor marker per tensor and ~7 KB of RNG state
 # per rank; 64 MiB leaves room for thousands of ranks.
 MAX_STATE_BYTES = 64 << 20
 _MAX_DEPTH = 64  # split_state nests as deep as the state: a few levels, never dozens
-
-
-def _one_line(e: object, limit: int = 200) -> str:
-    """An error text fit for a one-line message (hostile files can put newlines in names)."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _tampered(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(
-        f"{path}: {_one_line(what, 300)}; the checkpoint is damaged or was tampered with: "
-        "restore it from a good copy or delete it"
-    )
-
-
-def _read_regular_file(path: Path, cap: int) -> bytes:
-    """The bytes of ``path``, which must be a regular file (not a symlink) of 1..cap bytes."""
-    try:
-        if stat.S_ISLNK(os.lstat(path).st_mode):
-            raise _tampered(path, "is a symbolic link, and recscale writes none in a checkpoint")
-        # O_NOFOLLOW: a link swapped in after the check still fails; O_NONBLOCK: a FIFO cannot hang us.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise _tampered(path, "is not a regular file")
-            data = b"" if st.st_size > cap else f.read(cap + 1)  # +1: it may have grown since
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete: delete it") from None
-    except OSError as e:
-        raise _tampered(path, f"cannot be read ({e.strerror or e})") from None
-    if st.st_size > cap or len(data) > cap:
-        raise _tampered(path, f"is larger than {cap >> 20} MiB, more than any recscale checkpoint writes")
-    if not data:
-        raise _tampered(path, "is empty")
-    return data
 
 
 # ---------------------------------------------------------------- tensors vs plain values
@@ -169,7 +95,7 @@ def _check_plain(o: Any, depth: int = 0) -> None:
 
 
 def _read_state_json(path: Path) -> dict[str, Any]:
-    data = _read_regular_file(path, MAX_STATE_BYTES)
+    data = read_regular_file(path, MAX_STATE_BYTES)
     try:
         plain = json.loads(data.decode("utf-8"))
         _check_plain(plain)
@@ -177,194 +103,7 @@ def _read_state_json(path: Path) -> dict[str, Any]:
             raise ValueError("is not the state of a model")
         return plain
     except Exception as e:  # UnicodeDecodeError, JSONDecodeError, RecursionError, MemoryError, ...
-        raise _tampered(path, f"is truncated or not recscale's state file ({_one_line(e)})") from None
-
-
-# ---------------------------------------------------------------- safe DCP metadata
-# Everything DCP's .metadata refers to in torch 2.13 (listed from real checkpoints with
-# pickletools): exact (module, name) pairs, looked up in this table and never imported.
-_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16,
-           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)  # fmt: skip
-_DATACLASSES = (Metadata, TensorStorageMetadata, TensorProperties, ChunkStorageMetadata, MetadataIndex,
-                StorageMeta, _StorageInfo, BytesStorageMetadata)  # fmt: skip
-_DCP_MD = "torch.distributed.checkpoint.metadata"
-_ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
-    (_DCP_MD, "Metadata"): Metadata,
-    (_DCP_MD, "TensorStorageMetadata"): TensorStorageMetadata,
-    (_DCP_MD, "TensorProperties"): TensorProperties,
-    (_DCP_MD, "ChunkStorageMetadata"): ChunkStorageMetadata,
-    (_DCP_MD, "MetadataIndex"): MetadataIndex,
-    (_DCP_MD, "StorageMeta"): StorageMeta,
-    (_DCP_MD, "_MEM_FORMAT_ENCODING"): _MEM_FORMAT_ENCODING,  # TensorProperties' memory format
-    # Harmless to build, admitted so that _check_metadata can name the entry it refuses.
-    (_DCP_MD, "BytesStorageMetadata"): BytesStorageMetadata,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # "torch.strided" -> layout
-    ("torch", "Size"): torch.Size,
-    ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id
-    **{("torch", str(d).removeprefix("torch.")): d for d in _DTYPES},
-}
-_CALLABLES = (torch.Size, torch.serialization._get_layout, _MEM_FORMAT_ENCODING, pathlib.PosixPath)
-_OPCODES = (pickle.PROTO, pickle.FRAME, pickle.STOP, pickle.MARK, pickle.NONE, pickle.NEWTRUE,
-            pickle.NEWFALSE, pickle.BININT, pickle.BININT1, pickle.BININT2, pickle.LONG1, pickle.BINFLOAT,
-            pickle.SHORT_BINUNICODE, pickle.BINUNICODE, pickle.EMPTY_TUPLE, pickle.TUPLE, pickle.TUPLE1,
-            pickle.TUPLE2, pickle.TUPLE3, pickle.EMPTY_LIST, pickle.APPEND, pickle.APPENDS,
-            pickle.EMPTY_DICT, pickle.SETITEM, pickle.SETITEMS, pickle.MEMOIZE, pickle.BINPUT,
-            pickle.LONG_BINPUT, pickle.BINGET, pickle.LONG_BINGET, pickle.GLOBAL, pickle.STACK_GLOBAL,
-            pickle.REDUCE, pickle.NEWOBJ, pickle.BUILD)  # fmt: skip
-
-
-def _gated(op: bytes, allowed: Callable[[Any], bool], what: str) -> Callable[[Any], None]:
-    base = pickle._Unpickler.dispatch[op[0]]
-
-    def load(self: Any) -> None:
-        target = self.stack[-2]  # REDUCE/NEWOBJ: (callable, args); BUILD: (instance, state)
-        if not allowed(target):
-            raise pickle.UnpicklingError(f"{what} a {type(target).__name__} is not allowed")
-        base(self)
-
-    return load
-
-
-class _Dispatch(dict):
-    def __missing__(self, code: int) -> Any:
-        raise pickle.UnpicklingError(f"pickle opcode {bytes([code])!r} is not used by DCP metadata")
-
-
-class _MetadataUnpickler(pickle._Unpickler):
-    """Python's pure-Python unpickler restricted to ``_OPCODES`` and ``_ALLOWED_GLOBALS``. Pure Python
-    because only there can BUILD, REDUCE and NEWOBJ be gated: the C unpickler's BUILD would also set
-    attributes on an allowed *class*. Costs ~1 s per MB of metadata, ~0.04 s for a typical run."""
-
-    dispatch = _Dispatch({op[0]: pickle._Unpickler.dispatch[op[0]] for op in _OPCODES})
-    dispatch[pickle.BUILD[0]] = _gated(
-        pickle.BUILD, lambda o: type(o) in _DATACLASSES, "setting the state of"
-    )
-    dispatch[pickle.REDUCE[0]] = _gated(pickle.REDUCE, lambda f: any(f is c for c in _CALLABLES), "calling")
-    dispatch[pickle.NEWOBJ[0]] = _gated(
-        pickle.NEWOBJ, lambda c: any(c is d for d in _DATACLASSES), "creating"
-    )
-
-    def find_class(self, module: str, name: str) -> Any:
-        obj = _ALLOWED_GLOBALS.get((module, name))
-        if obj is None:
-            raise pickle.UnpicklingError(f"forbidden global {module!r} {name!r}")
-        return obj
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("persistent ids are not used by DCP metadata")
-
-
-def _is_count(x: Any) -> bool:
-    return type(x) is int and x >= 0
-
-
-def _is_size(x: Any, ndim: int | None = None) -> bool:
-    return type(x) is torch.Size and all(_is_count(v) for v in x) and ndim in (None, len(x))
-
-
-def _check_metadata(md: Any, path: Path) -> None:
-    """Type-check what the unpickler built, so DCP sees only tensor entries and in-bounds reads of
-    this directory's own data files. ``path`` is the .metadata file."""
-    if type(md) is not Metadata or type(md.state_dict_metadata) is not dict:
-        raise _tampered(path, "is not DCP checkpoint metadata")
-    for key, entry in md.state_dict_metadata.items():
-        if type(entry) is not TensorStorageMetadata:
-            raise _tampered(path, f"entry {_one_line(repr(key), 80)} is {type(entry).__name__}, not a tensor: recscale "
-                                  "saves only tensors with DCP, and DCP would unpickle it (could run code)")  # fmt: skip
-        p, size = entry.properties, entry.size
-        if not (type(key) is str and type(p) is TensorProperties and type(entry.chunks) is list
-                and type(p.dtype) is torch.dtype and p.dtype in _DTYPES and _is_size(size)):  # fmt: skip
-            raise _tampered(path, f"entry {_one_line(repr(key), 80)} is malformed")
-        for c in entry.chunks:
-            if not (type(c) is ChunkStorageMetadata and _is_size(c.offsets, len(size))
-                    and _is_size(c.sizes, len(size))
-                    and all(o + s <= n for o, s, n in zip(c.offsets, c.sizes, size, strict=True))):  # fmt: skip
-                raise _tampered(path, f"entry {_one_line(repr(key), 80)} has a chunk outside the tensor")
-    if type(md.storage_data) is not dict:
-        raise _tampered(path, "has no storage records")
-    stored = {(i.fqn, tuple(i.offset or ())) for i in md.storage_data if type(i) is MetadataIndex}
-    for key, entry in md.state_dict_metadata.items():
-        assert type(entry) is TensorStorageMetadata  # checked in the first loop
-        if any((key, tuple(c.offsets)) not in stored for c in entry.chunks):
-            raise _tampered(path, f"entry {_one_line(repr(key), 80)} has a chunk with no storage record")
-    file_sizes: dict[str, int] = {}
-    for index, info in md.storage_data.items():
-        if not (type(index) is MetadataIndex and type(index.fqn) is str
-                and (index.offset is None or _is_size(index.offset))
-                and (index.index is None or _is_count(index.index))
-                and type(info) is _StorageInfo and _is_count(info.offset) and _is_count(info.length)
-                and not info.transform_descriptors):  # fmt: skip
-            raise _tampered(path, f"storage record {_one_line(index, 80)} is malformed")
-        name = info.relative_path
-        # DCP's FileSystemWriter names its files __<rank>_<n>.distcp, side by side with .metadata.
-        if type(name) is not str or not name.endswith(".distcp") or any(c in name for c in "/\\\0"):
-            raise _tampered(
-                path, f"storage record names {_one_line(repr(name), 80)}, not a data file of this checkpoint"
-            )
-        if name not in file_sizes:
-            st = os.lstat(path.parent / name) if os.path.lexists(path.parent / name) else None
-            if st is None or not stat.S_ISREG(st.st_mode):
-                raise _tampered(path.parent / name, "is missing, a symbolic link or not a regular file")
-            file_sizes[name] = st.st_size
-        if info.offset + info.length > file_sizes[name]:
-            raise _tampered(
-                path.parent / name, f"is truncated: {_one_line(repr(index.fqn), 80)} lies beyond its end"
-            )
-    pd = md.planner_data
-    if pd is not None and not (type(pd) is dict and all(type(k) is str and type(v) is tuple
-                                                        and all(type(x) in (str, int) for x in v)
-                                                        for k, v in pd.items())):  # fmt: skip
-        raise _tampered(path, "has malformed planner data")
-    sm = md.storage_meta
-    if sm is not None and not (type(sm) is StorageMeta and type(sm.modules) is list
-                               and type(sm.checkpoint_id) in (type(None), str, pathlib.PosixPath)):  # fmt: skip
-        raise _tampered(path, "has malformed storage meta")
-    if md.version is not None and type(md.version) is not str:
-        raise _tampered(path, "has a malformed version")
-
-
-def load_metadata(ckpt: Path) -> Metadata:
-    """The checked DCP metadata of checkpoint directory ``ckpt`` (see the module docstring)."""
-    path = Path(ckpt) / METADATA_FILE
-    data = _read_regular_file(path, MAX_METADATA_BYTES)
-    try:
-        md = _MetadataUnpickler(io.BytesIO(data)).load()
-        _check_metadata(md, path)  # objects built without __init__ may lack fields: AttributeError
-    except CheckpointError:
-        raise
-    except Exception as e:  # a hostile pickle can raise anything; none of it may escape as-is
-        detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        raise _tampered(path, f"is not readable DCP metadata ({detail})") from None
-    return md
-
-
-class SafeReader(FileSystemReader):
-    """DCP reader whose metadata is ``load_metadata``'s, read once and reused for the whole load."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        super().__init__(path)
-        self._metadata: Metadata | None = None
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        super().reset(checkpoint_id)
-        if checkpoint_id:
-            self._metadata = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._metadata is None:
-            self._metadata = load_metadata(Path(self.path))
-        md = self._metadata
-        md.storage_meta = md.storage_meta or StorageMeta()  # as FileSystemReader does
-        md.storage_meta.load_id = self.load_id
-        return md
-
-
-class _TensorsOnlyPlanner(DefaultLoadPlanner):
-    """Second guard after _check_metadata: never unpickle a bytes entry (DCP does it unrestricted)."""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is pickled bytes; refused")
+        raise tampered(path, f"is truncated or not recscale's state file ({one_line(e)})") from None
 
 
 # ---------------------------------------------------------------- save / load
@@ -421,13 +160,13 @@ def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     reader.read_metadata()  # every check, before DCP reads anything; dcp.load reuses this metadata
     tensors, _ = split_state(template)
     try:
-        dcp.load(tensors, storage_reader=reader, planner=_TensorsOnlyPlanner())
+        dcp.load(tensors, storage_reader=reader, planner=TensorsOnlyPlanner())
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP wraps storage errors in a BaseException subclass
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise CheckpointError(
-            f"{path}: could not be read into this model ({_one_line(first)}); the checkpoint is damaged, "
+            f"{path}: could not be read into this model ({one_line(first)}); the checkpoint is damaged, "
             "or belongs to another model or config"
         ) from None
     try:
@@ -439,7 +178,7 @@ def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
         return out
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(
-            f"{state_file}: does not match the model's state ({_one_line(e)}); "
+            f"{state_file}: does not match the model's state ({one_line(e)}); "
             "the checkpoint belongs to another model or config"
         ) from None
 
