@@ -164,6 +164,7 @@ def test_table_weight_decay_shrinks_every_row_after_the_step(tmp_path):
         for wd in (0.0, 2.0)
     }
     shrink = 1 - load_config(CONFIGS / "demo.yaml").train.sparse_optimizer.lr * 2.0
+    assert tables[2.0] and tables[2.0].keys() == tables[0.0].keys()  # the loop below checks every table
     for k, w in tables[2.0].items():
         torch.testing.assert_close(w, tables[0.0][k] * shrink)
 
