@@ -7,6 +7,7 @@ Grow this table with the CLI: a new command or option gets its bad cases here.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -101,6 +102,15 @@ def ctx(trained, tmp_path) -> Ctx:
 
 def _ckpt(run: Path) -> Path:
     return sorted((run / "ckpt").iterdir())[-1]
+
+
+def _break_rng(c: Ctx) -> None:
+    """Rename the key of the saved RNG state in the last checkpoint's state.json (found by the fuzzer)."""
+    path = _ckpt(c.run) / "state.json"
+    state = json.loads(path.read_text())
+    rng = next(v for k, v in state["__dict__"] if k == "rng")
+    rng[0]["__dict__"][0][0] = "nope"
+    path.write_text(json.dumps(state))
 
 
 def _write(path: Path, data: str | bytes) -> Path:
@@ -358,6 +368,13 @@ CASES = [
         lambda c: ["train", "--resume", "--out", str(c.run), "train.max_steps=4"],
         ("state.json",),
         setup=lambda c: _write(_ckpt(c.run) / "state.json", "{"),
+        watch=run_dir,
+    ),
+    Case(
+        "resume: checkpoint RNG state damaged",
+        lambda c: ["train", "--resume", "--out", str(c.run), "train.max_steps=4"],
+        ("state.json", "damaged"),
+        setup=_break_rng,
         watch=run_dir,
     ),
     # -------- data inspect, sweep, scaling, dmt

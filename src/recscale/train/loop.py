@@ -39,7 +39,7 @@ from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
 from recscale.distributed import comms
 from recscale.distributed.env import heartbeat, init_distributed
-from recscale.errors import ConfigError, RecscaleError
+from recscale.errors import CheckpointError, ConfigError, RecscaleError
 from recscale.io import atomic_write_text
 from recscale.train.build import build, feature_set
 from recscale.train.checkpoint import (
@@ -169,10 +169,16 @@ class Trainer:
             # Adam's state is created lazily; create it so the checkpoint has tensors to load into.
             self.built.dense.init_state()
             state = load_checkpoint(ckpts[-1], self._state())
-            self.opt.load_state_dict(state["optim"])
-            self.progress = Progress(**state["progress"])
-            if self.env.rank < len(state["rng"]):  # at another world size, new ranks keep their seed
-                set_rng_state(state["rng"][self.env.rank])
+            try:  # state.json passed its schema; its values may still not fit (edited by hand)
+                self.opt.load_state_dict(state["optim"])
+                self.progress = Progress(**state["progress"])
+                if self.env.rank < len(state["rng"]):  # at another world size, new ranks keep their seed
+                    set_rng_state(state["rng"][self.env.rank])
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                raise CheckpointError(
+                    f"{ckpts[-1] / 'state.json'}: does not fit this run ({type(e).__name__}: {str(e)[:120]}); "
+                    "the checkpoint is damaged: restore it or delete it"
+                ) from None
             if self.main:
                 p, why = self.progress, f"restart {self.env.restart_count} after a failed rank: "
                 print(f"{why if self.env.restart_count else ''}resumed from {ckpts[-1]} "
