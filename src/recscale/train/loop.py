@@ -117,7 +117,7 @@ class Trainer:
         self.progress = Progress()
         if resume:
             self._resume()
-        if self.main:  # a resumed run's (allowed) changes are recorded once its checkpoint has loaded
+        if resume and self.main:  # a resumed run's (allowed) changes, once its checkpoint has loaded
             text, cfg_path = cfg.to_yaml(), self.dir / "config.yaml"
             if not cfg_path.is_file() or cfg_path.read_text() != text:
                 atomic_write_text(cfg_path, text)

@@ -84,21 +84,27 @@ def load_run(run_dir: Path) -> tuple[RunConfig, Preprocessor]:
 def resume_config(run_dir: Path, config: str | None, overrides: list[str]) -> RunConfig:
     """The config a ``--resume`` continues with: the run's own (or ``config``), with ``overrides``;
     refused, before any file is touched, if it changes more than the run may change when resumed."""
-    if not (Path(run_dir) / "config.yaml").is_file():
-        raise RecscaleError(f"--resume: {run_dir} is not a recscale run directory (no config.yaml)")
+    saved = _resumable(run_dir)
     if config is None:
-        raw = read_yaml_mapping(Path(run_dir) / "config.yaml", "a run's config.yaml")
-        cfg = validate_config(apply_overrides(raw, overrides))
+        cfg = validate_config(apply_overrides(saved.model_dump(mode="json", by_alias=True), overrides))
     else:
         cfg = load_config(config, overrides)
-    check_resume(run_dir, cfg)
+    _refuse_changes(run_dir, saved, cfg)
     return cfg
 
 
 def check_resume(run_dir: Path, cfg: RunConfig) -> None:
+    _refuse_changes(run_dir, _resumable(run_dir), cfg)
+
+
+def _resumable(run_dir: Path) -> RunConfig:
     if not (Path(run_dir) / "config.yaml").is_file():
         raise RecscaleError(f"--resume: {run_dir} is not a recscale run directory (no config.yaml)")
-    _, refused = resume_changes(run_config(run_dir), cfg)
+    return run_config(run_dir)
+
+
+def _refuse_changes(run_dir: Path, saved: RunConfig, cfg: RunConfig) -> None:
+    _, refused = resume_changes(saved, cfg)
     if refused:
         more = f" and {len(refused) - 4} more" if len(refused) > 4 else ""
         raise ConfigError(
