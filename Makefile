@@ -27,7 +27,8 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
 	$(VENV)/bin/mypy
-	$(PY) -m pytest
+	@# Two workers, one thread each (no oversubscription on a 2-core machine); see tests/conftest.py.
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup
 
 # For local work: no type check, no multi-process or slow tests.
 test-fast: $(STAMP)

@@ -22,7 +22,7 @@ import torch
 from recscale.cli import main
 from recscale.config import DistributedConfig, load_config, validate_config
 from recscale.distributed import env as dist_env
-from recscale.distributed.env import DistEnv, lost_peer, shutdown
+from recscale.distributed.env import DistEnv, free_port, lost_peer, shutdown
 from recscale.distributed.launch import _kill_hung, launch
 from recscale.distributed.sharding import plan_tables
 from recscale.distributed.topology import Topology
@@ -69,6 +69,10 @@ COMM_TWRW = [
     "distributed.sharding=table_row_wise",
     "distributed.count_bytes=true",
 ]
+# Two ranks, table-wise, single-id features: what tests/test_qcomms.py compares with and without qcomms.
+QCOMMS = ["data.synthetic.num_multi=0", "model.embedding.dim=32", "train.batch_size=128", "train.max_steps=6",
+          "train.log_every=3", "distributed.sharding=table_wise", "distributed.count_bytes=true"]  # fmt: skip
+QCOMMS_LOW = "distributed.qcomms={forward: int8, backward: fp16, dense: fp16}"
 dist_mark = pytest.mark.dist
 
 
@@ -102,6 +106,9 @@ def _jobs(root: Path, world: int) -> list[dict]:
     else:
         jobs += [{"dir": str(root / f"{name}_4"), "overrides": o, "resume": True,
                   "scores": str(root / f"{name}_4_at_{world}.npy")} for name, o in VARIANTS.items()]  # fmt: skip
+    if world == 2:  # the quantized collectives (test_qcomms.py), in this launch to save one
+        jobs += [{"dir": str(root / name), "overrides": o, "resume": False, "scores": str(root / f"{name}.npy")}
+                 for name, o in (("qcomms_fp32", QCOMMS), ("qcomms_low", [*QCOMMS, QCOMMS_LOW]))]  # fmt: skip
     return jobs
 
 
@@ -119,7 +126,7 @@ def runs(tmp_path_factory) -> Path:
     _run_world(root, 2, 2)
     references = [{"dir": str(root / name), "overrides": o, "resume": False, "scores": str(root / f"{name}.npy")}
                   for name, o in (("reference", []), ("reference_adagrad", ADAGRAD))]  # fmt: skip
-    for job in references + _jobs(root, 1)[len(VARIANTS) :]:
+    for job in references + _jobs(root, 1)[len(VARIANTS) : 2 * len(VARIANTS)]:
         cfg = load_config(CONFIGS / "demo.yaml", [*SMALL, *job["overrides"]])
         trainer = Trainer(cfg, Path(job["dir"]), resume=job["resume"])
         if not job["resume"]:
@@ -224,6 +231,32 @@ def _plan(sharding: str, tables: dict | None = None, world: int = 4, local: int 
 
 def _shards(ps) -> list[tuple[int, list[int], list[int]]]:
     return [(m.placement.rank(), m.shard_offsets, m.shard_sizes) for m in ps.sharding_spec.shards]
+
+
+@dist_mark
+def test_quantized_all_to_all_and_all_reduce_send_fewer_bytes_and_train_alike(runs):
+    """Two ranks, table-wise, single-id features: the all-to-alls carry ids (not quantized) and the pooled
+    embeddings and their gradients (quantized); DDP's all-reduce carries the dense gradients."""
+    full, low = (
+        [
+            r
+            for r in map(json.loads, (runs / name / "metrics.jsonl").read_text().splitlines())
+            if r["split"] == "train"
+        ]
+        for name in ("qcomms_fp32", "qcomms_low")
+    )
+
+    def sent(recs: list[dict], kind: str) -> int:
+        return sum(r["comm"][kind]["intra"] for r in recs)
+
+    # DDP's gradient buffers in fp16: exactly half the bytes.
+    assert sent(low, "all_reduce") * 2 == sent(full, "all_reduce")
+    # Pooled embeddings in int8 (with per-row scale and bias) and their gradients in fp16, ids as they
+    # were: the all-to-alls carry well under 2/3 of the fp32 bytes.
+    assert sent(low, "all_to_all") < 0.6 * sent(full, "all_to_all")
+    # The training is nearly the same: the losses follow the fp32 run's.
+    assert [r["step"] for r in low] == [r["step"] for r in full] == [3, 6]
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(low, full, strict=True)) < 5e-3
 
 
 def test_explicit_plans_place_shards_by_host():
@@ -457,7 +490,10 @@ def test_restart_resumes_from_the_last_checkpoint(tmp_path, launcher):
         "--out",
         str(run_dir),
     ]
-    cmd = [*TORCHRUN, *train] if launcher.startswith("torchrun") else [sys.executable, *train, *RECSCALE]
+    port = ["--master-port", str(free_port())]  # not torchrun's default 29500: tests run side by side
+    cmd = (
+        [*TORCHRUN, *port, *train] if launcher.startswith("torchrun") else [sys.executable, *train, *RECSCALE]
+    )
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     _wait_for_step(run_dir, 23, proc)
     os.kill(_pid_of_rank(run_dir, 1), signal.SIGKILL)

@@ -10,7 +10,8 @@ from types import ModuleType
 import pytest
 import yaml
 
-from recscale.config import load_config, read_yaml_mapping
+from recscale.config import load_config
+from recscale.config_files import read_yaml_mapping
 from recscale.errors import ConfigError
 from recscale.scaling.sweep import load_sweep
 

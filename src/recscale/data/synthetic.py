@@ -43,14 +43,15 @@ from __future__ import annotations
 import functools
 import math
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Annotated, TypeVar
+from typing import Annotated
 
 import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, Field, model_validator
 
+from recscale.data.chunks import rechunk
 from recscale.data.schema import LABEL, DenseFeature, Schema, SparseFeature
 
 # Rows per random stream: the unit of determinism, independent of the output chunk size.
@@ -136,13 +137,13 @@ def synthetic_batches(spec: SyntheticSpec, split: str, chunk_rows: int = 65536) 
         _record_batch(schema, features, labels).slice(0, n)
         for features, _, labels, n in _split_blocks(spec, split)
     )
-    return _rechunk(batches, chunk_rows, pa.concat_batches)
+    return rechunk(batches, chunk_rows, pa.concat_batches)
 
 
 def teacher_probabilities(spec: SyntheticSpec, split: str, chunk_rows: int = 65536) -> Iterator[np.ndarray]:
     """The teacher's click probability (float64) of each row, chunked as ``synthetic_batches``."""
     probs = (_sigmoid(logits[:n]) for _, logits, _, n in _split_blocks(spec, split))
-    return _rechunk(probs, chunk_rows, np.concatenate)
+    return rechunk(probs, chunk_rows, np.concatenate)
 
 
 def bayes_logloss(spec: SyntheticSpec, split: str) -> float:
@@ -353,33 +354,3 @@ def _record_batch(schema: Schema, features: _Features, labels: np.ndarray) -> pa
     for (offsets, ids), name in zip(features.multis, schema.sparse_names[n_singles:], strict=True):
         columns[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))
     return pa.RecordBatch.from_pydict(columns)
-
-
-_Chunk = TypeVar("_Chunk", pa.RecordBatch, np.ndarray)
-
-
-def _rechunk(
-    pieces: Iterator[_Chunk], chunk_rows: int, concat: Callable[[list[_Chunk]], _Chunk]
-) -> Iterator[_Chunk]:
-    """Re-cut a stream of row pieces into chunks of exactly ``chunk_rows`` rows (the last one shorter)."""
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be at least 1, got {chunk_rows}")
-    return _cut(pieces, chunk_rows, concat)
-
-
-def _cut(
-    pieces: Iterator[_Chunk], chunk_rows: int, concat: Callable[[list[_Chunk]], _Chunk]
-) -> Iterator[_Chunk]:
-    """The generator behind ``_rechunk``, kept apart so that ``_rechunk`` checks its argument at once."""
-    buffer: list[_Chunk] = []
-    buffered = 0
-    for piece in pieces:
-        buffer.append(piece)
-        buffered += len(piece)
-        while buffered >= chunk_rows:
-            whole = buffer[0] if len(buffer) == 1 else concat(buffer)
-            yield whole[:chunk_rows]
-            rest = whole[chunk_rows:]
-            buffer, buffered = ([rest] if len(rest) else []), len(rest)
-    if buffered:
-        yield buffer[0] if len(buffer) == 1 else concat(buffer)

@@ -40,14 +40,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from recscale.config import (
-    RunConfig,
-    _format_error,
-    apply_overrides,
-    load_raw,
-    read_yaml_mapping,
-    validate_config,
-)
+from recscale.config import RunConfig, format_validation_error, validate_config
+from recscale.config_files import apply_overrides, load_raw, read_yaml_mapping
 from recscale.errors import ConfigError, RecscaleError
 from recscale.io import atomic_write_text
 from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER
@@ -127,7 +121,7 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
     try:
         sweep = SweepConfig.model_validate(read_yaml_mapping(path, "a sweep"))
     except ValidationError as e:
-        raise ConfigError(f"{path}: {_format_error(e)}") from None
+        raise ConfigError(f"{path}: {format_validation_error(e)}") from None
     base_path = path.parent / sweep.base
     if not base_path.is_file():
         raise ConfigError(f"{path}: base config {base_path} not found")

@@ -29,7 +29,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -50,15 +49,12 @@ from recscale.train.checkpoint import (
     save_checkpoint,
 )
 from recscale.train.data import prepare_run_data
-from recscale.train.evaluate import eval_batch_size, evaluate
-from recscale.train.metrics import binary_entropy
+from recscale.train.evaluate import bayes_floor, eval_batch_size, evaluate
 from recscale.train.optim import lr_factor
 from recscale.train.precision import autocast, native_bf16
 from recscale.train.regularizers import DenseEMA, EmbeddingL2, TableDecay
 from recscale.train.runs import check_resume
 from recscale.train.state import Progress, RunLog, rng_state, set_rng_state
-
-HIGHER_IS_BETTER = {"auc": True, "logloss": False, "ne": False}
 
 
 class Trainer:
@@ -122,6 +118,8 @@ class Trainer:
             if not cfg_path.is_file() or cfg_path.read_text() != text:
                 atomic_write_text(cfg_path, text)
         self.log = RunLog(self.dir, self.main)
+        if resume:
+            self.log.truncate(self.progress.step)
 
     # -------------------------------------------------- setup
     def _prepare_dir(self, resume: bool) -> None:
@@ -187,21 +185,7 @@ class Trainer:
             print(f"{self.dir}: no complete checkpoint yet; training from the start", file=sys.stderr)
         if self.main:  # forget what a killed attempt did after its last checkpoint
             remove_partial_checkpoints(self.dir)
-            self._truncate_metrics(self.progress.step)
         self._barrier()
-
-    def _truncate_metrics(self, step: int) -> None:
-        path = self.dir / "metrics.jsonl"
-        if not path.is_file():
-            return
-        keep = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] <= step:
-                    keep.append(line + "\n")
-            except json.JSONDecodeError:  # a line cut short by the kill
-                continue
-        atomic_write_text(path, "".join(keep))
 
     def load_best(self) -> bool:
         best = self.dir / "best"
@@ -321,24 +305,15 @@ class Trainer:
         if self.valid_ds is not None:
             with self.ema.applied() if self.ema else nullcontext():  # the averaged weights are the model
                 m = self._evaluate(self.valid_ds)
-                if es is not None:
-                    sign = 1 if HIGHER_IS_BETTER[es.metric] else -1
-                    improved = p.best is None or sign * (m[es.metric] - p.best) > es.min_delta
+                improved = es is not None and p.improves(m, es)
                 if improved:
                     save_checkpoint(
                         self.dir / "best", {"model": self.module.state_dict()}, rank=self.env.rank
                     )
             self.log({"split": "valid", "step": p.step, "epoch": p.epoch, **m})
             if es is not None:
-                if improved:
-                    p.best, p.best_step, p.bad_evals = m[es.metric], p.step, 0
-                else:
-                    p.bad_evals += 1
-                    stop = p.bad_evals >= es.patience
-                    if es.reduce_lr_factor is not None:
-                        p.lr_scale *= es.reduce_lr_factor
-                    restore = es.restore_best and not stop
-                    p.stopped_early = stop
+                restore = p.record_eval(m, improved, es)
+                stop = p.stopped_early
         if restore and self.load_best() and self.ema:
             self.ema.reset()
         self.save(self.dir / "ckpt" / f"step_{p.step:08d}")
@@ -377,15 +352,9 @@ class Trainer:
             report["valid"] = self._evaluate(self.valid_ds)
         if self.test_ds is not None:
             report["test"] = self._evaluate(self.test_ds)
-        if self.cfg.data.format == "synthetic":
-            from recscale.data.synthetic import bayes_logloss
-
+        if self.cfg.data.format == "synthetic" and self.cfg.data.synthetic is not None:
             split = "valid" if self.valid_ds is not None else "train"
-            assert self.cfg.data.synthetic is not None  # DataConfig fills it for format synthetic
-            floor = bayes_logloss(self.cfg.data.synthetic, split)
-            ctr = float(np.mean((self.valid_ds or self.train_ds).labels()))
-            report["bayes_logloss"] = floor
-            report["bayes_ne"] = floor / binary_entropy(ctr)
+            report |= bayes_floor(self.cfg.data.synthetic, split, self.valid_ds or self.train_ds)
         if self.main:
             atomic_write_text(self.dir / "report.json", json.dumps(report, indent=2))
         self.log.close()

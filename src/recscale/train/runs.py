@@ -13,14 +13,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from recscale.config import (
-    DistributedConfig,
-    RunConfig,
-    apply_overrides,
-    load_config,
-    read_yaml_mapping,
-    validate_config,
-)
+from recscale.config import DistributedConfig, RunConfig, load_config, validate_config
+from recscale.config_files import apply_overrides, read_yaml_mapping
 from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor

@@ -11,6 +11,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from recscale.config import EarlyStopping
+from recscale.io import atomic_write_text
+
+HIGHER_IS_BETTER = {"auc": True, "logloss": False, "ne": False}
+
 
 @dataclass
 class Progress:
@@ -26,6 +31,23 @@ class Progress:
     train_seconds: float = 0.0
     examples: int = 0
     stopped_early: bool = False
+
+    def improves(self, metrics: dict[str, float], es: EarlyStopping) -> bool:
+        """Whether ``metrics`` beat the best evaluation so far by more than ``es.min_delta``."""
+        sign = 1 if HIGHER_IS_BETTER[es.metric] else -1
+        return self.best is None or sign * (metrics[es.metric] - self.best) > es.min_delta
+
+    def record_eval(self, metrics: dict[str, float], improved: bool, es: EarlyStopping) -> bool:
+        """Update early stopping after an evaluation (a plateau may cut the LR); True to restore
+        the best weights now (``es.restore_best``, on a plateau that does not stop the run)."""
+        if improved:
+            self.best, self.best_step, self.bad_evals = metrics[es.metric], self.step, 0
+            return False
+        self.bad_evals += 1
+        self.stopped_early = self.bad_evals >= es.patience
+        if es.reduce_lr_factor is not None:
+            self.lr_scale *= es.reduce_lr_factor
+        return es.restore_best and not self.stopped_early
 
 
 def rng_state() -> dict[str, str]:
@@ -53,6 +75,19 @@ class RunLog:
         for k, v in record.items():
             if isinstance(v, int | float) and k not in ("step", "epoch"):
                 self.tb.add_scalar(f"{record.get('split', 'train')}/{k}", v, record["step"])
+
+    def truncate(self, step: int) -> None:
+        """Forget the records after ``step`` (what a killed attempt logged after its last checkpoint)."""
+        if self.tb is None or not self.path.is_file():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line + "\n")
+            except json.JSONDecodeError:  # a line cut short by the kill
+                continue
+        atomic_write_text(self.path, "".join(keep))
 
     def close(self) -> None:
         if self.tb is not None:

@@ -16,8 +16,9 @@ from types import ModuleType
 import pyarrow as pa
 import pydantic
 
+from recscale.data.chunks import rechunk
 from recscale.data.readers import criteo, csv, libsvm, movielens, parquet
-from recscale.data.readers.base import BadRows, OnBadRow, ReadStats, raw_arrow_schema, rechunk
+from recscale.data.readers.base import BadRows, OnBadRow, ReadStats, raw_arrow_schema
 from recscale.data.schema import Schema
 from recscale.errors import ConfigError, DataError
 
@@ -86,7 +87,7 @@ def _counted(
     batches: Iterator[pa.RecordBatch], path: Path, chunk_rows: int, stats: ReadStats
 ) -> Iterator[pa.RecordBatch]:
     rows = 0
-    for batch in rechunk(batches, chunk_rows):
+    for batch in rechunk(batches, chunk_rows, pa.concat_batches):
         rows += batch.num_rows
         stats.rows += batch.num_rows
         yield batch

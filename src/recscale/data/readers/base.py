@@ -6,7 +6,7 @@ a bad row (at most a few per batch), never on the happy path.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NoReturn
@@ -295,20 +295,3 @@ def make_batch(arrays: list[pa.Array], schema: Schema, keep: np.ndarray | None) 
     """The raw-layout batch of ``arrays``, bad rows (``keep`` False) dropped."""
     batch = pa.RecordBatch.from_arrays(arrays, schema=raw_arrow_schema(schema))
     return batch if keep is None else batch.filter(pa.array(keep))
-
-
-def rechunk(batches: Iterator[pa.RecordBatch], rows: int) -> Iterator[pa.RecordBatch]:
-    """Re-cut a stream of batches into batches of exactly ``rows`` rows (the last may be shorter)."""
-    pending: list[pa.RecordBatch] = []
-    count = 0
-    for batch in batches:
-        while batch.num_rows:
-            take = min(rows - count, batch.num_rows)
-            pending.append(batch.slice(0, take))
-            count += take
-            batch = batch.slice(take)
-            if count == rows:
-                yield pending[0] if len(pending) == 1 else pa.concat_batches(pending)
-                pending, count = [], 0
-    if count:
-        yield pending[0] if len(pending) == 1 else pa.concat_batches(pending)

@@ -1,0 +1,77 @@
+"""Config files as dicts: YAML read into a mapping (one-line errors naming file:line:column), a
+``base:`` config merged under the file that names it, dotted ``key=value`` overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from recscale.errors import ConfigError
+
+
+def yaml_error(path: Path, e: yaml.YAMLError) -> str:
+    """One line for a YAML syntax error: file:line:column and what the parser expected."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"{where}: not valid YAML ({problem}); fix the file's indentation or quoting there"
+
+
+def read_yaml_mapping(path: Path, what: str = "a config") -> dict:
+    """A YAML file that must hold a mapping; any problem is one ``ConfigError`` line naming the file."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file; check the path")
+    try:
+        raw = yaml.safe_load(path.read_bytes())
+    except yaml.YAMLError as e:
+        raise ConfigError(yaml_error(path, e)) from None
+    except (OSError, RecursionError, ValueError) as e:  # unreadable, absurdly nested, not text
+        raise ConfigError(f"{path}: cannot be read as YAML ({type(e).__name__}: {str(e)[:120]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: {what} must be a YAML mapping of sections (data, model, train)")
+    return raw
+
+
+def load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A config file as a dict, with its ``base:`` (a config it extends, relative to the file)
+    merged under it: mappings merge key by key, anything else is replaced."""
+    path = Path(path)
+    raw = read_yaml_mapping(path)
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base must be the path of another config, got {base!r}")
+    base_path = (path.parent / base).resolve()
+    if not base_path.is_file():
+        raise ConfigError(
+            f"{path}: base {base}: no such file ({base_path}); fix the path, relative to this file"
+        )
+    if base_path in seen:
+        raise ConfigError(f"{path}: base {base} includes itself")
+    return merge(load_raw(base_path, (*seen, base_path)), raw)
+
+
+def merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Set dotted keys, e.g. ``train.max_steps=10``; values are parsed as YAML."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}': write overrides as key=value, e.g. train.max_steps=100")
+        node = raw
+        parts = key.split(".")
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{item}': '{p}' is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(value)
+    return raw
