@@ -27,8 +27,9 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/ruff format --check src tests bench
 	$(VENV)/bin/mypy
-	@# Two workers, one thread each (no oversubscription on a 2-core machine); see tests/conftest.py.
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadgroup
+	@# Two workers, one thread each (no oversubscription on a 2-core machine); a file's tests run on one
+	@# worker, so its module-scoped fixtures (one launch trains many runs) are built once.
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 2 --dist loadfile
 
 # For local work: no type check, no multi-process or slow tests.
 test-fast: $(STAMP)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import platform
 import shlex
 import statistics
 import subprocess
@@ -115,6 +116,23 @@ def from_csv(row: dict[str, str]) -> dict:
     }
 
 
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def cpu_model() -> str:
+    """The CPU's model name (floating-point paths, so the last digits of a metric, differ between CPUs)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def mean_std(values: list[float], digits: int = 4) -> str:
     if len(values) == 1:
         return f"{values[0]:.{digits}f}"
@@ -143,6 +161,9 @@ def main() -> None:
     # not kept) is taken from there if the suite still trains the same config, so one model can be rerun
     # alone; the row gets the suite's command now, which trains that config.
     recorded = recorded_rows(out.with_suffix(".csv"))
+    # Suites that report on data nothing was tuned on also record where each row ran, so a row that does
+    # not reproduce elsewhere can be told apart from one that changed.
+    columns = {"torch", "cpu"} if suite.get("record_machine") else set()
     rows = []
     for model in chosen:
         config, overrides = models[model]
@@ -161,6 +182,7 @@ def main() -> None:
                 "dense_params": r["parameters"]["dense"], "sparse_params": r["parameters"]["sparse"],
                 "mflops_per_example": r["mflops_per_example"], "train_seconds": r["train_seconds"],
                 "steps": r["steps"], "best_step": r["best_step"], "threads": r.get("torch_threads"),
+                **({"torch": torch_version(), "cpu": cpu_model()} if "torch" in columns else {}),
                 "command": command,
             })  # fmt: skip
 

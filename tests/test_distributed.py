@@ -1,18 +1,14 @@
-"""Multi-process training: parity with one process, resharded checkpoints, byte accounting, faults.
+"""Multi-process training: parity with one process, resharded checkpoints, byte accounting (faults:
+tests/test_faults.py).
 
 The multi-process runs are launched once per world size (module fixtures); each launch trains every
 sharding type in turn. Run as a script, this file is the workers' program (see ``_worker``).
 """
 
-import contextlib
 import json
 import logging
-import os
 import re
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +17,8 @@ import torch
 
 from recscale.cli import main
 from recscale.config import DistributedConfig, load_config, validate_config
-from recscale.distributed import env as dist_env
-from recscale.distributed.env import DistEnv, free_port, lost_peer, shutdown
-from recscale.distributed.launch import _kill_hung, launch
+from recscale.distributed.env import DistEnv, shutdown
+from recscale.distributed.launch import launch
 from recscale.distributed.sharding import plan_tables
 from recscale.distributed.topology import Topology
 from recscale.errors import ConfigError, RecscaleError
@@ -314,195 +309,6 @@ def test_hosts_must_hold_equal_numbers_of_ranks(capsys):
     assert code == 2 and capsys.readouterr().err.strip().splitlines() == [
         "error: --nproc 3 cannot be split into hosts of --local-world-size 2 ranks each"
     ]
-
-
-# ---------------------------------------------------------------- faults (no processes needed)
-class _Agent:  # what _kill_hung reads of an agent's Popen
-    pid = os.getpid()
-
-
-def test_a_timed_out_rank_names_the_ranks_that_did_not_time_out(tmp_path, monkeypatch):
-    """Rank 0 of 4 times out, and rank 2 too: ranks 1 and 3 are the hung ones, silent longest first."""
-    store = torch.distributed.HashStore()
-    now = time.time()
-    for r, step, ago in ((0, 9, 1), (1, 7, 21), (2, 8, 20), (3, None, 30)):
-        store.set(f"hb/{r}", json.dumps({"step": step, "time": now - ago, "pid": 1000 + r}))
-    store.set("stuck/2", "1")
-    monkeypatch.setattr(dist_env, "_heartbeat", dist_env._Heartbeat(store, 0, 4, 20.0))
-    monkeypatch.setattr(dist_env, "_PEER_SETTLE_S", 0.3)
-    monkeypatch.setenv(dist_env.FAULT_DIR_ENV, str(tmp_path))
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 20000ms for recv")
-    line = lost_peer(timeout)
-    assert line == (
-        "ranks 3 (last heartbeat before its first step, 30 s ago), 1 (last heartbeat at step 7, 21 s ago) "
-        "stopped responding; rank 0 timed out waiting for them after distributed.timeout_s=20"
-    )
-    verdict = json.loads((tmp_path / "rank0.json").read_text())
-    assert (verdict["error"], verdict["pids"], verdict["attempt"]) == (line, [1003, 1001], 1)
-    # Every rank timed out: no one to blame. A dead peer is not a timeout, nor is any other error.
-    store.set("stuck/1", "1")
-    store.set("stuck/3", "1")
-    assert lost_peer(RuntimeError("Application timeout caused pair closure")) == (
-        "rank 0 timed out after distributed.timeout_s=20, as did every other rank: each waited for another"
-    )
-    monkeypatch.setenv("RANK", "2")
-    assert lost_peer(RuntimeError("[pair.cc:598] Connection closed by peer [127.0.0.1]:5")) == (
-        "rank 2 lost contact with another rank (Connection closed by peer [127.0.0.1]:5); that rank failed first"
-    )
-    assert lost_peer(RuntimeError("DataLoader timed out after 5 seconds")) is None
-
-
-def test_heartbeat_is_a_no_op_in_a_world_of_one(monkeypatch):
-    monkeypatch.setattr(dist_env, "_heartbeat", None)
-    dist_env.heartbeat(1)  # nothing to write to, and no error
-
-
-def test_the_launcher_kills_the_hung_workers_of_its_own_agents_only(tmp_path):
-    """A verdict's pids are SIGKILLed with their sessions if an agent is their parent, else left alone."""
-    ours = subprocess.Popen(["sleep", "60"], start_new_session=True)  # as torch elastic starts a worker
-    other = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
-    stranger = int(other.stdout.readline())  # a grandchild: no agent's worker
-    try:
-        verdict = {"pids": [ours.pid, stranger]}
-        (tmp_path / "rank0.json").write_text(json.dumps(verdict))
-        seen: set[Path] = set()
-        assert _kill_hung(tmp_path, seen, [_Agent()]) == [verdict]  # type: ignore[list-item]
-        assert ours.wait(timeout=10) == -signal.SIGKILL
-        assert Path(f"/proc/{stranger}").exists()
-        assert _kill_hung(tmp_path, seen, [_Agent()]) == []  # type: ignore[list-item]  # each verdict once
-    finally:
-        ours.kill()
-        os.kill(stranger, signal.SIGKILL)
-        other.wait()
-
-
-# ---------------------------------------------------------------- faults
-LONG = [*SMALL, "data.synthetic.rows.train=20000", "train.eval_every=20"]
-# Bounds on how long a job takes to end after a fault. Once a rank is gone, the launcher polls every
-# 0.2 s, lets failing agents settle for 3 s and stops the rest: 5-8 s in all on a loaded 2-core box.
-# Torch elastic's default grace between SIGTERM and SIGKILL is 30 s: a job that waits it out for a
-# rank that cannot act on SIGTERM (a stopped one), or that hangs, ends later than these bounds.
-ELASTIC_GRACE_S = 30
-# A hung rank is found once its peer times out (distributed.timeout_s), then in 2 s, then as above.
-HANG_MARGIN_S = 15
-
-
-def _train_records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.is_file() else []
-    return [json.loads(line) for line in lines if line.endswith("}")]
-
-
-def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> None:
-    """Until the job has logged training ``step``; fails if it exits first or takes over 120 s."""
-    deadline = time.monotonic() + 120
-    while not any(r["step"] >= step and r["split"] == "train" for r in _train_records(run_dir)):
-        assert proc.poll() is None, "the job exited before it got going"
-        assert time.monotonic() < deadline, f"training did not reach step {step} within 120 s"
-        time.sleep(0.2)  # a finer poll would only take CPU from the job it waits for (2 cores)
-
-
-def _pid_of_rank(run_dir: Path, rank: int) -> int:
-    """The worker process of ``rank`` in the job writing ``run_dir``."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"recscale.cli" in cmd and str(run_dir).encode() in cmd and f"RANK={rank}".encode() in env:
-            return int(pid)
-    raise AssertionError(f"no rank {rank} process")
-
-
-@dist_mark
-def test_killed_rank_stops_the_job_in_bounded_time_with_one_clear_line(tmp_path):
-    """2 hosts x 1 rank: kill -9 one rank; the other host's rank and agent stop too."""
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "recscale.cli", "train", str(CONFIGS / "demo.yaml"), *LONG,
-           "train.max_steps=100000", "--out", str(run_dir), "--nproc", "2", "--local-world-size", "1"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    _wait_for_step(run_dir, 3, proc)
-    victim = _pid_of_rank(run_dir, 1)
-    os.kill(victim, signal.SIGKILL)
-    t0 = time.monotonic()
-    _, err = proc.communicate(timeout=120)
-    assert time.monotonic() - t0 < ELASTIC_GRACE_S
-    assert proc.returncode == 2
-    assert err.strip().splitlines()[-1] == (
-        f"error: rank 1 (pid {victim}) was killed by SIGKILL; the other ranks were stopped"
-    )
-    assert "Traceback" not in err
-
-
-@dist_mark
-def test_hung_rank_is_named_and_the_job_ends_soon_after_the_timeout(tmp_path):
-    """2 hosts x 1 rank: SIGSTOP one rank. The other times out, names it from its heartbeats, and the
-    launcher kills it at once (a stopped process ignores the SIGTERM that torch elastic would send)."""
-    run_dir, timeout_s = tmp_path / "run", 10
-    cmd = [sys.executable, "-m", "recscale.cli", "train", str(CONFIGS / "demo.yaml"), *LONG,
-           "train.max_steps=100000", f"distributed.timeout_s={timeout_s}", "--out", str(run_dir),
-           "--nproc", "2", "--local-world-size", "1"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    victim = None
-    try:
-        _wait_for_step(run_dir, 3, proc)
-        victim = _pid_of_rank(run_dir, 1)
-        os.kill(victim, signal.SIGSTOP)
-        t0 = time.monotonic()
-        _, err = proc.communicate(timeout=timeout_s + 120)
-        elapsed = time.monotonic() - t0
-    finally:  # leave nothing behind, whatever failed
-        if victim is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(victim, signal.SIGKILL)  # acts on a stopped process too
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # the launcher stops its agents, which stop their workers
-            proc.communicate(timeout=120)
-    assert proc.returncode == 2
-    # "at step N": the training loop beats after every step (not only once, as the group forms).
-    assert re.fullmatch(
-        r"error: rank 1 stopped responding \(last heartbeat at step \d+, \d+ s ago\); rank 0 timed out "
-        r"waiting for it after distributed\.timeout_s=10; the other ranks were stopped",
-        err.strip().splitlines()[-1],
-    ), f"{err[-2000:]}\n(no step? the training loop calls recscale.distributed.env.heartbeat after each step)"
-    assert "Traceback" not in err
-    assert elapsed < timeout_s + HANG_MARGIN_S
-
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1"]
-RECSCALE = ["--nproc", "2", "--local-world-size", "1", "--max-restarts", "1"]
-
-
-@dist_mark
-@pytest.mark.parametrize("launcher", ["torchrun, 1 host x 2", "recscale --nproc, 2 hosts x 1"])
-def test_restart_resumes_from_the_last_checkpoint(tmp_path, launcher):
-    """With --max-restarts 1 a killed rank restarts the job, which resumes from step 20."""
-    run_dir = tmp_path / "run"
-    train = [
-        "-m",
-        "recscale.cli",
-        "train",
-        str(CONFIGS / "demo.yaml"),
-        *LONG,
-        "train.max_steps=60",
-        "--out",
-        str(run_dir),
-    ]
-    port = ["--master-port", str(free_port())]  # not torchrun's default 29500: tests run side by side
-    cmd = (
-        [*TORCHRUN, *port, *train] if launcher.startswith("torchrun") else [sys.executable, *train, *RECSCALE]
-    )
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    _wait_for_step(run_dir, 23, proc)
-    os.kill(_pid_of_rank(run_dir, 1), signal.SIGKILL)
-    _, err = proc.communicate(timeout=180)
-    assert proc.returncode == 0, err[-2000:]
-    assert "restart 1 after a failed rank: resumed from" in err and "step_00000020" in err
-    steps = [r["step"] for r in _train_records(run_dir) if r["split"] == "train"]
-    assert steps == list(range(1, 61))  # what the killed attempt did after step 20 was dropped, then redone
-    assert json.loads((run_dir / "report.json").read_text())["steps"] == 60
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:

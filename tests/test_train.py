@@ -233,3 +233,27 @@ def test_ema_reports_the_average_of_the_dense_weights(tmp_path):
     # `recscale eval` scores the same average from the training checkpoint.
     again = eval_run(tmp_path / "ema", None, split="valid")
     assert again["auc"] == pytest.approx(report["valid"]["auc"])
+
+
+def test_report_fraction_holds_valid_rows_out_of_every_selection(tmp_path):
+    """data.report_fraction: early stopping sees only the selection rows of valid; the held-out rows are
+    scored once, at the end, and they are the same rows for every seed."""
+    from recscale.data.dataset import held_out
+
+    over = [*SMALL_SYNTH, "train.max_steps=6", "train.eval_every=3", "data.report_fraction=0.3"]
+    tr = Trainer(load_config(CONFIGS / "demo.yaml", over), tmp_path / "r")
+    report = tr.fit()
+    selected, reported = report["valid"]["rows"], report["report"]["rows"]
+    assert selected + reported == 2000 and 500 < reported < 700
+    assert tr.valid_ds.index is not None and tr.report_ds is not None
+    assert not set(tr.valid_ds.index) & set(tr.report_ds.index)
+    logged = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert {r["rows"] for r in logged if r["split"] == "valid"} == {selected}
+    # The view gathers the rows it names: its labels are the split's labels at those rows.
+    full = tr.report_ds.subset(np.ones(reported, bool))
+    assert np.array_equal(full.labels(), tr.report_ds.labels())
+    assert np.array_equal(tr.report_ds.gather(np.arange(5)).labels.numpy(), tr.report_ds.labels()[:5])
+    # A fixed hash of the row index: the same rows again, and a prefix of a longer file's.
+    assert np.array_equal(held_out(2000, 0.3), held_out(5000, 0.3)[:2000])
+    other = Trainer(load_config(CONFIGS / "demo.yaml", [*over, "seed=1"]), tmp_path / "s")
+    assert other.report_ds is not None and np.array_equal(other.report_ds.index, tr.report_ds.index)

@@ -24,6 +24,11 @@ _NOISY = (
 def _quiet() -> None:
     for category, module in _NOISY:
         warnings.filterwarnings("ignore", category=category, module=module)
+    # Raised (from torch.autograd) on every backward through fbgemm's dense (replicated-table) lookup. Its
+    # gradients are right: data_parallel tables train alike with one or N ranks (tests/test_distributed.py).
+    warnings.filterwarnings(
+        "ignore", r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel", UserWarning
+    )
     import logging
 
     for name in ("torchrec", "torch.distributed", "torch.fx", "fbgemm_gpu"):

@@ -37,6 +37,10 @@ class DataConfig(_Strict):
     schema_: Schema | None = Field(None, alias="schema")
     options: dict[str, Any] = {}
     synthetic: SyntheticSpec | None = None
+    # Hold this fraction of the valid rows out of every selection decision (early stopping, LR drops, the
+    # kept checkpoint): valid is the rest, and the held-out rows are scored once, at the end, as the
+    # report's "report" split, on which nothing was tuned.
+    report_fraction: float | None = Field(None, gt=0, lt=1)
     chunk_rows: int = Field(65536, ge=1)
     on_bad_row: Literal["error", "skip"] = "error"
     num_workers: int = Field(1, ge=0)

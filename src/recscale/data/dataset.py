@@ -116,7 +116,7 @@ def _progress(enabled: bool, desc: str):
 class ArrayDataset:
     """Random access to a materialised split. ``gather(idx)`` builds one ``Batch``."""
 
-    def __init__(self, split_dir: Path) -> None:
+    def __init__(self, split_dir: Path, index: np.ndarray | None = None) -> None:
         self.dir = Path(split_dir)
         meta = read_meta(self.dir)
         if meta is None:
@@ -124,7 +124,8 @@ class ArrayDataset:
                 f"{self.dir}: not a complete preprocessed split (meta.json missing or from another version)"
             )
         self.meta = meta
-        self.rows: int = meta["rows"]
+        self.index = index  # the rows of the split this view holds, in order (None: all of them)
+        self.rows: int = meta["rows"] if index is None else len(index)
         self.keys = [f["name"] for f in meta["sparse"]]
         self._weighted = any(f["weighted"] for f in meta["sparse"])
         self._arrays: dict[str, np.ndarray] | None = None
@@ -135,7 +136,7 @@ class ArrayDataset:
     def _open(self) -> dict[str, np.ndarray]:
         # Opened lazily so the object pickles cheaply into DataLoader worker processes.
         if self._arrays is None:
-            d, n = self.dir, self.rows
+            d, n = self.dir, self.meta["rows"]
             arrays = {
                 "label": np.memmap(d / "label.bin", np.float32, "r", shape=(n,)),
                 "dense": np.memmap(d / "dense.bin", np.float32, "r", shape=(n, self.meta["num_dense"]))
@@ -155,11 +156,19 @@ class ArrayDataset:
         return self._arrays
 
     def labels(self) -> np.ndarray:
-        return np.asarray(self._open()["label"])
+        labels = np.asarray(self._open()["label"])
+        return labels if self.index is None else labels[self.index]
+
+    def subset(self, mask: np.ndarray) -> ArrayDataset:
+        """A view of the rows where ``mask`` (len(self),) is true, in order."""
+        rows = np.flatnonzero(mask)
+        return ArrayDataset(self.dir, rows if self.index is None else self.index[rows])
 
     def gather_arrays(self, idx: np.ndarray) -> tuple[np.ndarray, ...]:
         """Rows ``idx`` -> (dense (B, n_dense), values, lengths (n_keys * B,), weights or empty, labels (B,))."""
         a = self._open()
+        if self.index is not None:
+            idx = self.index[idx]
         values, lengths, weights = [], [], []
         for f in self.meta["sparse"]:
             name = f["name"]
@@ -196,6 +205,16 @@ class ArrayDataset:
 
     def gather(self, idx: np.ndarray) -> Batch:
         return self.to_batch(self.gather_arrays(idx))
+
+
+def held_out(rows: int, fraction: float) -> np.ndarray:
+    """(rows,) bool: row i is held out when a fixed hash of i (splitmix64) falls below ``fraction``. The
+    same rows of a file whatever the seed, model or run, so every run of a suite reports on one set."""
+    x = np.arange(rows, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return (x >> np.uint64(11)).astype(np.float64) * 2.0**-53 < fraction
 
 
 def epoch_batches(

@@ -35,7 +35,7 @@ from torch import nn
 
 from recscale.config import RunConfig
 from recscale.data.batch import Batch
-from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
+from recscale.data.dataset import ArrayDataset, epoch_batches, held_out, iterate
 from recscale.distributed import comms
 from recscale.distributed.env import heartbeat, init_distributed
 from recscale.errors import CheckpointError, ConfigError, RecscaleError
@@ -140,6 +140,10 @@ class Trainer:
         show = self.cfg.train.progress and self.main and sys.stderr.isatty()
         self.pre, splits, self.read_stats = prepare_run_data(self.cfg.data, self.dir, resume, self.main, show)
         self.train_ds, self.valid_ds, self.test_ds = splits["train"], splits.get("valid"), splits.get("test")
+        self.report_ds = None
+        if self.cfg.data.report_fraction is not None and self.valid_ds is not None:
+            held = held_out(len(self.valid_ds), self.cfg.data.report_fraction)
+            self.valid_ds, self.report_ds = self.valid_ds.subset(~held), self.valid_ds.subset(held)
 
     def _barrier(self) -> None:
         if self.env.world_size > 1:
@@ -350,6 +354,8 @@ class Trainer:
         }
         if self.valid_ds is not None:
             report["valid"] = self._evaluate(self.valid_ds)
+        if self.report_ds is not None:  # valid rows no selection decision saw
+            report["report"] = self._evaluate(self.report_ds)
         if self.test_ds is not None:
             report["test"] = self._evaluate(self.test_ds)
         if self.cfg.data.format == "synthetic" and self.cfg.data.synthetic is not None:
