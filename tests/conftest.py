@@ -16,4 +16,3 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip("../shared/data is not beside the repository")
     return SHARED_DATA
-

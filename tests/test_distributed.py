@@ -68,12 +68,26 @@ COMM_TWRW = [
 QCOMMS = ["data.synthetic.num_multi=0", "model.embedding.dim=32", "train.batch_size=128", "train.max_steps=6",
           "train.log_every=3", "distributed.sharding=table_wise", "distributed.count_bytes=true"]  # fmt: skip
 QCOMMS_LOW = "distributed.qcomms={forward: int8, backward: fp16, dense: fp16}"
+# FSDP2 with and without its bf16 mixed-precision policy (train.precision=bf16).
+FSDP = ["distributed.sharding=row_wise", "distributed.dense=fsdp", "distributed.count_bytes=true"]
 dist_mark = pytest.mark.dist
 
 
+def train_records(run_dir: Path) -> list[dict]:
+    return [
+        r
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if r["split"] == "train"
+    ]
+
+
+def _sent(records: list[dict], kind: str) -> int:
+    """Bytes of one collective kind this run's rank 0 sent within its host, over the logged windows."""
+    return sum(r["comm"][kind]["intra"] for r in records)
+
+
 def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["split"] == "train"}
+    return {r["step"]: r["loss"] for r in train_records(run_dir)}
 
 
 # ---------------------------------------------------------------- worker side
@@ -103,7 +117,8 @@ def _jobs(root: Path, world: int) -> list[dict]:
                   "scores": str(root / f"{name}_4_at_{world}.npy")} for name, o in VARIANTS.items()]  # fmt: skip
     if world == 2:  # the quantized collectives (test_qcomms.py), in this launch to save one
         jobs += [{"dir": str(root / name), "overrides": o, "resume": False, "scores": str(root / f"{name}.npy")}
-                 for name, o in (("qcomms_fp32", QCOMMS), ("qcomms_low", [*QCOMMS, QCOMMS_LOW]))]  # fmt: skip
+                 for name, o in (("qcomms_fp32", QCOMMS), ("qcomms_low", [*QCOMMS, QCOMMS_LOW]),
+                                 ("fsdp_fp32", FSDP), ("fsdp_bf16", [*FSDP, "train.precision=bf16"]))]  # fmt: skip
     return jobs
 
 
@@ -214,6 +229,37 @@ def test_table_row_wise_inter_host_bytes_match_closed_form(runs):
         assert r["comm"]["all_to_all"]["inter"] == round(expected)
 
 
+@dist_mark
+def test_quantized_all_to_all_and_all_reduce_send_fewer_bytes_and_train_alike(runs):
+    """Two ranks, table-wise, single-id features: the all-to-alls carry ids (not quantized) and the pooled
+    embeddings and their gradients (quantized); DDP's all-reduce carries the dense gradients."""
+    full, low = (train_records(runs / name) for name in ("qcomms_fp32", "qcomms_low"))
+
+    # DDP's gradient buffers in fp16: exactly half the bytes.
+    assert _sent(low, "all_reduce") * 2 == _sent(full, "all_reduce")
+    # Pooled embeddings in int8 (with per-row scale and bias) and their gradients in fp16, ids as they
+    # were: the all-to-alls carry well under 2/3 of the fp32 bytes.
+    assert _sent(low, "all_to_all") < 0.6 * _sent(full, "all_to_all")
+    # The training is nearly the same: the losses follow the fp32 run's.
+    assert [r["step"] for r in low] == [r["step"] for r in full] == [3, 6]
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(low, full, strict=True)) < 5e-3
+
+
+@dist_mark
+def test_fsdp_bf16_gathers_half_the_bytes_and_trains_alike(runs):
+    """FSDP2's mixed-precision policy under train.precision=bf16: parameters all-gathered in bf16 (about
+    half the bytes), gradients reduce-scattered in fp32 (the same bytes), losses close to fp32's."""
+    full, low = (train_records(runs / name) for name in ("fsdp_fp32", "fsdp_bf16"))
+
+    assert _sent(full, "all_gather") > 0
+    # About half: 0.537 of fp32's bytes in this model (not exactly half; not every gathered byte is a
+    # parameter in the policy's dtype).
+    assert 0.5 * _sent(full, "all_gather") <= _sent(low, "all_gather") < 0.6 * _sent(full, "all_gather")
+    assert _sent(low, "reduce_scatter") == _sent(full, "reduce_scatter") > 0
+    assert [r["step"] for r in low] == [r["step"] for r in full] == [1, 2, 3, 4, 5]
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(low, full, strict=True)) < 2e-2
+
+
 # ---------------------------------------------------------------- plans (no processes needed)
 def _plan(sharding: str, tables: dict | None = None, world: int = 4, local: int = 2) -> dict:
     """Per-table ParameterSharding of a 10-row, dim-16 LR-like model's tables on 2 hosts x 2 ranks."""
@@ -226,32 +272,6 @@ def _plan(sharding: str, tables: dict | None = None, world: int = 4, local: int 
 
 def _shards(ps) -> list[tuple[int, list[int], list[int]]]:
     return [(m.placement.rank(), m.shard_offsets, m.shard_sizes) for m in ps.sharding_spec.shards]
-
-
-@dist_mark
-def test_quantized_all_to_all_and_all_reduce_send_fewer_bytes_and_train_alike(runs):
-    """Two ranks, table-wise, single-id features: the all-to-alls carry ids (not quantized) and the pooled
-    embeddings and their gradients (quantized); DDP's all-reduce carries the dense gradients."""
-    full, low = (
-        [
-            r
-            for r in map(json.loads, (runs / name / "metrics.jsonl").read_text().splitlines())
-            if r["split"] == "train"
-        ]
-        for name in ("qcomms_fp32", "qcomms_low")
-    )
-
-    def sent(recs: list[dict], kind: str) -> int:
-        return sum(r["comm"][kind]["intra"] for r in recs)
-
-    # DDP's gradient buffers in fp16: exactly half the bytes.
-    assert sent(low, "all_reduce") * 2 == sent(full, "all_reduce")
-    # Pooled embeddings in int8 (with per-row scale and bias) and their gradients in fp16, ids as they
-    # were: the all-to-alls carry well under 2/3 of the fp32 bytes.
-    assert sent(low, "all_to_all") < 0.6 * sent(full, "all_to_all")
-    # The training is nearly the same: the losses follow the fp32 run's.
-    assert [r["step"] for r in low] == [r["step"] for r in full] == [3, 6]
-    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(low, full, strict=True)) < 5e-3
 
 
 def test_explicit_plans_place_shards_by_host():

@@ -92,7 +92,7 @@ ELASTIC_GRACE_S = 30
 HANG_MARGIN_S = 15
 
 
-def _train_records(run_dir: Path) -> list[dict]:
+def _logged(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.is_file() else []
     return [json.loads(line) for line in lines if line.endswith("}")]
@@ -101,7 +101,7 @@ def _train_records(run_dir: Path) -> list[dict]:
 def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen) -> None:
     """Until the job has logged training ``step``; fails if it exits first or takes over 120 s."""
     deadline = time.monotonic() + 120
-    while not any(r["step"] >= step and r["split"] == "train" for r in _train_records(run_dir)):
+    while not any(r["step"] >= step and r["split"] == "train" for r in _logged(run_dir)):
         assert proc.poll() is None, "the job exited before it got going"
         assert time.monotonic() < deadline, f"training did not reach step {step} within 120 s"
         time.sleep(0.2)  # a finer poll would only take CPU from the job it waits for (2 cores)
@@ -204,6 +204,6 @@ def test_restart_resumes_from_the_last_checkpoint(tmp_path, launcher):
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err[-2000:]
     assert "restart 1 after a failed rank: resumed from" in err and "step_00000020" in err
-    steps = [r["step"] for r in _train_records(run_dir) if r["split"] == "train"]
+    steps = [r["step"] for r in _logged(run_dir) if r["split"] == "train"]
     assert steps == list(range(1, 61))  # what the killed attempt did after step 20 was dropped, then redone
     assert json.loads((run_dir / "report.json").read_text())["steps"] == 60

@@ -9,7 +9,10 @@ sharding the tables, on everything it did not shard.
   ``torch.distributed.all_reduce``, where ``comms`` counts it.
 - FSDP2: every submodule without embedding tables is ``fully_shard`` ed: its parameters become
   DTensors sharded over the ranks, gathered for forward/backward, gradients reduce-scattered. For
-  dense networks too big to replicate on each rank.
+  dense networks too big to replicate on each rank. With ``param_dtype=bfloat16`` (``train.precision:
+  bf16``) FSDP2's mixed-precision policy gathers the parameters in bf16 (half the all-gather bytes) and
+  computes in bf16, while the sharded fp32 parameters stay the master copy that the optimizer steps,
+  and gradients are reduce-scattered in fp32.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
     fp16_compress_hook,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.model_parallel import (
     DataParallelWrapper,
@@ -49,16 +52,19 @@ class CountedDDPWrapper(DefaultDataParallelWrapper):
 class FSDP2Wrapper(DataParallelWrapper):
     """``fully_shard`` every dense submodule over all ranks (see module doc)."""
 
+    def __init__(self, param_dtype: torch.dtype = torch.float32) -> None:
+        self.policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         mesh = init_device_mesh(device.type, (env.world_size,))
-        _shard_dense(dmp._dmp_wrapped_module, mesh, "")
+        _shard_dense(dmp._dmp_wrapped_module, mesh, "", self.policy)
 
 
 def _holds_tables(module: nn.Module) -> bool:
     return any(isinstance(m, ShardedModule) for m in module.modules())
 
 
-def _shard_dense(module: nn.Module, mesh: DeviceMesh, prefix: str) -> None:
+def _shard_dense(module: nn.Module, mesh: DeviceMesh, prefix: str, policy: MixedPrecisionPolicy) -> None:
     stray = [f"{prefix}{n}" for n, _ in module.named_parameters(recurse=False)]
     if stray:
         raise ConfigError(
@@ -69,14 +75,14 @@ def _shard_dense(module: nn.Module, mesh: DeviceMesh, prefix: str) -> None:
         if isinstance(child, ShardedModule):
             continue
         if _holds_tables(child):
-            _shard_dense(child, mesh, f"{prefix}{name}.")
+            _shard_dense(child, mesh, f"{prefix}{name}.", policy)
         elif isinstance(child, nn.Sequential | nn.ModuleList):
             # Layer by layer: only one layer's full parameters are gathered at a time.
             for layer in child:
                 if any(True for _ in layer.parameters()):
-                    fully_shard(layer, mesh=mesh)
+                    fully_shard(layer, mesh=mesh, mp_policy=policy)
         elif any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh)
+            fully_shard(child, mesh=mesh, mp_policy=policy)
 
 
 class CompressedDDPWrapper(DefaultDataParallelWrapper):
@@ -95,16 +101,20 @@ class CompressedDDPWrapper(DefaultDataParallelWrapper):
 
 
 def dense_wrapper(
-    kind: Literal["ddp", "fsdp"], counted: bool = False, compress: Literal["fp32", "fp16", "bf16"] = "fp32"
+    kind: Literal["ddp", "fsdp"],
+    counted: bool = False,
+    compress: Literal["fp32", "fp16", "bf16"] = "fp32",
+    param_dtype: torch.dtype = torch.float32,
 ) -> DataParallelWrapper:
     """``counted``: DDP's all-reduces go through ``torch.distributed`` where ``comms`` counts them;
-    ``compress``: DDP's gradients travel in that precision (counted either way)."""
+    ``compress``: DDP's gradients travel in that precision (counted either way); ``param_dtype``: what
+    FSDP2 gathers and computes the dense parameters in (DDP computes under the trainer's autocast)."""
     if kind == "fsdp":
         if compress != "fp32":
             raise ConfigError(
                 "distributed.qcomms.dense compresses DDP's all-reduce; with dense: fsdp leave it fp32"
             )
-        return FSDP2Wrapper()
+        return FSDP2Wrapper(param_dtype)
     if compress != "fp32":
         return CompressedDDPWrapper(compress)
     return CountedDDPWrapper() if counted else DefaultDataParallelWrapper()

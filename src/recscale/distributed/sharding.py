@@ -250,10 +250,11 @@ def shard_model(
     cfg: DistributedConfig,
     table_optimizer: tuple[type[torch.optim.Optimizer], dict],
     pg: dist.ProcessGroup | None = None,
+    dense_dtype: torch.dtype = torch.float32,
 ) -> tuple[DistributedModelParallel, KeyedOptimizer]:
     """``model`` under DMP over the ranks of ``pg`` (default: all; ``env`` then describes that
     group): tables sharded by ``plan_tables`` starting from the unsharded model's values, the dense
-    part wrapped per ``cfg.dense``. Returns DMP and the tables' optimizer: the fused one, plus
+    part wrapped per ``cfg.dense`` (FSDP2 gathering it in ``dense_dtype``). Returns DMP and the tables' optimizer: the fused one, plus
     ``table_optimizer`` (class, kwargs) over the data_parallel tables' replicas."""
     plan = plan_tables(model, env, cfg, pg)
     if pg is not None:
@@ -269,7 +270,7 @@ def shard_model(
         env=ShardingEnv.from_process_group(pg) if pg is not None else None,
         device=env.device,
         plan=plan,
-        data_parallel_wrapper=dense_wrapper(cfg.dense, cfg.count_bytes, cfg.qcomms.dense),
+        data_parallel_wrapper=dense_wrapper(cfg.dense, cfg.count_bytes, cfg.qcomms.dense, dense_dtype),
         sharders=qcomm_sharders(cfg, env.device),
     )
     load_full_tables(dmp.state_dict(), full)

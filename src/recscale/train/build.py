@@ -106,7 +106,8 @@ def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
         counts, flops = count_parameters(flat), flat.flops_per_example()
         # apply_optimizer_in_backward adds its own keys to the kwargs it is given: hand it a copy.
         apply_optimizer_in_backward(opt_cls, flat.embedding.ebc.parameters(), dict(opt_kw))
-        module, tables = shard_model(flat, env, cfg.distributed, (opt_cls, opt_kw))
+        dense_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+        module, tables = shard_model(flat, env, cfg.distributed, (opt_cls, opt_kw), dense_dtype=dense_dtype)
         model = get_unwrapped_module(module)
         dense_params = {
             n: p for n, p in in_backward_optimizer_filter(module.named_parameters()) if n not in tables.params
