@@ -36,6 +36,7 @@ SETTINGS: dict[str, list[str]] = {
     "mxfp4": ["model.quant.format=mxfp4"],
     "mxint8": ["model.quant.format=mxint8"],
     "fp8_e4m3": ["model.quant.format=fp8_e4m3"],
+    "tables_fp16": ["model.embedding.storage=fp16"],
     "fp32_2ranks": TWO_RANKS,
     "qcomms_fp16": [*TWO_RANKS, "distributed.qcomms={forward: fp16, backward: fp16, dense: fp16}"],
     "qcomms_int8": [*TWO_RANKS, "distributed.qcomms={forward: int8, backward: fp16, dense: bf16}"],

@@ -257,3 +257,30 @@ def test_report_fraction_holds_valid_rows_out_of_every_selection(tmp_path):
     assert np.array_equal(held_out(2000, 0.3), held_out(5000, 0.3)[:2000])
     other = Trainer(load_config(CONFIGS / "demo.yaml", [*over, "seed=1"]), tmp_path / "s")
     assert other.report_ds is not None and np.array_equal(other.report_ds.index, tr.report_ds.index)
+
+
+def test_fp16_table_storage_trains_resumes_and_is_refused_for_replicated_tables(tmp_path):
+    """model.embedding.storage=fp16: fbgemm's fused kernel stores and updates fp16 rows (its row-wise
+    Adagrad state stays fp32), the checkpoint holds fp16 tables and resumes; replicated tables refuse it."""
+    over = [
+        *SMALL_SYNTH,
+        "model.embedding.storage=fp16",
+        "distributed.sharding=table_wise",
+        "train.max_steps=4",
+    ]
+    tr = Trainer(load_config(CONFIGS / "demo.yaml", over), tmp_path / "r")
+    tables = [v for k, v in tr.module.state_dict().items() if ".ebc.embedding_bags." in k]
+    assert tables and all(t.local_shards()[0].tensor.dtype == torch.float16 for t in tables)
+    state = [v for v in tr.built.tables.state_dict()["state"].values()]
+    assert state and all(t.dtype == torch.float32 for s in state for t in s.values() if torch.is_tensor(t))
+    before = tables[0].local_shards()[0].tensor.clone()
+    report = tr.fit()
+    assert report["steps"] == 4 and not torch.equal(before, tables[0].local_shards()[0].tensor)
+    resumed = Trainer(
+        load_config(CONFIGS / "demo.yaml", [*over, "train.max_steps=6"]), tmp_path / "r", resume=True
+    )
+    assert resumed.fit()["steps"] == 6
+    with pytest.raises(ConfigError, match="storage=fp16 needs tables sharded"):
+        load_config(
+            CONFIGS / "demo.yaml", ["model.embedding.storage=fp16", "distributed.sharding=data_parallel"]
+        )

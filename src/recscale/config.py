@@ -266,6 +266,15 @@ class RunConfig(_Strict):
                 "(distributed.sharding=data_parallel, no distributed.tables, no dmt): fbgemm's fused "
                 "kernels ignore it; otherwise regularise with train.embedding_l2 or train.table_weight_decay"
             )
+        replicated = self.distributed.sharding == "data_parallel" or any(
+            t.type == "data_parallel" for t in self.distributed.tables.values()
+        )
+        if self.model.embedding.storage == "fp16" and replicated:
+            raise ValueError(
+                "model.embedding.storage=fp16 needs tables sharded with the fused optimizer (fp32 state): "
+                "a data_parallel table would be stepped by a torch optimizer on fp16 weights; choose "
+                "another distributed.sharding (e.g. table_wise) or storage fp32"
+            )
         return self
 
     def dense_tables(self) -> bool:

@@ -23,7 +23,7 @@ import pydantic
 import torch
 from pydantic import Field, field_validator
 from torch import Tensor, nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -65,6 +65,9 @@ class EmbeddingConfig(pydantic.BaseModel, extra="forbid"):
     # layer to ceil(k·small_dim/d) d-vectors (Wukong's option for low-cardinality features).
     small_dim_features: list[str] = []
     small_dim: int = Field(4, gt=0)
+    # Storage precision of the tables (fbgemm's fused CPU and CUDA kernels read and update fp16 rows;
+    # their optimizer state, e.g. row-wise Adagrad's accumulator, stays fp32). Pooled outputs are fp32.
+    storage: Literal["fp32", "fp16"] = "fp32"
 
     @field_validator("dim", "small_dim")
     @classmethod
@@ -142,6 +145,7 @@ class EmbeddingLayer(nn.Module):
                     feature_names=[f.name],
                     pooling=PoolingType.SUM,
                     init_fn=functools.partial(torch.nn.init.normal_, mean=0.0, std=cfg.init_std),
+                    data_type=DataType.FP16 if cfg.storage == "fp16" else DataType.FP32,
                 )
                 for f, dim in zip(self._tables, self._table_dims, strict=True)
             ],
