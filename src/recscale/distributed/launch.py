@@ -232,6 +232,12 @@ def _agent(args: argparse.Namespace) -> int:
         return 1
     except SignalException as e:  # stopped by the launcher (or the user): its workers are stopped too
         return 128 + e.sigval
+    finally:
+        # torch elastic's handlers turn a signal into an exception; one that lands while the interpreter
+        # joins its threads on exit prints a traceback ("Exception ignored in threading"). The workers
+        # are done by now: a late SIGTERM from the launcher just ends this process.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
     return 0
 
 
