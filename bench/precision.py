@@ -41,6 +41,7 @@ SETTINGS: dict[str, list[str]] = {
     "qcomms_fp16": [*TWO_RANKS, "distributed.qcomms={forward: fp16, backward: fp16, dense: fp16}"],
     "qcomms_int8": [*TWO_RANKS, "distributed.qcomms={forward: int8, backward: fp16, dense: bf16}"],
     "qcomms_mx4": [*TWO_RANKS, "distributed.qcomms={forward: mx4, backward: fp16}"],
+    "qcomms_fp8": [*TWO_RANKS, "distributed.qcomms={forward: fp8, backward: fp8}"],
 }
 MODELS = {"wukong": [], "dlrm": ["model.top_mlp=[256,128]"], "dcnv2": []}
 

@@ -118,6 +118,7 @@ def _jobs(root: Path, world: int) -> list[dict]:
     if world == 2:  # the quantized collectives (test_qcomms.py), in this launch to save one
         jobs += [{"dir": str(root / name), "overrides": o, "resume": False, "scores": str(root / f"{name}.npy")}
                  for name, o in (("qcomms_fp32", QCOMMS), ("qcomms_low", [*QCOMMS, QCOMMS_LOW]),
+                                 ("qcomms_fp8", [*QCOMMS, "distributed.qcomms={forward: fp8, backward: fp8}"]),
                                  ("fsdp_fp32", FSDP), ("fsdp_bf16", [*FSDP, "train.precision=bf16"]))]  # fmt: skip
     return jobs
 
@@ -233,7 +234,7 @@ def test_table_row_wise_inter_host_bytes_match_closed_form(runs):
 def test_quantized_all_to_all_and_all_reduce_send_fewer_bytes_and_train_alike(runs):
     """Two ranks, table-wise, single-id features: the all-to-alls carry ids (not quantized) and the pooled
     embeddings and their gradients (quantized); DDP's all-reduce carries the dense gradients."""
-    full, low = (train_records(runs / name) for name in ("qcomms_fp32", "qcomms_low"))
+    full, low, fp8 = (train_records(runs / name) for name in ("qcomms_fp32", "qcomms_low", "qcomms_fp8"))
 
     # DDP's gradient buffers in fp16: exactly half the bytes.
     assert _sent(low, "all_reduce") * 2 == _sent(full, "all_reduce")
@@ -241,8 +242,14 @@ def test_quantized_all_to_all_and_all_reduce_send_fewer_bytes_and_train_alike(ru
     # were: the all-to-alls carry well under 2/3 of the fp32 bytes.
     assert _sent(low, "all_to_all") < 0.6 * _sent(full, "all_to_all")
     # The training is nearly the same: the losses follow the fp32 run's.
-    assert [r["step"] for r in low] == [r["step"] for r in full] == [3, 6]
-    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(low, full, strict=True)) < 5e-3
+    # recscale's row-wise FP8 both ways: 40 bytes per 32 values (as int8's layout), so fewer bytes than
+    # int8 forward + fp16 backward; DDP's all-reduce untouched.
+    assert _sent(fp8, "all_to_all") < _sent(low, "all_to_all")
+    assert _sent(fp8, "all_reduce") == _sent(full, "all_reduce")
+    # The training is nearly the same: the losses follow the fp32 run's.
+    for run in (low, fp8):
+        assert [r["step"] for r in run] == [r["step"] for r in full] == [3, 6]
+        assert max(abs(a["loss"] - b["loss"]) for a, b in zip(run, full, strict=True)) < 5e-3
 
 
 @dist_mark

@@ -1,19 +1,62 @@
-"""Quantized collectives (``distributed.qcomms``): what the config refuses. The bytes and training of
-two ranks with and without qcomms are checked in tests/test_distributed.py, whose 2-rank launch
-trains both (``test_quantized_all_to_all_and_all_reduce_send_fewer_bytes_and_train_alike``)."""
+"""Quantized collectives (``distributed.qcomms``): recscale's row-wise FP8 codec, unit by unit. The bytes
+and training of two ranks with and without qcomms (fbgemm's codecs and this one) are checked in
+tests/test_distributed.py, whose 2-rank launch trains them
+(``test_quantized_all_to_all_and_all_reduce_send_fewer_bytes_and_train_alike``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+import torch
 
-from recscale.config import load_config
-from recscale.errors import ConfigError
-
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+from recscale.distributed.codecs import RowwiseFP8Codec
 
 
-def test_fp8_on_cpu_is_refused_in_one_line():
-    with pytest.raises(ConfigError, match="fp8 has no CPU codec"):
-        load_config(CONFIGS / "demo.yaml", ["distributed.qcomms.forward=fp8"])
+def _roundtrip(codec: RowwiseFP8Codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    ctx = codec.create_context()
+    q = codec.encode(x, ctx)
+    assert q.dtype == codec.quantized_dtype == torch.uint8
+    assert q.numel() == codec.calc_quantized_size(x.numel(), ctx)  # the size TorchRec allocates
+    return q, codec.decode(q, ctx)
+
+
+def test_layout_is_fp8_bytes_then_the_row_scale():
+    """A row whose largest magnitude is E4M3's largest finite value (448) is scaled by 1: its FP8 bytes
+    are the plain casts, and the scale field holds 1.0."""
+    row = torch.tensor([448.0, -448.0, 1.0, 0.5, 3.0, -2.0, 0.0, 240.0] * 4)
+    q, back = _roundtrip(RowwiseFP8Codec(is_fwd=True), row)
+    q = q.view(1, 40)
+    assert torch.equal(q[0, :32], row.to(torch.float8_e4m3fn).view(torch.uint8))
+    assert q[0, 32:36].view(torch.float32).item() == 1.0
+    assert torch.equal(back, row)  # every value is exactly representable
+
+
+def test_rounding_is_to_nearest_even_and_saturates_at_the_row_max():
+    # Scale 1 again (448 in the row). Between 16 and 18 (E4M3 step 2 there) 17 is a tie: to even, 16;
+    # 17.5 rounds up to 18. 9.5 lies between 9 and 10 (step 1 below 16): a tie, to even 10.
+    row = torch.tensor([448.0, 17.0, 17.5, 9.5] + [0.0] * 28)
+    _, back = _roundtrip(RowwiseFP8Codec(is_fwd=True), row)
+    assert back[:4].tolist() == [448.0, 16.0, 18.0, 10.0]
+
+
+@pytest.mark.parametrize(("is_fwd", "step"), [(True, 2**-3), (False, 2**-2)])
+def test_relative_error_within_half_a_step_of_each_row(is_fwd, step):
+    """E4M3 (forward) has 3 mantissa bits, E5M2 (backward) 2: each value is within half a step of its own
+    magnitude, whatever the row's scale (rows from 1e-6 to 1e2), values in the normal range."""
+    torch.manual_seed(0)
+    scales = torch.logspace(-6, 2, 8).repeat_interleave(32)
+    x = (torch.rand(256) * 0.9 + 0.1) * torch.where(torch.rand(256) < 0.5, -1.0, 1.0) * scales
+    _, back = _roundtrip(RowwiseFP8Codec(is_fwd=is_fwd), x)
+    assert ((back - x).abs() <= x.abs() * step / 2 * 1.0001).all()
+
+
+def test_zero_rows_decode_to_zero():
+    _, back = _roundtrip(RowwiseFP8Codec(is_fwd=True), torch.zeros(64))
+    assert torch.equal(back, torch.zeros(64))
+
+
+def test_padding_makes_each_ranks_width_a_whole_number_of_rows():
+    codec = RowwiseFP8Codec(is_fwd=True)
+    ctx = codec.create_context()
+    assert codec.padded_size(torch.zeros(3, 40), [40, 24], 0, ctx) == (64, 24)
+    assert ctx.padded_dim_sum_per_rank == [64, 32]
+    assert codec.padded_size(torch.zeros(3, 24), [40, 24], 1, ctx) == (32, 8)

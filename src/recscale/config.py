@@ -190,17 +190,12 @@ CommPrecision = Literal["fp32", "fp16", "bf16", "int8", "mx4", "fp8"]
 
 class QComms(_Strict):
     """``distributed.qcomms``: precision on the wire. On CPU (gloo) fbgemm's codecs take fp16 for every
-    sharding type and int8 / mx4 for table- and column-wise all-to-alls; bf16 becomes fp16 on CPU."""
+    sharding type and int8 / mx4 for table- and column-wise all-to-alls; bf16 becomes fp16 on CPU; fp8
+    is recscale's row-wise codec (``distributed/codecs.py``; row-wise tables' reduce-scatter stays fp16)."""
 
     forward: CommPrecision = "fp32"
     backward: CommPrecision = "fp32"
     dense: Literal["fp32", "fp16", "bf16"] = "fp32"  # DDP's gradient all-reduce
-
-    @model_validator(mode="after")
-    def _supported(self) -> QComms:
-        if "fp8" in (self.forward, self.backward):
-            raise ValueError("distributed.qcomms: fp8 has no CPU codec in fbgemm 1.8; use fp16, int8 or mx4")
-        return self
 
 
 class DistributedConfig(_Strict):

@@ -35,10 +35,12 @@ from torchrec.distributed.planner import Topology as PlannerTopology
 from torchrec.distributed.sharding_plan import calculate_shard_sizes_and_offsets, placement
 from torchrec.distributed.types import (
     Awaitable,
+    CommOp,
     EmbeddingModuleShardingPlan,
     EnumerableShardingSpec,
     ModuleSharder,
     ParameterSharding,
+    QuantizedCommCodecs,
     ShardingEnv,
     ShardingPlan,
     ShardingType,
@@ -50,6 +52,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimiz
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recscale.config import DistributedConfig, TablePlan
+from recscale.distributed.codecs import RowwiseFP8Codec
 from recscale.distributed.dense import dense_wrapper
 from recscale.distributed.env import DistEnv
 from recscale.distributed.topology import Topology
@@ -233,14 +236,30 @@ def load_full_tables(sharded: dict[str, Tensor], full: dict[str, Tensor]) -> Non
 
 
 def qcomm_sharders(cfg: DistributedConfig, device: torch.device) -> list[ModuleSharder[nn.Module]] | None:
-    """Sharders whose all-to-all / reduce-scatter encode with ``cfg.qcomms`` (None: TorchRec's defaults)."""
+    """Sharders whose all-to-all / reduce-scatter encode with ``cfg.qcomms`` (None: TorchRec's defaults):
+    fbgemm's codecs, and recscale's row-wise FP8 (``codecs.RowwiseFP8Codec``) where fp8 is asked for."""
     q = cfg.qcomms
     if q.forward == q.backward == "fp32":
         return None
+    # fbgemm's codecs for everything but fp8 (built as fp16, then swapped for the FP8 codec below).
+    fbgemm = {"fp8": "fp16"}
     codecs = get_qcomm_codecs_registry(
-        QCommsConfig(forward_precision=CommType(q.forward), backward_precision=CommType(q.backward)),
+        QCommsConfig(
+            forward_precision=CommType(fbgemm.get(q.forward, q.forward)),
+            backward_precision=CommType(fbgemm.get(q.backward, q.backward)),
+        ),
         device=device,  # its default is cuda
     )
+    assert codecs is not None  # not both fp32
+    for op, pair in codecs.items():
+        # A reduce-scatter (row-wise tables) sums what it carries, so its forward cannot be FP8 bytes, and
+        # TorchRec's backward for it takes no row-wise codec (fbgemm's int8 fails there too): fp16 both ways.
+        if op == CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name:
+            continue
+        codecs[op] = QuantizedCommCodecs(
+            forward=RowwiseFP8Codec(is_fwd=True) if q.forward == "fp8" else pair.forward,
+            backward=RowwiseFP8Codec(is_fwd=False) if q.backward == "fp8" else pair.backward,
+        )
     return [cast(ModuleSharder[nn.Module], EmbeddingBagCollectionSharder(qcomm_codecs_registry=codecs))]
 
 
