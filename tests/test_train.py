@@ -284,3 +284,19 @@ def test_fp16_table_storage_trains_resumes_and_is_refused_for_replicated_tables(
         load_config(
             CONFIGS / "demo.yaml", ["model.embedding.storage=fp16", "distributed.sharding=data_parallel"]
         )
+
+
+def test_bf16_warns_where_it_is_emulated(monkeypatch):
+    import warnings
+
+    from recscale.train import precision
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(precision, "native_bf16", lambda device: False)
+    with pytest.warns(UserWarning, match="emulated and much slower"):
+        precision.warn_if_emulated("bf16", cpu)
+    monkeypatch.setattr(precision, "native_bf16", lambda device: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        precision.warn_if_emulated("bf16", cpu)
+        precision.warn_if_emulated("fp32", cpu)

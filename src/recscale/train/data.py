@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from recscale.config import DataConfig
-from recscale.data.dataset import ArrayDataset, materialize, read_meta
+from recscale.data.dataset import ArrayDataset, held_out, materialize, read_meta
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import ReadStats
 from recscale.data.sources import open_split, source_fingerprint
@@ -59,7 +59,8 @@ def fit_preprocessor(data: DataConfig) -> Preprocessor:
 def prepare_run_data(
     data: DataConfig, run_dir: Path, resume: bool, main: bool, progress: bool
 ) -> tuple[Preprocessor, dict[str, ArrayDataset], dict[str, ReadStats]]:
-    """A run's preprocessing and materialised splits (train; valid and test when the config has them).
+    """A run's preprocessing and materialised splits (train; valid and test when the config has them;
+    with ``data.report_fraction``, valid's held-out rows as "report" and the rest as valid).
 
     The run's ``preprocess.json`` is reused if it was fitted on the same training data; else it is
     fitted afresh (a resumed run refuses: its tables index that vocabulary). It is written last, by
@@ -89,6 +90,9 @@ def prepare_run_data(
             splits[split], stats[split] = prepare_split(
                 data, pre, split, path, run_dir / "data" / split, progress
             )
+    if data.report_fraction is not None and "valid" in splits:  # valid keeps the selection rows
+        held = held_out(len(splits["valid"]), data.report_fraction)
+        splits["valid"], splits["report"] = splits["valid"].subset(~held), splits["valid"].subset(held)
     if fitted and main:
         pre.save(pre_path, fingerprint=fingerprint)
     return pre, splits, stats

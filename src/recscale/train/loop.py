@@ -23,7 +23,6 @@ import json
 import shutil
 import sys
 import time
-import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -35,7 +34,7 @@ from torch import nn
 
 from recscale.config import RunConfig
 from recscale.data.batch import Batch
-from recscale.data.dataset import ArrayDataset, epoch_batches, held_out, iterate
+from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
 from recscale.distributed import comms
 from recscale.distributed.env import heartbeat, init_distributed
 from recscale.errors import CheckpointError, ConfigError, RecscaleError
@@ -51,7 +50,7 @@ from recscale.train.checkpoint import (
 from recscale.train.data import prepare_run_data
 from recscale.train.evaluate import bayes_floor, eval_batch_size, evaluate
 from recscale.train.optim import lr_factor
-from recscale.train.precision import autocast, native_bf16
+from recscale.train.precision import autocast, warn_if_emulated
 from recscale.train.regularizers import DenseEMA, EmbeddingL2, TableDecay
 from recscale.train.runs import check_resume
 from recscale.train.state import Progress, RunLog, rng_state, set_rng_state
@@ -90,12 +89,8 @@ class Trainer:
             self._barrier()
         self.built = build(cfg, feature_set(self.pre), self.env)
         self.module, self.opt = self.built.module, self.built.opt
-        if t.precision == "bf16" and not native_bf16(self.env.device) and self.main:
-            warnings.warn(
-                "train.precision=bf16: this CPU has no bf16 matmul instructions (AVX512-BF16 or AMX), so "
-                "bf16 is emulated and much slower than fp32 here; use train.precision=fp32",
-                stacklevel=2,
-            )
+        if self.main:
+            warn_if_emulated(t.precision, self.env.device)
         if cfg.distributed.count_bytes:
             comms.install()
         self.comm = comms.CommMeter(self.env.topology, self.env.rank)
@@ -140,10 +135,7 @@ class Trainer:
         show = self.cfg.train.progress and self.main and sys.stderr.isatty()
         self.pre, splits, self.read_stats = prepare_run_data(self.cfg.data, self.dir, resume, self.main, show)
         self.train_ds, self.valid_ds, self.test_ds = splits["train"], splits.get("valid"), splits.get("test")
-        self.report_ds = None
-        if self.cfg.data.report_fraction is not None and self.valid_ds is not None:
-            held = held_out(len(self.valid_ds), self.cfg.data.report_fraction)
-            self.valid_ds, self.report_ds = self.valid_ds.subset(~held), self.valid_ds.subset(held)
+        self.report_ds = splits.get("report")
 
     def _barrier(self) -> None:
         if self.env.world_size > 1:

@@ -10,6 +10,7 @@ AVX512-BF16/AMX; elsewhere they are emulated and far slower (on an AVX2-only AMD
 
 from __future__ import annotations
 
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from typing import Literal
 
@@ -23,6 +24,15 @@ def native_bf16(device: torch.device) -> bool:
     if device.type != "cpu":
         return True
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def warn_if_emulated(precision: Precision, device: torch.device) -> None:
+    if precision == "bf16" and not native_bf16(device):
+        warnings.warn(
+            "train.precision=bf16: this CPU has no bf16 matmul instructions (AVX512-BF16 or AMX), so "
+            "bf16 is emulated and much slower than fp32 here; use train.precision=fp32",
+            stacklevel=3,
+        )
 
 
 def autocast(precision: Precision, device: torch.device) -> AbstractContextManager[object]:
