@@ -101,3 +101,18 @@ def test_probe_user_errors(run, tmp_path, capsys) -> None:
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_calibration_leaves_the_held_out_report_rows_alone(run) -> None:
+    """With data.report_fraction the probe calibrates on valid's selection rows only: its plan is a
+    selection decision, and the held-out rows must stay unseen."""
+    from recscale.data.dataset import held_out
+
+    cfg, pre, _ = load_trained(run)
+    every = calibration_sample(run, cfg, pre, None, 10**6)
+    held = cfg.model_copy(update={"data": cfg.data.model_copy(update={"report_fraction": 0.5})})
+    selection = calibration_sample(run, held, pre, None, 10**6)
+    keep = ~held_out(500, 0.5)
+    assert sum(b.size for b in every) == 500 and sum(b.size for b in selection) == int(keep.sum())
+    labels = torch.cat([b.labels for b in every])
+    assert torch.equal(torch.cat([b.labels for b in selection]), labels[torch.from_numpy(keep)])

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from recscale.config import RunConfig
 from recscale.data.batch import Batch
-from recscale.data.dataset import ArrayDataset
+from recscale.data.dataset import ArrayDataset, held_out
 from recscale.data.preprocess import Preprocessor
 from recscale.errors import DataError, RecscaleError
 from recscale.models.base import RecModel
@@ -53,12 +53,17 @@ CHUNK = 8192  # rows per forward pass
 def calibration_sample(
     run_dir: Path, cfg: RunConfig, pre: Preprocessor, data_path: str | None, rows: int
 ) -> list[Batch]:
-    """``rows`` rows (a seeded random subset, in file order) of the run's valid split (else its test
-    split), or of ``data_path`` prepared as ``recscale eval`` prepares it; batches of ``CHUNK`` rows."""
+    """``rows`` rows (a seeded random subset, in file order) of the run's valid split (only its selection
+    rows when the run holds some out with ``data.report_fraction``: the plan is a selection decision),
+    else its test split, or of ``data_path`` prepared as ``recscale eval`` prepares it; batches of
+    ``CHUNK`` rows."""
     if data_path is None:
         for split in ("valid", "test"):
             if (run_dir / "data" / split / "meta.json").is_file():
-                return _sample(ArrayDataset(run_dir / "data" / split), rows)
+                ds = ArrayDataset(run_dir / "data" / split)
+                if split == "valid" and cfg.data.report_fraction is not None:
+                    ds = ds.subset(~held_out(len(ds), cfg.data.report_fraction))
+                return _sample(ds, rows)
         raise RecscaleError(
             f"{run_dir}: the run has no materialised valid split (data/valid); calibrate on a file with --data"
         )
