@@ -20,12 +20,9 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
-    allreduce_hook,
-    bf16_compress_hook,
-    fp16_compress_hook,
-)
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, fp16_compress_hook
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -85,13 +82,28 @@ def _shard_dense(module: nn.Module, mesh: DeviceMesh, prefix: str, policy: Mixed
             fully_shard(child, mesh=mesh, mp_policy=policy)
 
 
+def bf16_allreduce_hook(process_group, bucket):
+    """torch's ``fp16_compress_hook`` in bf16, on any backend: torch's own bf16 hook insists on NCCL,
+    while gloo all-reduces bf16 too (a CPU run with ``qcomms.dense: bf16`` failed with it). Unannotated:
+    DDP compares the annotations with its own classes, and this module's are strings; not named
+    ``bf16_compress_hook``, which DDP refuses by name off NCCL."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
+
+    def decompress(fut):
+        return buffer.copy_(fut.value()[0])  # in place: no second full-size buffer
+
+    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
+
+
 class CompressedDDPWrapper(DefaultDataParallelWrapper):
     """DMP's default DDP with gradients all-reduced in fp16 or bf16 (torch's compression hooks, which
     issue ``torch.distributed.all_reduce`` on the compressed buffer: ``comms`` counts its real bytes)."""
 
     def __init__(self, precision: Literal["fp16", "bf16"]) -> None:
         super().__init__()
-        self.hook = fp16_compress_hook if precision == "fp16" else bf16_compress_hook
+        self.hook = fp16_compress_hook if precision == "fp16" else bf16_allreduce_hook
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         super().wrap(dmp, env, device)
