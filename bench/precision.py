@@ -78,7 +78,7 @@ def train(model: str, setting: str, seed: int, out: Path) -> dict:
 def mean_std(xs: list[float], fmt: str) -> str:
     if len(xs) == 1:
         return format(xs[0], fmt)
-    return f"{format(statistics.mean(xs), fmt)} ± {format(statistics.stdev(xs), fmt)}"
+    return f"{format(statistics.mean(xs), fmt)} ± {format(statistics.stdev(xs), fmt.lstrip('+'))}"
 
 
 def main() -> None:
