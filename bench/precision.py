@@ -23,9 +23,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+LOG_EVERY = 25  # steps per logged train window (its comm bytes are per window)
 DATA = [
     "data.synthetic.rows={train: 200000, valid: 50000, test: 1000}", "data.num_workers=0",
-    "train.epochs=1", "train.eval_every=null", "train.log_every=25", "train.progress=false",
+    "train.epochs=1", "train.eval_every=null", f"train.log_every={LOG_EVERY}", "train.progress=false",
 ]  # fmt: skip
 TWO_RANKS = ["--nproc=2", "distributed.sharding=table_wise", "distributed.count_bytes=true"]
 SETTINGS: dict[str, list[str]] = {
@@ -62,7 +63,7 @@ def train(model: str, setting: str, seed: int, out: Path) -> dict:
     report = json.loads((out / "report.json").read_text())
     windows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     comm = [w["comm"] for w in windows if w["split"] == "train" and "comm" in w]
-    steps = sum(1 for w in windows if w["split"] == "train") * 25
+    steps = sum(1 for w in windows if w["split"] == "train") * LOG_EVERY
     per_step = {
         kind: sum(c[kind]["intra"] + c[kind]["inter"] for c in comm) / steps if comm else None
         for kind in ("all_to_all", "all_reduce")

@@ -163,7 +163,7 @@ def main() -> None:
     recorded = recorded_rows(out.with_suffix(".csv"))
     # Suites that report on data nothing was tuned on also record where each row ran, so a row that does
     # not reproduce elsewhere can be told apart from one that changed.
-    columns = {"torch", "cpu"} if suite.get("record_machine") else set()
+    record_machine = bool(suite.get("record_machine"))
     rows = []
     for model in chosen:
         config, overrides = models[model]
@@ -182,7 +182,7 @@ def main() -> None:
                 "dense_params": r["parameters"]["dense"], "sparse_params": r["parameters"]["sparse"],
                 "mflops_per_example": r["mflops_per_example"], "train_seconds": r["train_seconds"],
                 "steps": r["steps"], "best_step": r["best_step"], "threads": r.get("torch_threads"),
-                **({"torch": torch_version(), "cpu": cpu_model()} if "torch" in columns else {}),
+                **({"torch": torch_version(), "cpu": cpu_model()} if record_machine else {}),
                 "command": command,
             })  # fmt: skip
 

@@ -164,6 +164,11 @@ class ArrayDataset:
         rows = np.flatnonzero(mask)
         return ArrayDataset(self.dir, rows if self.index is None else self.index[rows])
 
+    def hold_out(self, fraction: float) -> tuple[ArrayDataset, ArrayDataset]:
+        """(selection rows, held-out rows): ``held_out(len(self), fraction)`` splits the view in two."""
+        held = held_out(len(self), fraction)
+        return self.subset(~held), self.subset(held)
+
     def gather_arrays(self, idx: np.ndarray) -> tuple[np.ndarray, ...]:
         """Rows ``idx`` -> (dense (B, n_dense), values, lengths (n_keys * B,), weights or empty, labels (B,))."""
         a = self._open()

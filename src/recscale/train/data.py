@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from recscale.config import DataConfig
-from recscale.data.dataset import ArrayDataset, held_out, materialize, read_meta
+from recscale.data.dataset import ArrayDataset, materialize, read_meta
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import ReadStats
 from recscale.data.sources import open_split, source_fingerprint
@@ -91,8 +91,7 @@ def prepare_run_data(
                 data, pre, split, path, run_dir / "data" / split, progress
             )
     if data.report_fraction is not None and "valid" in splits:  # valid keeps the selection rows
-        held = held_out(len(splits["valid"]), data.report_fraction)
-        splits["valid"], splits["report"] = splits["valid"].subset(~held), splits["valid"].subset(held)
+        splits["valid"], splits["report"] = splits["valid"].hold_out(data.report_fraction)
     if fitted and main:
         pre.save(pre_path, fingerprint=fingerprint)
     return pre, splits, stats

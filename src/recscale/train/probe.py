@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from recscale.config import RunConfig
 from recscale.data.batch import Batch
-from recscale.data.dataset import ArrayDataset, held_out
+from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
 from recscale.errors import DataError, RecscaleError
 from recscale.models.base import RecModel
@@ -62,7 +62,7 @@ def calibration_sample(
             if (run_dir / "data" / split / "meta.json").is_file():
                 ds = ArrayDataset(run_dir / "data" / split)
                 if split == "valid" and cfg.data.report_fraction is not None:
-                    ds = ds.subset(~held_out(len(ds), cfg.data.report_fraction))
+                    ds, _ = ds.hold_out(cfg.data.report_fraction)
                 return _sample(ds, rows)
         raise RecscaleError(
             f"{run_dir}: the run has no materialised valid split (data/valid); calibrate on a file with --data"
