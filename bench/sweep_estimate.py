@@ -30,12 +30,11 @@ def with_rows(cfg, rows: dict[str, int]):
 
 def time_data(cfg, rows: int, tmp: Path) -> float:
     """Seconds per training row to fit the preprocessing and materialise the split."""
-    from recscale.train.data import fit_preprocessor, prepare_split
+    from recscale.train.data import fit_train_split
 
     small = with_rows(cfg, {"train": rows})
     t0 = time.perf_counter()
-    pre = fit_preprocessor(small.data)
-    prepare_split(small.data, pre, "train", None, tmp / "data-probe", progress=False)
+    fit_train_split(small.data, tmp / "data-probe", progress=False)
     return (time.perf_counter() - t0) / rows
 
 

@@ -66,7 +66,7 @@ def test_skip_counts_dropped_rows(tmp_path, capsys):
 
 
 def test_help_for_each_command():
-    for argv in ([], ["train"], ["eval"], ["data", "inspect"]):
+    for argv in ([], ["train"], ["eval"], ["data", "inspect"], ["data", "prepare"]):
         r = subprocess.run(
             [sys.executable, "-m", "recscale.cli", *argv, "--help"], capture_output=True, text=True
         )
@@ -78,3 +78,77 @@ def test_sparse_optimizer_without_a_cpu_kernel_is_a_clear_error(tmp_path, capsys
                        "data.synthetic.rows={train: 500, valid: 100, test: 100}", "train.max_steps=1",
                        "train.sparse_optimizer={name: adam, lr: 0.001}")  # fmt: skip
     assert code == 2 and "no fused CPU kernel" in err and "rowwise_adagrad" in err
+
+
+def test_prepare_once_then_train_runs_on_it(tmp_path, capsys):
+    train = frappe_like(tmp_path / "train.csv", GOOD)
+    valid = frappe_like(tmp_path / "valid.csv", GOOD[:20])
+    data = [f"data.train={train}", f"data.valid={valid}"]
+    common = ["train.max_steps=2", "train.batch_size=16", "train.progress=false", "model.name=lr"]
+    code, out, err = run(
+        capsys, "data", "prepare", str(CONFIGS / "frappe.yaml"), *data, "--out", str(tmp_path / "prep")
+    )
+    assert code == 0, err
+    assert "train" in out and "64 rows" in out and "data.prepared=" in out
+    assert (tmp_path / "prep" / "preprocess.json").is_file() and (
+        tmp_path / "prep" / "data" / "valid"
+    ).is_dir()
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "prep").rglob("*")}
+    prepared = f"data.prepared={tmp_path / 'prep'}"
+    for name in ("a", "b"):  # two runs share the preparation
+        code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), *data, prepared, *common,
+                           "--out", str(tmp_path / name))  # fmt: skip
+        assert code == 0, err
+        assert not (tmp_path / name / "data").exists()  # the run read the prepared splits
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "prep").rglob("*")} == before  # and never wrote them
+    # the same run prepared in its own directory gives the same vocabularies and the same model
+    code, _, err = run(
+        capsys, "train", str(CONFIGS / "frappe.yaml"), *data, *common, "--out", str(tmp_path / "own")
+    )
+    assert code == 0, err
+    own = json.loads((tmp_path / "own" / "preprocess.json").read_text())
+    shared = json.loads((tmp_path / "a" / "preprocess.json").read_text())
+    assert own["vocabs"] == shared["vocabs"]
+    assert (
+        json.loads((tmp_path / "own" / "report.json").read_text())["valid"]
+        == json.loads((tmp_path / "a" / "report.json").read_text())["valid"]
+    )
+    # eval reads the run's own preprocess.json
+    code, out, err = run(capsys, "eval", str(tmp_path / "a"), "--data", str(valid))
+    assert code == 0 and json.loads(out)["rows"] == 20, err
+
+
+def test_a_prepared_dir_that_does_not_match_is_refused(tmp_path, capsys):
+    train = frappe_like(tmp_path / "train.csv", GOOD)
+    other = frappe_like(tmp_path / "other.csv", GOOD[:40])
+    data = [f"data.train={train}", f"data.valid={train}"]
+    code, _, err = run(
+        capsys, "data", "prepare", str(CONFIGS / "frappe.yaml"), *data, "--out", str(tmp_path / "prep")
+    )
+    assert code == 0, err
+    prepared = f"data.prepared={tmp_path / 'prep'}"
+    common = ["train.max_steps=2", "train.batch_size=16", "train.progress=false", "model.name=lr"]
+    for change, words in (
+        ([f"data.train={other}", f"data.valid={train}"], "other training data"),  # another training file
+        (['data.options={delimiter: ","}', *data], "other training data"),  # other reading settings
+        ([f"data.train={train}", f"data.valid={other}"], "valid split"),  # another valid file
+    ):
+        code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), *change, prepared, *common,
+                           "--out", str(tmp_path / "run"))  # fmt: skip
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert "data.prepared" in err and words in err and "recscale data prepare" in err, err
+        assert not (tmp_path / "run").exists()
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), *data, f"data.prepared={tmp_path}", *common,
+                       "--out", str(tmp_path / "run"))  # fmt: skip
+    assert code == 2 and "not a prepared data directory" in err
+    code, _, err = run(
+        capsys,
+        "data",
+        "prepare",
+        str(CONFIGS / "frappe.yaml"),
+        *data,
+        prepared,
+        "--out",
+        str(tmp_path / "p2"),
+    )
+    assert code == 2 and "data.prepared" in err

@@ -2,12 +2,16 @@ import json
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
-from recscale.data.dataset import ArrayDataset, epoch_batches, iterate, materialize
+import recscale.data.materialize as materialize_module
+from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
+from recscale.data.materialize import materialize
 from recscale.data.preprocess import OOV, Preprocessor, stable_hash
+from recscale.data.readers import read_batches
 from recscale.data.schema import DenseFeature, Schema, SparseFeature
-from recscale.errors import CheckpointError
+from recscale.errors import CheckpointError, DataError
 
 SCHEMA = Schema(
     dense=[DenseFeature(name="x", transform="log1p", fill=0.0)],
@@ -45,8 +49,86 @@ TRAIN = [
 ]
 
 
-def test_fit_counts_across_chunks_and_min_count():
-    pre = Preprocessor.fit(TRAIN, SCHEMA)
+# ---------------------------------------------------------------- the reference
+# The preprocessing as it was before the one-pass engine (value_counts per chunk merged by group_by,
+# index_in per chunk), kept here as the oracle the engine must match exactly.
+
+
+def reference_fit(batches, schema: Schema) -> dict[str, list]:
+    vocabs = {}
+    for f in schema.sparse:
+        if f.hash_buckets is not None:
+            continue
+        tables = []
+        for b in batches:
+            ids = b.column(f.name)
+            ids = pc.list_flatten(ids) if pa.types.is_list(ids.type) else ids
+            tables.append(pa.Table.from_struct_array(pc.value_counts(ids.drop_null())))
+        counts = pa.concat_tables(tables).group_by("values").aggregate([("counts", "sum")])
+        counts = counts.rename_columns(["values", "counts"])
+        counts = counts.filter(pc.greater_equal(counts["counts"], f.min_count))
+        counts = counts.sort_by([("counts", "descending"), ("values", "ascending")])
+        if f.max_vocab is not None:
+            counts = counts.slice(0, f.max_vocab)
+        vocabs[f.name] = counts["values"].to_pylist()
+    return vocabs
+
+
+def reference_columns(batches, schema: Schema, vocabs: dict[str, list]) -> dict[str, np.ndarray]:
+    """The split's files as the old per-chunk transform wrote them: name -> array."""
+    out: dict[str, list[np.ndarray]] = {"label": [], "dense": []}
+    for b in batches:
+        out["label"].append(b.column("label").to_numpy(zero_copy_only=False).astype(np.float32))
+        dense = np.empty((b.num_rows, len(schema.dense)), np.float32)
+        for j, d in enumerate(schema.dense):
+            col = pc.fill_null(b.column(d.name), d.fill).to_numpy(zero_copy_only=False)
+            dense[:, j] = np.log1p(np.maximum(col, 0.0)) if d.transform == "log1p" else col
+        out["dense"].append(dense)
+        for f in schema.sparse:
+            col = b.column(f.name)
+            ids = pc.list_flatten(col) if f.multi else col
+            if f.hash_buckets is not None:
+                v = (stable_hash(ids) % np.uint64(f.hash_buckets)).astype(np.int64) + 1
+                v[ids.is_null().to_numpy(zero_copy_only=False)] = OOV
+            else:
+                idx = pc.index_in(ids, value_set=pa.array(vocabs[f.name], ids.type))
+                v = pc.fill_null(pc.add(idx, 1), OOV).to_numpy(zero_copy_only=False).astype(np.int64)
+            out.setdefault(f"{f.name}.values", []).append(v)
+            if f.multi:
+                out.setdefault(f"{f.name}.lengths", []).append(
+                    pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
+                )
+            if f.weighted:
+                w = pc.fill_null(pc.list_flatten(b.column(f.name + "__w")), 1.0)
+                out.setdefault(f"{f.name}.weights", []).append(w.to_numpy(zero_copy_only=False))
+    cols = {k: np.concatenate(v) for k, v in out.items()}
+    for f in schema.sparse:
+        if f.multi:
+            lengths = cols.pop(f"{f.name}.lengths")
+            cols[f"{f.name}.offsets"] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return cols
+
+
+def assert_matches_reference(split, batches, schema: Schema, pre: Preprocessor) -> None:
+    vocabs = reference_fit(batches, schema)
+    assert {k: v.to_pylist() for k, v in pre.vocabs.items()} == vocabs
+    ds = ArrayDataset(split)
+    arrays = ds._open()
+    expected = reference_columns(batches, schema, vocabs)
+    assert sorted(expected) == sorted(arrays)
+    for name, want in expected.items():
+        np.testing.assert_array_equal(np.asarray(arrays[name]), want.astype(arrays[name].dtype), err_msg=name)
+
+
+def fit(batches, tmp_path, schema: Schema = SCHEMA, name: str = "split") -> Preprocessor:
+    return materialize(batches, schema, tmp_path / name)
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_fit_counts_across_chunks_and_min_count(tmp_path):
+    pre = fit(TRAIN, tmp_path)
     # "u" is seen 3 times, "v" and "w" once: only "u" passes min_count=2.
     assert pre.vocabs["a"].to_pylist() == ["u"]
     # q: 4, p: 2, r: 1 -> ordered by frequency.
@@ -54,50 +136,127 @@ def test_fit_counts_across_chunks_and_min_count():
     assert pre.num_embeddings("a") == 2 and pre.num_embeddings("g") == 4 and pre.num_embeddings("h") == 9
 
 
-def test_transform_maps_ids_dense_and_weights():
-    pre = Preprocessor.fit(TRAIN, SCHEMA)
-    cols = pre.transform(TRAIN[0])
-    np.testing.assert_allclose(cols.dense[:, 0], np.log1p([0.0, 0.0, 3.0]), rtol=1e-6)
-    values, lengths, weights = cols.sparse["a"]
-    assert values.tolist() == [1, 1, OOV] and lengths.tolist() == [1, 1, 1]
-    values, lengths, weights = cols.sparse["g"]
-    assert values.tolist() == [2, 1, 1] and lengths.tolist() == [2, 0, 1]
-    assert weights.tolist() == [1.0, 2.0, 0.5]
-    hv = cols.sparse["h"][0]
+def test_one_pass_matches_the_reference_on_mixed_fields(tmp_path):
+    assert_matches_reference(tmp_path / "split", TRAIN, SCHEMA, fit(TRAIN, tmp_path))
+
+
+def test_mapping_ids_dense_and_weights(tmp_path):
+    fit(TRAIN, tmp_path)
+    b = ArrayDataset(tmp_path / "split").gather(np.arange(3))
+    np.testing.assert_allclose(b.dense[:, 0].numpy(), np.log1p([0.0, 0.0, 3.0]), rtol=1e-6)
+    assert b.sparse["a"].values().tolist() == [1, 1, OOV]
+    g = b.sparse["g"]
+    assert g.values().tolist() == [2, 1, 1] and g.lengths().tolist() == [2, 0, 1]
+    assert g.weights().tolist() == [1.0, 2.0, 0.5]
+    hv = b.sparse["h"].values().tolist()
     assert hv[1] == OOV and 1 <= hv[0] <= 8 and 1 <= hv[2] <= 8
 
 
-def test_negative_counts_are_clipped_before_log1p():
-    pre = Preprocessor.fit(TRAIN, SCHEMA)
-    assert pre.transform(TRAIN[1]).dense[1, 0] == 0.0
+def test_negative_counts_are_clipped_before_log1p(tmp_path):
+    fit(TRAIN, tmp_path)
+    assert ArrayDataset(tmp_path / "split").gather(np.array([4])).dense[0, 0] == 0.0
+
+
+def _criteo_text(rows: int, seed: int) -> str:
+    """Criteo TSV with odd rows: missing cells, negative counts, repeated and unique ids, blank lines."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for i in range(rows):
+        label = str(int(rng.random() < 0.3))
+        ints = ["" if rng.random() < 0.2 else str(int(rng.integers(-3, 50))) for _ in range(13)]
+        cats = []
+        for j in range(26):
+            r = rng.random()
+            cats.append(
+                "" if r < 0.1 else f"{int(rng.zipf(1.3)) % (5 + 40 * j):08x}" if r < 0.9 else f"u{i}x{j}"
+            )
+        lines.append("\t".join([label, *ints, *cats]))
+        if i % 97 == 0:
+            lines.append("")  # a blank line is skipped
+    return "\n".join(lines) + "\n"
+
+
+CRITEO = Schema(
+    dense=[DenseFeature(name=f"I{i}", transform="log1p") for i in range(1, 14)],
+    sparse=[
+        SparseFeature(
+            name=f"C{j}",
+            min_count=(1, 2, 5)[j % 3],
+            max_vocab=7 if j == 4 else None,
+            hash_buckets=1000 if j % 9 == 0 else None,
+        )
+        for j in range(1, 27)
+    ],
+)
+
+
+@pytest.mark.parametrize("chunk_rows", [1000, 37])
+def test_one_pass_matches_the_reference_on_multi_chunk_criteo_files(tmp_path, monkeypatch, chunk_rows):
+    path = tmp_path / "day.tsv"
+    path.write_text(_criteo_text(3000, seed=chunk_rows))
+    # Small text blocks and id blocks: many parsed pieces, many mapping blocks (with remainders).
+    monkeypatch.setattr("recscale.data.readers.text.BLOCK_BYTES", 50_000)
+    monkeypatch.setattr(materialize_module, "BLOCK_IDS", 2500)
+    pre = materialize(read_batches(path, "criteo", CRITEO, chunk_rows=chunk_rows), CRITEO, tmp_path / "split")
+    batches = list(read_batches(path, "criteo", CRITEO, chunk_rows=chunk_rows))
+    assert len(batches) > 2
+    assert_matches_reference(tmp_path / "split", batches, CRITEO, pre)
+    # valid/test: the fitted vocabularies map another file exactly as the reference does
+    other = tmp_path / "valid.tsv"
+    other.write_text(_criteo_text(700, seed=99))
+    materialize(
+        read_batches(other, "criteo", CRITEO, chunk_rows=chunk_rows), CRITEO, tmp_path / "valid", pre=pre
+    )
+    valid = list(read_batches(other, "criteo", CRITEO, chunk_rows=chunk_rows))
+    expected = reference_columns(valid, CRITEO, reference_fit(batches, CRITEO))
+    arrays = ArrayDataset(tmp_path / "valid")._open()
+    for name, want in expected.items():
+        np.testing.assert_array_equal(np.asarray(arrays[name]), want.astype(arrays[name].dtype), err_msg=name)
+
+
+def test_a_failed_pass_leaves_no_split(tmp_path):
+    def batches():
+        yield TRAIN[0]
+        raise DataError("bad row")
+
+    with pytest.raises(DataError, match="bad row"):
+        materialize(batches(), SCHEMA, tmp_path / "split")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_artifact_round_trip_maps_identically(tmp_path):
-    pre = Preprocessor.fit(TRAIN, SCHEMA)
+    pre = fit(TRAIN, tmp_path)
     pre.save(tmp_path / "pre.json")
     back = Preprocessor.load(tmp_path / "pre.json")
-    for batch in TRAIN:
-        a, b = pre.transform(batch), back.transform(batch)
-        for name in ("a", "g", "h"):
-            np.testing.assert_array_equal(a.sparse[name][0], b.sparse[name][0])
-        np.testing.assert_array_equal(a.dense, b.dense)
+    assert back.digest() == pre.digest()
+    materialize(TRAIN, SCHEMA, tmp_path / "again", pre=back)
+    a, b = ArrayDataset(tmp_path / "split")._open(), ArrayDataset(tmp_path / "again")._open()
+    for name in a:
+        np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]))
+
+
+def test_digest_tells_vocabularies_apart(tmp_path):
+    pre = fit(TRAIN, tmp_path)
+    other = Preprocessor(SCHEMA, {**pre.vocabs, "a": pa.array(["v"])})
+    assert other.digest() != pre.digest()
+    # a sliced array digests as its values, whatever its buffers hold
+    sliced = Preprocessor(SCHEMA, {**pre.vocabs, "g": pa.array(["x", "q", "p", "r"]).slice(1)})
+    assert sliced.digest() == pre.digest()
 
 
 def test_int_vocabulary_round_trips(tmp_path):
     schema = Schema(sparse=[SparseFeature(name="a")])
     batch = pa.record_batch({"label": pa.array([0.0, 1.0], pa.float32()), "a": pa.array([5, 7], pa.int64())})
-    pre = Preprocessor.fit([batch], schema)
+    pre = fit([batch], tmp_path, schema)
     pre.save(tmp_path / "p.json")
     back = Preprocessor.load(tmp_path / "p.json")
-    assert (
-        back.transform(batch).sparse["a"][0].tolist()
-        == pre.transform(batch).sparse["a"][0].tolist()
-        == [1, 2]
-    )
+    materialize([batch], schema, tmp_path / "again", pre=back)
+    for split in ("split", "again"):
+        assert ArrayDataset(tmp_path / split).gather(np.arange(2)).sparse["a"].values().tolist() == [1, 2]
 
 
 def test_corrupt_artifact_is_a_clear_error(tmp_path):
-    pre = Preprocessor.fit(TRAIN, SCHEMA)
+    pre = fit(TRAIN, tmp_path)
     pre.save(tmp_path / "pre.json")
     text = (tmp_path / "pre.json").read_text()
     (tmp_path / "pre.json").write_text(text[: len(text) // 2])
@@ -121,9 +280,9 @@ def test_stable_hash_is_fnv1a():
     assert stable_hash(pa.array(words)).tolist() == [fnv(w) for w in words]
 
 
-def test_materialized_batches_match_transform(tmp_path):
-    pre = Preprocessor.fit(TRAIN, SCHEMA)
-    ds = ArrayDataset(materialize(TRAIN, pre, tmp_path / "split"))
+def test_materialized_batches(tmp_path):
+    fit(TRAIN, tmp_path)
+    ds = ArrayDataset(tmp_path / "split")
     assert len(ds) == 5
     b = ds.gather(np.array([0, 4]))
     assert b.labels.tolist() == [1.0, 0.0]
@@ -148,8 +307,8 @@ def test_epoch_batches_shard_a_global_batch_across_ranks():
 
 
 def test_worker_processes_yield_the_same_batches(tmp_path):
-    pre = Preprocessor.fit(TRAIN, SCHEMA)
-    ds = ArrayDataset(materialize(TRAIN, pre, tmp_path / "split"))
+    fit(TRAIN, tmp_path)
+    ds = ArrayDataset(tmp_path / "split")
     batches = epoch_batches(5, 2, shuffle=True, seed=0, epoch=0, drop_last=False)
     a = [b.sparse["g"].values().tolist() for b in iterate(ds, batches, num_workers=0)]
     b = [b.sparse["g"].values().tolist() for b in iterate(ds, batches, num_workers=2)]

@@ -117,6 +117,32 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     print(json.dumps(inspect_file(args.path, args.format, max_rows=args.max_rows), indent=2))
 
 
+def cmd_prepare(args: argparse.Namespace) -> None:
+    import time
+
+    from recscale.config import load_config
+    from recscale.train.data import prepare_run_data
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.data.prepared is not None:
+        raise RecscaleError(
+            f"data prepare: the config sets data.prepared={cfg.data.prepared}, which names data to read; "
+            "drop it here (this command writes the directory given by --out)"
+        )
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise RecscaleError(
+            f"--out {out} is a file; name a directory for the prepared data (it is created if missing)"
+        )
+    t0 = time.perf_counter()
+    _, splits, stats = prepare_run_data(cfg.data, out, resume=False, main=True, progress=sys.stderr.isatty())
+    seconds = time.perf_counter() - t0
+    for name, ds in splits.items():
+        skipped = stats[name].skipped if name in stats else 0
+        print(f"{name:6s} {len(ds):>12,} rows" + (f"  ({skipped:,} bad rows dropped)" if skipped else ""))
+    print(f"prepared in {seconds:.1f} s: {out}  (train on it with data.prepared={out})")
+
+
 def cmd_sweep(args: argparse.Namespace) -> None:
     from recscale.scaling.sweep import run_sweep
 
@@ -209,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--format", help="csv, libsvm, criteo, movielens or parquet (default: guessed)")
     i.add_argument("--max-rows", type=int, help="read only this many rows")
     i.set_defaults(fn=cmd_inspect)
+    dprep = dsub.add_parser("prepare", help="fit the vocabularies and materialise every split once, for many runs",
+                         description="Prepare a config's data into DIR (vocabularies, memory-mapped columns); "
+                                     "runs then train on it with data.prepared=DIR. Overrides as for train.")  # fmt: skip
+    dprep.add_argument("config", help="YAML config (only its data section is used)")
+    dprep.add_argument("overrides", nargs="*", help="key=value overrides of config keys")
+    dprep.add_argument("--out", required=True, help="directory for the prepared data (created if missing)")
+    dprep.set_defaults(fn=cmd_prepare)
 
     s = sub.add_parser("sweep", help="train a grid of model sizes, one pass each; results as CSV",
                        description="Train every size of every family in SWEEP (see configs/sweeps/); "
@@ -283,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:
-            if args.command != "train" or any(x.startswith("-") for x in extra):
+            if not hasattr(args, "overrides") or any(x.startswith("-") for x in extra):
                 parser.error(f"unrecognized arguments: {' '.join(extra)}")
             args.overrides += extra
     except SystemExit as e:  # --help, or a usage error already printed as one line

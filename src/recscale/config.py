@@ -44,6 +44,9 @@ class DataConfig(_Strict):
     chunk_rows: int = Field(65536, ge=1)
     on_bad_row: Literal["error", "skip"] = "error"
     num_workers: int = Field(1, ge=0)
+    # A directory written by `recscale data prepare` from this same data section: the run reads its
+    # vocabularies and splits (never writes them), so several runs share one preparation.
+    prepared: str | None = Field(None, min_length=1)
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 

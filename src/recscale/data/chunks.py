@@ -1,14 +1,42 @@
-"""Re-cutting a stream of row pieces (Arrow record batches or NumPy arrays) into fixed-size chunks."""
+"""Streams of row pieces: re-cut into fixed-size chunks (Arrow record batches or NumPy arrays), or
+processed in threads, in order."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
 
 Rows = TypeVar("Rows", pa.RecordBatch, np.ndarray)
+T = TypeVar("T")
+R = TypeVar("R")
+# Threads working on pieces side by side: pyarrow and numpy release the GIL in their kernels.
+THREADS = min(4, os.cpu_count() or 1)
+
+
+def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int = THREADS) -> Iterator[R]:
+    """``map(fn, items)`` computed in ``workers`` threads, results in order. At most 2 x ``workers``
+    items are in flight, so a file streams in bounded memory; an error surfaces at its own item."""
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="recscale-data") as pool:
+        pending: deque[Future[R]] = deque()
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:  # the consumer stopped early or an item failed: drop the work not yet started
+            for future in pending:
+                future.cancel()
 
 
 def rechunk(pieces: Iterator[Rows], rows: int, concat: Callable[[list[Rows]], Rows]) -> Iterator[Rows]:

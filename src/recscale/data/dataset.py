@@ -1,7 +1,7 @@
 """Preprocessed datasets on disk and the loader that turns them into ``Batch`` es.
 
-A split is *materialised* once: raw record batches stream through the fitted ``Preprocessor`` and
-are appended to flat binary column files (one per array), described by ``meta.json``. Training then
+A split is *materialised* once (``recscale.data.materialize``): raw record batches are preprocessed
+into flat binary column files (one per array), described by ``meta.json``. Training then
 reads them through ``numpy.memmap``: each epoch is a seeded permutation, each batch a vectorised
 gather, so files larger than memory work and a run resumes at an exact (epoch, batch) position.
 
@@ -18,82 +18,18 @@ Layout of a materialised split directory::
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.data.batch import Batch
-from recscale.data.preprocess import Preprocessor
 from recscale.errors import DataError
-from recscale.io import atomic_dir
 
 FORMAT_VERSION = 1
-
-
-def materialize(
-    batches: Iterable[pa.RecordBatch],
-    pre: Preprocessor,
-    out_dir: Path,
-    fingerprint: str = "",
-    progress: bool = False,
-) -> Path:
-    """Preprocess ``batches`` into a split directory at ``out_dir`` (written atomically)."""
-    schema = pre.schema
-    rows = 0
-    with atomic_dir(out_dir) as tmp:
-        files = {"label": open(tmp / "label.bin", "wb"), "dense": open(tmp / "dense.bin", "wb")}
-        offsets_end = {f.name: 0 for f in schema.sparse if f.multi}
-        for f in schema.sparse:
-            files[f"{f.name}.values"] = open(tmp / f"{f.name}.values.bin", "wb")
-            if f.multi:
-                files[f"{f.name}.offsets"] = open(tmp / f"{f.name}.offsets.bin", "wb")
-                files[f"{f.name}.offsets"].write(np.zeros(1, np.int64).tobytes())
-            if f.weighted:
-                files[f"{f.name}.weights"] = open(tmp / f"{f.name}.weights.bin", "wb")
-        bar = _progress(progress, f"preprocessing {out_dir.name}")
-        try:
-            for batch in batches:
-                cols = pre.transform(batch)
-                files["label"].write(cols.label.tobytes())
-                files["dense"].write(np.ascontiguousarray(cols.dense).tobytes())
-                for f in schema.sparse:
-                    values, lengths, weights = cols.sparse[f.name]
-                    if not f.multi and not (lengths == 1).all():
-                        raise DataError(
-                            f"feature '{f.name}' has several ids in a row; declare it with multi: true"
-                        )
-                    files[f"{f.name}.values"].write(values.tobytes())
-                    if f.multi:
-                        ends = offsets_end[f.name] + np.cumsum(lengths, dtype=np.int64)
-                        files[f"{f.name}.offsets"].write(ends.tobytes())
-                        offsets_end[f.name] = int(ends[-1]) if len(ends) else offsets_end[f.name]
-                    if f.weighted:
-                        assert weights is not None  # transform() gives weights for weighted features
-                        files[f"{f.name}.weights"].write(weights.tobytes())
-                rows += cols.rows
-                if bar is not None:
-                    bar.update(cols.rows)
-        finally:
-            for fh in files.values():
-                fh.close()
-            if bar is not None:
-                bar.close()
-        if rows == 0:
-            raise DataError(f"{out_dir.name}: the data source produced no rows")
-        meta = {
-            "version": FORMAT_VERSION,
-            "rows": rows,
-            "num_dense": len(schema.dense),
-            "sparse": [{"name": f.name, "multi": f.multi, "weighted": f.weighted} for f in schema.sparse],
-            "fingerprint": fingerprint,
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta))
-    return out_dir
 
 
 def read_meta(split_dir: Path) -> dict | None:
@@ -103,14 +39,6 @@ def read_meta(split_dir: Path) -> dict | None:
     except (FileNotFoundError, json.JSONDecodeError):
         return None
     return meta if meta.get("version") == FORMAT_VERSION else None
-
-
-def _progress(enabled: bool, desc: str):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(desc=desc, unit=" rows", unit_scale=True, leave=False)
 
 
 class ArrayDataset:

@@ -6,15 +6,15 @@ missing values; known ids are numbered 1.. by descending training frequency (tie
 
 Mapping is vectorised with ``pyarrow.compute.index_in``; hashed fields use a stable 64-bit FNV-1a
 hash computed with numpy over the Arrow string buffers, so ids do not depend on the Python process.
+``recscale.data.materialize`` drives both in one pass over a split.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import stat
-from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import ValidationError
 
-from recscale.data.schema import LABEL, WEIGHT_SUFFIX, Schema
+from recscale.data.schema import Schema
 from recscale.errors import CheckpointError, DataError, StaleArtifactError
 from recscale.io import atomic_write_text
 
@@ -36,25 +36,7 @@ MAX_ARTIFACT_BYTES = 1 << 30
 OOV = 0
 
 
-@dataclass
-class Columns:
-    """A preprocessed chunk, ready to be stored or batched.
-
-    label:  (N,) float32
-    dense:  (N, n_dense) float32
-    sparse: field -> (values int64 (total,), lengths int32 (N,), weights float32 (total,) or None)
-    """
-
-    label: np.ndarray
-    dense: np.ndarray
-    sparse: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]]
-
-    @property
-    def rows(self) -> int:
-        return int(self.label.shape[0])
-
-
-def _values_and_lengths(col: pa.Array | pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:
+def values_and_lengths(col: pa.Array | pa.ChunkedArray) -> tuple[pa.Array, np.ndarray]:
     """Flatten a single- or multi-id column to (ids, per-row lengths); a null single id has length 1."""
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
@@ -84,6 +66,31 @@ def stable_hash(values: pa.Array) -> np.ndarray:
     return h
 
 
+def hashed_ids(ids: pa.Array, buckets: int) -> np.ndarray:
+    """Ids of a ``hash_buckets`` field: 1 + stable_hash % buckets, null = OOV. (N,) int64.
+
+    Each distinct id is hashed once (dictionary-encoded first): a chunk repeats its ids a lot."""
+    enc = pc.dictionary_encode(ids)
+    mapped = np.append((stable_hash(enc.dictionary) % np.uint64(buckets)).astype(np.int64) + 1, OOV)
+    return mapped[pc.fill_null(enc.indices, len(enc.dictionary)).to_numpy(zero_copy_only=False)]
+
+
+def dense_matrix(batch: pa.RecordBatch, schema: Schema) -> np.ndarray:
+    """(N, n_dense) float32: each dense column filled, then transformed."""
+    dense = np.empty((batch.num_rows, len(schema.dense)), dtype=np.float32)
+    for j, d in enumerate(schema.dense):
+        col = pc.fill_null(batch.column(d.name), d.fill).to_numpy(zero_copy_only=False)
+        if d.transform == "log1p":
+            # Criteo's integer counts can be negative; clip at 0 as the DLRM reference does.
+            col = np.log1p(np.maximum(col, 0.0))
+        dense[:, j] = col
+    if not np.isfinite(dense).all():
+        raise DataError(
+            "dense features hold NaN or infinite values after preprocessing; check the fill values"
+        )
+    return dense
+
+
 def _merge_counts(tables: list[pa.Table]) -> pa.Table:
     """Sum per-chunk (values, counts) tables into one."""
     if not tables:
@@ -92,8 +99,42 @@ def _merge_counts(tables: list[pa.Table]) -> pa.Table:
     return merged.rename_columns(["values", "counts"])
 
 
+class VocabCounter:
+    """Counts of every vocabulary field's ids over the training split, fed chunk by chunk; memory is
+    bounded by the distinct ids (per-chunk counts are merged every 16 chunks)."""
+
+    def __init__(self, schema: Schema) -> None:
+        self.schema = schema
+        self.partial: dict[str, list[pa.Table]] = {
+            f.name: [] for f in schema.sparse if f.hash_buckets is None
+        }
+
+    def add(self, name: str, values: pa.Array, counts: np.ndarray) -> None:
+        """``counts[i]`` more sightings of ``values[i]`` (distinct, non-null) in field ``name``."""
+        part = self.partial[name]
+        part.append(pa.table({"values": values, "counts": pa.array(counts, pa.int64())}))
+        if len(part) >= 16:
+            self.partial[name] = [_merge_counts(part)]
+
+    def fit(self) -> Preprocessor:
+        """Keep the ids seen at least ``min_count`` times, most frequent first (ties by value), at
+        most ``max_vocab`` of them."""
+        vocabs = {}
+        for f in self.schema.sparse:
+            if f.hash_buckets is not None:
+                continue
+            counts = _merge_counts(self.partial[f.name])
+            counts = counts.filter(pc.greater_equal(counts["counts"], f.min_count))
+            counts = counts.sort_by([("counts", "descending"), ("values", "ascending")])
+            if f.max_vocab is not None:
+                counts = counts.slice(0, f.max_vocab)
+            vocabs[f.name] = counts["values"].combine_chunks()
+        return Preprocessor(self.schema, vocabs)
+
+
 class Preprocessor:
-    """Vocabularies and dense transforms for one ``Schema``; fit on training data only."""
+    """Vocabularies and dense transforms for one ``Schema``, fitted on training data only (by a
+    ``VocabCounter`` that ``recscale.data.materialize`` feeds)."""
 
     def __init__(
         self, schema: Schema, vocabs: dict[str, pa.Array] | None = None, fingerprint: str | None = None
@@ -102,72 +143,39 @@ class Preprocessor:
         self.vocabs: dict[str, pa.Array] = vocabs or {}
         self.fingerprint = fingerprint  # of the inputs it was fitted from, as saved (None: not recorded)
 
-    # ---------------------------------------------------------------- fit
-    @classmethod
-    def fit(cls, batches: Iterable[pa.RecordBatch], schema: Schema) -> Preprocessor:
-        """Count ids per vocabulary field over all batches, then keep those with count >= min_count."""
-        fields = [f for f in schema.sparse if f.hash_buckets is None]
-        partial: dict[str, list[pa.Table]] = {f.name: [] for f in fields}
-        for batch in batches:
-            for f in fields:
-                ids, _ = _values_and_lengths(batch.column(f.name))
-                partial[f.name].append(pa.Table.from_struct_array(pc.value_counts(ids.drop_null())))
-                if len(partial[f.name]) >= 16:  # bound memory: merge the per-chunk counts as we go
-                    partial[f.name] = [_merge_counts(partial[f.name])]
-        vocabs = {}
-        for f in fields:
-            counts = _merge_counts(partial[f.name])
-            counts = counts.filter(pc.greater_equal(counts["counts"], f.min_count))
-            counts = counts.sort_by([("counts", "descending"), ("values", "ascending")])
-            if f.max_vocab is not None:
-                counts = counts.slice(0, f.max_vocab)
-            vocabs[f.name] = counts["values"].combine_chunks()
-        return cls(schema, vocabs)
-
     def num_embeddings(self, name: str) -> int:
         """Table size of a sparse field, including the OOV id 0."""
         f = next(f for f in self.schema.sparse if f.name == name)
         return (f.hash_buckets if f.hash_buckets is not None else len(self.vocabs[name])) + 1
 
-    # ---------------------------------------------------------------- transform
-    def _map_ids(self, name: str, ids: pa.Array) -> np.ndarray:
-        f = next(f for f in self.schema.sparse if f.name == name)
-        if f.hash_buckets is not None:
-            mapped = (stable_hash(ids) % np.uint64(f.hash_buckets)).astype(np.int64) + 1
-            nulls = ids.is_null().to_numpy(zero_copy_only=False)
-            mapped[nulls] = OOV
-            return mapped
+    def lookup(self, name: str, values: pa.Array) -> np.ndarray:
+        """Vocabulary ids (1.., OOV for unknown or null) of field ``name``'s ``values``. (N,) int64.
+
+        Each call builds the vocabulary's hash set: call it on many values at once."""
         vocab = self.vocabs[name]
-        if len(ids) and vocab.type != ids.type:
+        if len(values) and vocab.type != values.type:
             # A vocabulary fitted on int ids mapped against string ids (or back): compare as text.
-            vocab, ids = pc.cast(vocab, pa.string()), pc.cast(ids, pa.string())
-        idx = pc.index_in(ids, value_set=vocab)
+            vocab, values = pc.cast(vocab, pa.string()), pc.cast(values, pa.string())
+        idx = pc.index_in(values, value_set=vocab)
         return pc.fill_null(pc.add(idx, 1), OOV).to_numpy(zero_copy_only=False).astype(np.int64)
 
-    def transform(self, batch: pa.RecordBatch) -> Columns:
-        """Raw record batch (schema.py layout) -> Columns with integer ids and transformed floats."""
-        n = batch.num_rows
-        label = batch.column(LABEL).to_numpy(zero_copy_only=False).astype(np.float32)
-        dense = np.empty((n, len(self.schema.dense)), dtype=np.float32)
-        for j, d in enumerate(self.schema.dense):
-            col = pc.fill_null(batch.column(d.name), d.fill).to_numpy(zero_copy_only=False)
-            if d.transform == "log1p":
-                # Criteo's integer counts can be negative; clip at 0 as the DLRM reference does.
-                col = np.log1p(np.maximum(col, 0.0))
-            dense[:, j] = col
-        if not np.isfinite(dense).all():
-            raise DataError(
-                "dense features hold NaN or infinite values after preprocessing; check the fill values"
-            )
-        sparse = {}
-        for f in self.schema.sparse:
-            ids, lengths = _values_and_lengths(batch.column(f.name))
-            weights = None
-            if f.weighted:
-                w, _ = _values_and_lengths(batch.column(f.name + WEIGHT_SUFFIX))
-                weights = pc.fill_null(w, 1.0).to_numpy(zero_copy_only=False).astype(np.float32)
-            sparse[f.name] = (self._map_ids(f.name, ids), lengths, weights)
-        return Columns(label=label, dense=dense, sparse=sparse)
+    def digest(self) -> str:
+        """sha256 of the schema and every vocabulary, far cheaper than serialising them: identifies
+        the mapping, e.g. in a materialised split's fingerprint."""
+        h = hashlib.sha256(json.dumps(self.schema.model_dump(mode="json"), sort_keys=True).encode())
+        for name in sorted(self.vocabs):
+            v = self.vocabs[name]
+            kind = "int" if pa.types.is_integer(v.type) else "str"
+            h.update(f"\0{name}\0{kind}\0{len(v)}\0".encode())
+            if kind == "int":
+                h.update(v.to_numpy(zero_copy_only=False).astype("<i8").tobytes())
+                continue
+            s = pc.cast(v, pa.large_string())
+            offsets = np.frombuffer(s.buffers()[1], dtype=np.int64)[s.offset : s.offset + len(s) + 1]
+            h.update((offsets - offsets[0]).astype("<i8").tobytes())
+            if s.buffers()[2] is not None:
+                h.update(memoryview(s.buffers()[2])[offsets[0] : offsets[-1]])
+        return h.hexdigest()
 
     # ---------------------------------------------------------------- artifact
     def to_json(self) -> dict:

@@ -1,7 +1,9 @@
 """Data preparation for a run: fit the preprocessing on the training split, materialise each split.
 
 A materialised split (``RUN/data/{split}/``) carries the fingerprint of its source file and of how it
-was read and mapped; it is reused only while that fingerprint matches.
+was read and mapped; it is reused only while that fingerprint matches. The training split is fitted
+and materialised in one pass. ``recscale data prepare`` writes the same files into a directory of
+their own, which runs then read through ``data.prepared`` without writing to it.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from recscale.config import DataConfig
-from recscale.data.dataset import ArrayDataset, materialize, read_meta
+from recscale.data.dataset import ArrayDataset, read_meta
+from recscale.data.materialize import materialize
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import ReadStats
+from recscale.data.schema import Schema
 from recscale.data.sources import open_split, source_fingerprint
 from recscale.errors import CheckpointError, RecscaleError, StaleArtifactError
 
@@ -21,22 +25,51 @@ def _syn(data: DataConfig) -> Any:
     return data.synthetic.model_dump() if data.synthetic is not None else None
 
 
+def _splits(data: DataConfig) -> list[tuple[str, str | None]]:
+    """The (split, path) pairs a run uses: train, and valid and test when the config has them."""
+    return [
+        (split, path)
+        for split, path in (("train", data.train), ("valid", data.valid), ("test", data.test))
+        if split == "train" or path is not None or data.format == "synthetic"
+    ]
+
+
+def split_fingerprint(data: DataConfig, pre: Preprocessor, split: str, path: str | None) -> str:
+    """What a materialised split is made of: the file's bytes, how it is read, the mapping."""
+    extra = {"options": data.options, "pre": pre.digest(), "syn": _syn(data)}
+    return source_fingerprint(data.format, path, split, extra)
+
+
+def _batches(data: DataConfig, schema: Schema, split: str, path: str | None, stats: ReadStats) -> Any:
+    return open_split(
+        data.format, path, split, schema, data.options, synthetic=data.synthetic,
+        chunk_rows=data.chunk_rows, on_bad_row=data.on_bad_row, stats=stats,
+    )  # fmt: skip
+
+
 def prepare_split(
     data: DataConfig, pre: Preprocessor, split: str, path: str | None, out_dir: Path, progress: bool
 ) -> tuple[ArrayDataset, ReadStats]:
     """Materialise one split under ``out_dir`` unless an identical one is already there."""
-    fp = source_fingerprint(
-        data.format, path, split, {"options": data.options, "pre": pre.to_json(), "syn": _syn(data)}
-    )
+    fp = split_fingerprint(data, pre, split, path)
     stats = ReadStats()
     meta = read_meta(out_dir)
     if meta is None or meta.get("fingerprint") != fp:
-        batches = open_split(
-            data.format, path, split, pre.schema, data.options, synthetic=data.synthetic,
-            chunk_rows=data.chunk_rows, on_bad_row=data.on_bad_row, stats=stats,
-        )  # fmt: skip
-        materialize(batches, pre, out_dir, fingerprint=fp, progress=progress)
+        batches = _batches(data, pre.schema, split, path, stats)
+        materialize(batches, pre.schema, out_dir, pre=pre, fingerprint=lambda _: fp, progress=progress)
     return ArrayDataset(out_dir), stats
+
+
+def fit_train_split(
+    data: DataConfig, out_dir: Path, progress: bool
+) -> tuple[Preprocessor, ArrayDataset, ReadStats]:
+    """Fit the preprocessing on the training split while materialising it under ``out_dir``."""
+    stats = ReadStats()
+    pre = materialize(
+        _batches(data, data.schema, "train", data.train, stats), data.schema, out_dir,
+        fingerprint=lambda p: split_fingerprint(data, p, "train", data.train), progress=progress,
+    )  # fmt: skip
+    return pre, ArrayDataset(out_dir), stats
 
 
 def train_fingerprint(data: DataConfig) -> str:
@@ -47,27 +80,31 @@ def train_fingerprint(data: DataConfig) -> str:
     )  # fmt: skip
 
 
-def fit_preprocessor(data: DataConfig) -> Preprocessor:
-    """Fit on the training split; its bad rows are counted when the split is materialised."""
-    batches = open_split(
-        data.format, data.train, "train", data.schema, data.options, synthetic=data.synthetic,
-        chunk_rows=data.chunk_rows, on_bad_row=data.on_bad_row,
-    )  # fmt: skip
-    return Preprocessor.fit(batches, data.schema)
-
-
 def prepare_run_data(
     data: DataConfig, run_dir: Path, resume: bool, main: bool, progress: bool
 ) -> tuple[Preprocessor, dict[str, ArrayDataset], dict[str, ReadStats]]:
     """A run's preprocessing and materialised splits (train; valid and test when the config has them;
     with ``data.report_fraction``, valid's held-out rows as "report" and the rest as valid).
 
-    The run's ``preprocess.json`` is reused if it was fitted on the same training data; else it is
-    fitted afresh (a resumed run refuses: its tables index that vocabulary). It is written last, by
-    rank 0 (``main``), so a failed preparation never leaves an artifact that a later run would take
-    for finished work."""
+    With ``data.prepared`` they are read from that directory (see ``use_prepared``). Else the run's
+    ``preprocess.json`` is reused if it was fitted on the same training data; else it is fitted
+    afresh (a resumed run refuses: its tables index that vocabulary). It is written last, by rank 0
+    (``main``), so a failed preparation never leaves an artifact that a later run would take for
+    finished work."""
     pre_path = run_dir / "preprocess.json"
     fingerprint = train_fingerprint(data)
+    if data.prepared is not None:
+        pre, splits, stats = use_prepared(data, Path(data.prepared), fingerprint)
+        if resume:
+            trained = Preprocessor.load(pre_path)
+            if trained.digest() != pre.digest():
+                raise RecscaleError(
+                    f"data.prepared {data.prepared}: its vocabularies are not the ones this run was trained "
+                    "with (was it prepared again?); resume with that preparation, or start a new run with another --out"
+                )
+        elif main:
+            pre.save(pre_path, fingerprint=fingerprint)  # the run directory keeps its own copy, for eval
+        return pre, _hold_out(data, splits), stats
     fitted = False
     try:
         pre = Preprocessor.load(pre_path, expect_fingerprint=fingerprint)
@@ -82,16 +119,46 @@ def prepare_run_data(
         if pre_path.exists():
             raise
         fitted = True
-    if fitted:
-        pre = fit_preprocessor(data)
     splits, stats = {}, {}
-    for split, path in (("train", data.train), ("valid", data.valid), ("test", data.test)):
-        if split == "train" or path is not None or data.format == "synthetic":
+    if fitted:
+        pre, splits["train"], stats["train"] = fit_train_split(data, run_dir / "data" / "train", progress)
+    for split, path in _splits(data):
+        if split not in splits:
             splits[split], stats[split] = prepare_split(
                 data, pre, split, path, run_dir / "data" / split, progress
             )
-    if data.report_fraction is not None and "valid" in splits:  # valid keeps the selection rows
-        splits["valid"], splits["report"] = splits["valid"].hold_out(data.report_fraction)
     if fitted and main:
         pre.save(pre_path, fingerprint=fingerprint)
-    return pre, splits, stats
+    return pre, _hold_out(data, splits), stats
+
+
+def _hold_out(data: DataConfig, splits: dict[str, ArrayDataset]) -> dict[str, ArrayDataset]:
+    if data.report_fraction is not None and "valid" in splits:  # valid keeps the selection rows
+        splits["valid"], splits["report"] = splits["valid"].hold_out(data.report_fraction)
+    return splits
+
+
+def use_prepared(
+    data: DataConfig, prepared: Path, fingerprint: str
+) -> tuple[Preprocessor, dict[str, ArrayDataset], dict[str, ReadStats]]:
+    """The preprocessing and splits `recscale data prepare` wrote into ``prepared``, checked against
+    this run's data section; nothing there is written. One that does not match is refused."""
+    where = f"data.prepared {prepared}"
+    again = f"run `recscale data prepare CONFIG --out {prepared}` with this run's data section, or drop data.prepared"
+    if not (prepared / "preprocess.json").is_file():
+        raise RecscaleError(f"{where} holds no preprocess.json: not a prepared data directory; {again}")
+    try:
+        pre = Preprocessor.load(prepared / "preprocess.json", expect_fingerprint=fingerprint)
+    except StaleArtifactError:
+        raise RecscaleError(
+            f"{where} was prepared from other training data or settings (format, options, schema); {again}"
+        ) from None
+    splits = {}
+    for split, path in _splits(data):
+        meta = read_meta(prepared / "data" / split)
+        if meta is None or meta.get("fingerprint") != split_fingerprint(data, pre, split, path):
+            raise RecscaleError(
+                f"{where}: its {split} split is missing or was prepared from another file than data.{split}; {again}"
+            )
+        splits[split] = ArrayDataset(prepared / "data" / split)
+    return pre, splits, {}

@@ -16,14 +16,12 @@ from pydantic import BaseModel, ConfigDict
 from recscale.data.readers.base import (
     BadRows,
     check_file,
-    convert,
     make_batch,
     missing_columns_error,
 )
 from recscale.data.readers.csv import source_columns
 from recscale.data.readers.text import (
-    column_of,
-    iter_text_tables,
+    iter_converted,
 )
 from recscale.data.schema import Schema
 
@@ -47,7 +45,7 @@ def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator
 
 
 def _batches(path: Path, schema: Schema, bad: BadRows, wanted: list[str]) -> Iterator[pa.RecordBatch]:
-    for chunk in iter_text_tables(path, COLUMNS, wanted, delimiter="\t", quote=False, skip_header=False):
-        arrays, problems = convert(column_of(chunk.table), schema)
+    chunks = iter_converted(path, COLUMNS, wanted, schema, delimiter="\t", quote=False, skip_header=False)
+    for chunk, arrays, problems in chunks:
         keep = bad.keep(chunk.table.num_rows, problems, chunk.locate, chunk.rejected)
         yield make_batch(arrays, schema, keep)

@@ -18,13 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from recscale.data.readers.base import (
     BadRows,
     check_file,
-    convert,
     make_batch,
     missing_columns_error,
 )
 from recscale.data.readers.text import (
-    column_of,
-    iter_text_tables,
+    iter_converted,
     read_header,
 )
 from recscale.data.schema import Schema
@@ -57,8 +55,9 @@ def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator
 def _batches(
     path: Path, schema: Schema, options: Options, bad: BadRows, names: list[str], wanted: list[str]
 ) -> Iterator[pa.RecordBatch]:
-    chunks = iter_text_tables(path, names, wanted, delimiter=options.delimiter, quote=True, skip_header=True)
-    for chunk in chunks:
-        arrays, problems = convert(column_of(chunk.table), schema)
+    chunks = iter_converted(
+        path, names, wanted, schema, delimiter=options.delimiter, quote=True, skip_header=True
+    )
+    for chunk, arrays, problems in chunks:
         keep = bad.keep(chunk.table.num_rows, problems, chunk.locate, chunk.rejected)
         yield make_batch(arrays, schema, keep)

@@ -8,16 +8,21 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from recscale.data.readers.base import Locate
+from recscale.data.chunks import ordered_map
+from recscale.data.readers.base import Locate, Problem, convert
+from recscale.data.schema import Schema
 from recscale.errors import DataError
 
 # Bytes read per text chunk: big enough to amortise per-chunk overhead, small enough to stream.
 BLOCK_BYTES = 8 << 20
+
+R = TypeVar("R")
 
 
 def iter_chunks(path: Path, skip_first_line: bool = False) -> Iterator[tuple[int, bytes]]:
@@ -124,16 +129,50 @@ def iter_text_tables(
 ) -> Iterator[TextChunk]:
     """Stream a delimited text file as string tables of the ``include`` columns, with exact lines.
 
-    ``names`` are all the file's columns in order. Empty lines are skipped.
+    ``names`` are all the file's columns in order. Empty lines are skipped. Chunks are parsed in
+    threads, each single-threaded (see ``_parse_chunk``), and come back in order.
     """
+    return _parsed(path, names, include, (delimiter, quote), skip_header, lambda chunk: chunk)
+
+
+def iter_converted(
+    path: Path,
+    names: Sequence[str],
+    include: Sequence[str],
+    schema: Schema,
+    *,
+    delimiter: str,
+    quote: bool,
+    skip_header: bool,
+) -> Iterator[tuple[TextChunk, list[pa.Array], list[Problem | None]]]:
+    """``iter_text_tables``, each chunk also converted to the raw layout (``base.convert``) in its
+    parsing thread: the casts and checks run in parallel too."""
+
+    def then(chunk: TextChunk) -> tuple[TextChunk, list[pa.Array], list[Problem | None]]:
+        arrays, problems = convert(column_of(chunk.table), schema)
+        return chunk, arrays, problems
+
+    return _parsed(path, names, include, (delimiter, quote), skip_header, then)
+
+
+def _parsed(
+    path: Path,
+    names: Sequence[str],
+    include: Sequence[str],
+    dialect: tuple[str, bool],
+    skip_header: bool,
+    then: Callable[[TextChunk], R],
+) -> Iterator[R]:
     convert_options = pacsv.ConvertOptions(
         include_columns=list(include),
         column_types=dict.fromkeys(include, pa.string()),
         strings_can_be_null=True,
         null_values=[""],
     )
-    for first, chunk in iter_chunks(path, skip_first_line=skip_header):
-        yield _parse_chunk(path, first, chunk, names, (delimiter, quote), convert_options)
+    return ordered_map(
+        lambda item: then(_parse_chunk(path, item[0], item[1], names, dialect, convert_options)),
+        iter_chunks(path, skip_first_line=skip_header),
+    )
 
 
 def _parse_chunk(
