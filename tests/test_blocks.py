@@ -13,6 +13,7 @@ from recscale.models.blocks import (
     CIN,
     CrossNet,
     DotInteraction,
+    Dropout,
     LinearCompressBlock,
     MultiHeadSelfAttention,
     OptimizedFM,
@@ -25,6 +26,38 @@ def test_optimized_fm_equals_explicit_product() -> None:
     x = torch.randn(4, 9, 8, dtype=torch.float64)
     fm = OptimizedFM(n=9, k=3, dim=8).double()
     torch.testing.assert_close(fm(x), (x @ x.transpose(1, 2)) @ fm.y)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
+def test_dropout_keeps_one_minus_p_and_rescales(p: float) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(512, 1024, requires_grad=True)
+    drop = Dropout(p)
+    torch.manual_seed(1)
+    y = drop(x)
+    kept = y != 0
+    # 524,288 draws: the kept share's standard error is ~7e-4, so 0.004 is > 5 sigma.
+    assert abs(kept.float().mean().item() - (1 - p)) < 0.004
+    torch.testing.assert_close(y[kept], x[kept] / (1 - p))
+    y.backward(torch.ones_like(y))  # the gradient passes where the input did, scaled alike
+    torch.testing.assert_close(x.grad, kept.float() / (1 - p))
+    # Seeded like every other torch draw; identity in eval mode and at p = 0.
+    torch.manual_seed(1)
+    torch.testing.assert_close(drop(x), y)
+    assert drop.eval()(x) is x and Dropout(0.0)(x) is x
+    assert not torch.equal(kept, drop.train()(x) != 0)  # a fresh mask each call
+
+
+def test_dropout_mask_threshold_and_bad_p() -> None:
+    from recscale.models.blocks.dropout import keep_mask
+
+    torch.manual_seed(1)
+    # p is honoured to within 2^-17: over 2^22 draws the drop share sits within 5 sigma of 0.3.
+    share = 1 - keep_mask(torch.Size([1 << 22]), 0.3, torch.device("cpu")).float().mean().item()
+    assert abs(share - 0.3) < 5 * (0.3 * 0.7 / (1 << 22)) ** 0.5 + 2**-17
+    assert keep_mask(torch.Size([3, 5]), 0.0, torch.device("cpu")).all()
+    with pytest.raises(ValueError, match="dropout probability"):
+        Dropout(1.0)
 
 
 def test_fm_pairwise_and_dot_interaction() -> None:

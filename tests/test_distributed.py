@@ -119,7 +119,8 @@ def _jobs(root: Path, world: int) -> list[dict]:
         jobs += [{"dir": str(root / name), "overrides": o, "resume": False, "scores": str(root / f"{name}.npy")}
                  for name, o in (("qcomms_fp32", QCOMMS), ("qcomms_low", [*QCOMMS, QCOMMS_LOW]),
                                  ("qcomms_fp8", [*QCOMMS, "distributed.qcomms={forward: fp8, backward: fp8, dense: bf16}"]),
-                                 ("fsdp_fp32", FSDP), ("fsdp_bf16", [*FSDP, "train.precision=bf16"]))]  # fmt: skip
+                                 ("fsdp_fp32", FSDP), ("fsdp_bf16", [*FSDP, "train.precision=bf16"]),
+                                 ("ddp_bf16", [*VARIANTS["table_wise"], "train.precision=bf16"]))]  # fmt: skip
     return jobs
 
 
@@ -264,6 +265,14 @@ def test_fsdp_bf16_gathers_half_the_bytes_and_trains_alike(runs):
     assert _sent(low, "reduce_scatter") == _sent(full, "reduce_scatter") > 0
     assert [r["step"] for r in low] == [r["step"] for r in full] == [1, 2, 3, 4, 5]
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(low, full, strict=True)) < 2e-2
+
+
+@dist_mark
+def test_ddp_bf16_trains_alike(runs):
+    """train.precision=bf16 under DDP (2 ranks, table-wise tables): the losses follow the fp32 run's."""
+    full, low = (train_records(runs / name) for name in ("table_wise_2", "ddp_bf16"))
+    assert [r["step"] for r in low] == [r["step"] for r in full] == [1, 2, 3, 4, 5]
+    assert 0 < max(abs(a["loss"] - b["loss"]) for a, b in zip(low, full, strict=True)) < 2e-2
 
 
 # ---------------------------------------------------------------- plans (no processes needed)

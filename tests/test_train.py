@@ -300,3 +300,25 @@ def test_bf16_warns_where_it_is_emulated(monkeypatch):
         warnings.simplefilter("error")
         precision.warn_if_emulated("bf16", cpu)
         precision.warn_if_emulated("fp32", cpu)
+
+
+def test_bf16_computes_in_bf16_and_keeps_fp32_masters(tmp_path):
+    """train.precision=bf16: the dense network's matmuls run in bf16 (autocast), while weights, their
+    gradients, Adam's state, the loss and the logits the metrics see stay fp32; training follows fp32's."""
+    over = [*SMALL_SYNTH, "train.max_steps=8", "model.dropout=0", "train.early_stopping=null"]
+    reports = {}
+    for p in ("fp32", "bf16"):
+        trainer = Trainer(load_config(CONFIGS / "demo.yaml", [*over, f"train.precision={p}"]), tmp_path / p)
+        seen: list[torch.dtype] = []
+        linear = next(m for m in trainer.module.modules() if isinstance(m, torch.nn.Linear))
+        linear.register_forward_hook(lambda _m, _i, out, seen=seen: seen.append(out.dtype))
+        reports[p] = trainer.fit()
+        assert seen[0] == (torch.bfloat16 if p == "bf16" else torch.float32)
+        dense = trainer.built.dense
+        assert all(q.dtype == torch.float32 for g in dense.param_groups for q in g["params"])
+        assert all(v.dtype == torch.float32 for s in dense.state.values() for v in s.values() if v.dim())
+    fp32, bf16 = (losses(tmp_path / p) for p in ("fp32", "bf16"))
+    assert list(fp32) == list(bf16) == list(range(1, 9))
+    assert max(abs(fp32[s] - bf16[s]) for s in fp32) < 2e-2
+    assert fp32 != bf16  # it did compute in another precision
+    assert abs(reports["fp32"]["valid"]["auc"] - reports["bf16"]["valid"]["auc"]) < 0.02

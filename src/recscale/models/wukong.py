@@ -17,7 +17,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from recscale.models.base import ModelParams, RecModel
-from recscale.models.blocks import MLP, FullFM, LinearCompressBlock, Norm, OptimizedFM
+from recscale.models.blocks import MLP, FullFM, LinearCompressBlock, Norm, OptimizedFM, as_compute
 from recscale.models.embedding import EmbeddingConfig, FeatureSet
 from recscale.models.registry import register
 
@@ -92,4 +92,5 @@ class Wukong(RecModel):
         )
 
     def interact(self, x0: Tensor) -> Tensor:
-        return self.head(self.layers(x0).flatten(1)).squeeze(-1)
+        # The first layer's four products all read x0: cast it to their dtype once (bf16 under autocast).
+        return self.head(self.layers(as_compute(x0)).flatten(1)).squeeze(-1)

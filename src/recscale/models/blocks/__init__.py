@@ -1,9 +1,11 @@
 """Shared building blocks of the models; each has ``flops_per_example()``."""
 
 from recscale.models.blocks.attention import MultiHeadSelfAttention
+from recscale.models.blocks.cast import as_compute
 from recscale.models.blocks.cin import CIN
 from recscale.models.blocks.cross import CrossNet
 from recscale.models.blocks.dot import DotInteraction
+from recscale.models.blocks.dropout import Dropout
 from recscale.models.blocks.fm import FullFM, OptimizedFM, fm_pairwise
 from recscale.models.blocks.fusion import BilinearFusion
 from recscale.models.blocks.gating import FeatureSelection
@@ -17,6 +19,7 @@ __all__ = [
     "BilinearFusion",
     "CrossNet",
     "DotInteraction",
+    "Dropout",
     "FeatureSelection",
     "FullFM",
     "LinearCompressBlock",
@@ -24,5 +27,6 @@ __all__ = [
     "MultiHeadSelfAttention",
     "Norm",
     "OptimizedFM",
+    "as_compute",
     "fm_pairwise",
 ]

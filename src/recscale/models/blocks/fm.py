@@ -7,6 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from recscale.models.blocks.cast import batched_weight
 from recscale.models.flops import matmul_flops
 
 
@@ -42,8 +43,9 @@ class OptimizedFM(nn.Module):
         nn.init.normal_(self.y, std=1.0 / math.sqrt(self.n))
 
     def forward(self, x: Tensor) -> Tensor:
-        z = torch.matmul(x.transpose(1, 2), self.y)  # (B, d, k)
-        return torch.bmm(x, z)
+        # (Xᵀ Y)ᵀ = Yᵀ X, taken per example so that x is never copied to a transposed layout.
+        zt = torch.bmm(batched_weight(self.y.t(), x), x)  # (B, k, d)
+        return torch.bmm(x, zt.transpose(1, 2))
 
     def flops_per_example(self) -> int:
         return matmul_flops(self.dim, self.k, self.n) + matmul_flops(self.n, self.k, self.dim)

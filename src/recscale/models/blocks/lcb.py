@@ -7,6 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from recscale.models.blocks.cast import batched_weight
 from recscale.models.flops import matmul_flops
 
 
@@ -27,7 +28,9 @@ class LinearCompressBlock(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.matmul(self.weight, x)
+        # One small product per example: torch.matmul(W, x) would copy x to a transposed layout
+        # first, which costs more than the product itself on CPU.
+        return torch.bmm(batched_weight(self.weight, x), x)
 
     def flops_per_example(self) -> int:
         return matmul_flops(self.n_out, self.dim, self.n_in)

@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from recscale.models.blocks.dropout import Dropout
 from recscale.models.flops import linear_flops
 
 Norm = Literal["none", "batch", "layer"]
@@ -39,7 +40,7 @@ class MLP(nn.Sequential):
                 layers.append(nn.LayerNorm(h, device=device))
             layers.append(nn.ReLU())
             if dropout > 0:
-                layers.append(nn.Dropout(dropout))
+                layers.append(Dropout(dropout))
             width = h
         if out_features is not None:
             layers.append(nn.Linear(width, out_features, device=device))
