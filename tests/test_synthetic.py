@@ -9,6 +9,7 @@ import pytest
 
 from recscale.data.schema import LABEL
 from recscale.data.synthetic import (
+    DeepTeacher,
     SyntheticSpec,
     bayes_logloss,
     synthetic_batches,
@@ -153,3 +154,45 @@ def test_interactions_beat_logistic_regression() -> None:
     x_test, y_test = features("test")
     lr_loss = _logloss(1 / (1 + np.exp(-x_test @ w)), y_test)
     assert _logloss(_probs(spec, "test"), y_test) < lr_loss - 0.05
+
+
+DEEP = SMALL.model_copy(update={"teacher": DeepTeacher(kind="deep", num_layers=3, width=32)})
+
+
+def test_default_spec_dumps_without_a_teacher() -> None:
+    """Existing specs serialise as before the deep teacher, so their data fingerprints stay valid."""
+    assert "teacher" not in SMALL.model_dump() and '"teacher":' not in SMALL.model_dump_json()
+    assert DEEP.model_dump()["teacher"] == {"kind": "deep", "num_layers": 3, "width": 32}
+    assert SyntheticSpec.model_validate_json(DEEP.model_dump_json()) == DEEP
+    with pytest.raises(ValueError, match="kind"):
+        SyntheticSpec(teacher={"kind": "wide"})
+
+
+def test_deep_teacher_is_deterministic_and_shares_the_features() -> None:
+    table = _table(DEEP, "valid")
+    assert table.equals(_table(DEEP.model_copy(deep=True), "valid"))
+    longer = DEEP.model_copy(update={"rows": {"valid": 40_000}})
+    assert _table(longer, "valid").slice(0, 5_000).equals(table)
+    # Only the labels depend on the teacher: the features are the interaction teacher's.
+    assert table.drop_columns([LABEL]).equals(_table(SMALL, "valid").drop_columns([LABEL]))
+    assert not np.allclose(_probs(DEEP, "valid"), _probs(SMALL, "valid"))
+
+
+def test_deep_teacher_base_ctr_and_bayes_floor() -> None:
+    spec = DEEP.model_copy(update={"rows": {"big": 200_000}})
+    p = _probs(spec, "big")
+    labels = _table(spec, "big").column(LABEL).to_numpy()
+    bayes = bayes_logloss(spec, "big")
+    assert bayes == pytest.approx(float(_entropy(p).mean()), rel=1e-9)
+    assert p.mean() == pytest.approx(spec.base_ctr, abs=0.02)
+    assert labels.mean() == pytest.approx(spec.base_ctr, abs=0.01)
+    assert bayes < float(_entropy(np.array([labels.mean()]))[0]) - 0.1
+    assert _logloss(p, labels) == pytest.approx(bayes, abs=0.005)
+
+
+def test_every_deep_level_carries_signal() -> None:
+    """A deeper teacher keeps the shallower levels' share: its logit differs, and the floor moves little."""
+    deeper = DEEP.model_copy(update={"teacher": DeepTeacher(kind="deep", num_layers=4, width=32)})
+    a, b = _probs(DEEP, "valid"), _probs(deeper, "valid")
+    assert np.corrcoef(a, b)[0, 1] < 0.99
+    assert bayes_logloss(deeper, "valid") == pytest.approx(bayes_logloss(DEEP, "valid"), abs=0.05)

@@ -30,6 +30,15 @@ sample. ``logit_scale`` sets how far the Bayes LogLoss (``bayes_logloss``, the m
 ``p``) lies below the background entropy ``H(base_ctr)``: 0 makes labels pure noise. Rare ids keep their
 own random vectors, so a model needs many rows (and capacity) to approach the floor, as with real data.
 
+The deep teacher (``teacher: {kind: deep}``) replaces the interaction terms by a fixed random network over
+the concatenated field vectors ``h_0 = [e_1, ..., e_F]``: layer ``l`` computes ``u ⊙ v`` with
+``u = W_l h_{l-1}``, ``v = W'_l h_{l-1}`` (standard normal weights over ``sqrt(fan_in)``), each row
+rescaled to unit RMS so depth does not blow up the tails; its ``width`` units are the terms of level
+``l``, a polynomial of order ``2^l`` in the field vectors before the rescaling. Level 0 is the order-1
+``b_f`` as above, and each level gets an equal share of the logit's variance as the orders do. With
+small vocabularies the tables are learnt early, and what is left to learn is this high-order function:
+a target that rewards dense capacity. ``interaction_order`` and ``num_interactions`` are then unused.
+
 Determinism: the teacher depends only on the spec without ``rows`` (seed, field layout, knobs). Rows are
 made in blocks of ``BLOCK_ROWS``, block ``i`` of split ``s`` from its own generator
 ``default_rng([seed, 2, crc32(s), i])``, so any block can be made on its own, a split's first rows do not
@@ -45,11 +54,11 @@ import math
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from recscale.data.chunks import rechunk
 from recscale.data.schema import LABEL, DenseFeature, Schema, SparseFeature
@@ -60,6 +69,16 @@ BLOCK_ROWS = 16384
 _CALIBRATION_ROWS = 4 * BLOCK_ROWS
 # First words of the seed sequences, keeping the teacher, calibration and split streams apart.
 _TEACHER, _CALIBRATION, _SPLIT = 0, 1, 2
+
+
+class DeepTeacher(BaseModel, extra="forbid"):
+    """A fixed random network of multiplicative layers in place of the interaction terms."""
+
+    kind: Literal["deep"]
+    # Layers of the network: level l is of order 2^l in the field vectors.
+    num_layers: int = Field(3, ge=1)
+    # Units per layer: the number of terms of each level.
+    width: int = Field(64, ge=1)
 
 
 class SyntheticSpec(BaseModel, extra="forbid"):
@@ -89,6 +108,16 @@ class SyntheticSpec(BaseModel, extra="forbid"):
     logit_scale: float = Field(2.0, ge=0.0)
     # Mean click probability.
     base_ctr: float = Field(0.25, gt=0.0, lt=1.0)
+    # None: the interaction teacher above; {kind: deep, ...}: the deep teacher.
+    teacher: DeepTeacher | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_default_teacher(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Specs without a teacher dump as before, so the fingerprints of existing data stay valid.
+        data: dict[str, Any] = handler(self)
+        if self.teacher is None:
+            data.pop("teacher", None)
+        return data
 
     @model_validator(mode="after")
     def _check_layout(self) -> SyntheticSpec:
@@ -169,12 +198,13 @@ class _Structure:
     vectors: list[np.ndarray]  # per sparse field: (teacher_dim, vocab) float32, ids along the last axis
     dense_vectors: np.ndarray  # (num_dense, teacher_dim) float32
     subsets: list[np.ndarray]  # per order 2..interaction_order: (terms, order) field indices
+    layers: list[tuple[np.ndarray, np.ndarray]]  # deep teacher, per layer: (W, W') (width, fan_in) float32
 
 
 @dataclass(frozen=True)
 class _Teacher:
     structure: _Structure
-    coefs: list[np.ndarray]  # per order 1..interaction_order: weight of each raw term
+    coefs: list[np.ndarray]  # per order (deep: per level): weight of each raw term
     intercept: float
 
 
@@ -233,10 +263,22 @@ def _teacher(spec_json: str) -> _Teacher:
         biases.append(rng.standard_normal(vocab, dtype=np.float32))
         vectors.append(rng.standard_normal((d, vocab), dtype=np.float32))
     dense_vectors = rng.standard_normal((spec.num_dense, d), dtype=np.float32)
-    subsets = [
-        _random_subsets(rng, spec.num_fields, k, spec.num_interactions)
-        for k in range(2, spec.interaction_order + 1)
-    ]
+    deep = spec.teacher
+    subsets = (
+        []
+        if deep
+        else [
+            _random_subsets(rng, spec.num_fields, k, spec.num_interactions)
+            for k in range(2, spec.interaction_order + 1)
+        ]
+    )
+    layers = []
+    if deep:
+        fan_in = spec.num_fields * d
+        for _ in range(deep.num_layers):
+            w = rng.standard_normal((2, deep.width, fan_in), dtype=np.float32) / np.float32(math.sqrt(fan_in))
+            layers.append((w[0], w[1]))
+            fan_in = deep.width
     structure = _Structure(
         cdfs=[cdfs[v] for v in spec.field_vocab_sizes],
         id_maps=id_maps,
@@ -244,6 +286,7 @@ def _teacher(spec_json: str) -> _Teacher:
         vectors=vectors,
         dense_vectors=dense_vectors,
         subsets=subsets,
+        layers=layers,
     )
 
     # Calibrate on a sample from its own stream: unit-variance terms times importance weights, each order
@@ -303,8 +346,36 @@ def _draw_features(spec: SyntheticSpec, structure: _Structure, rng: np.random.Ge
 
 
 def _raw_terms(structure: _Structure, features: _Features) -> list[np.ndarray]:
-    """Unscaled teacher terms, one (terms, n) array per order 1..interaction_order."""
+    """Unscaled teacher terms, one (terms, n) array per order 1..interaction_order (deep: per level)."""
     # Rows run along the last axis throughout, so products and sums over teacher_dim are long vector ops.
+    linear, latent = _field_vectors(structure, features)
+    terms = [np.stack(linear)]
+    for subsets in structure.subsets:
+        # One term at a time: its (teacher_dim, n) temporaries stay in cache, unlike a gather of all terms.
+        order_terms = np.empty((len(subsets), len(linear[0])), dtype=np.float32)
+        for m, (first, second, *rest) in enumerate(subsets):
+            prod = latent[first] * latent[second]
+            for f in rest:
+                prod *= latent[f]
+            prod.sum(axis=0, out=order_terms[m])
+        terms.append(order_terms)
+    if structure.layers:
+        terms += _deep_levels(structure.layers, np.concatenate(latent))
+    return terms
+
+
+def _deep_levels(layers: list[tuple[np.ndarray, np.ndarray]], h: np.ndarray) -> list[np.ndarray]:
+    """The deep teacher's units, one (width, n) array per layer, from the field vectors ``h`` (F·d, n)."""
+    levels = []
+    for w, w2 in layers:
+        h = (w @ h) * (w2 @ h)
+        h /= np.sqrt(np.mean(np.square(h), axis=0)) + np.float32(1e-6)  # unit RMS per row
+        levels.append(h)
+    return levels
+
+
+def _field_vectors(structure: _Structure, features: _Features) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per field, its scalar ``b_f`` (n,) and latent vector ``e_f`` (teacher_dim, n) of each row."""
     linear, latent = [], []
     for f, ids in enumerate(features.singles):
         linear.append(structure.biases[f][ids])
@@ -321,17 +392,7 @@ def _raw_terms(structure: _Structure, features: _Features) -> list[np.ndarray]:
         x = features.dense[:, j]
         linear.append(x)
         latent.append(structure.dense_vectors[j][:, None] * x)
-    terms = [np.stack(linear)]
-    for subsets in structure.subsets:
-        # One term at a time: its (teacher_dim, n) temporaries stay in cache, unlike a gather of all terms.
-        order_terms = np.empty((len(subsets), len(linear[0])), dtype=np.float32)
-        for m, (first, second, *rest) in enumerate(subsets):
-            prod = latent[first] * latent[second]
-            for f in rest:
-                prod *= latent[f]
-            prod.sum(axis=0, out=order_terms[m])
-        terms.append(order_terms)
-    return terms
+    return linear, latent
 
 
 def _logits(teacher: _Teacher, raw: list[np.ndarray]) -> np.ndarray:
