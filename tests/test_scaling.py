@@ -143,8 +143,9 @@ def test_fit_reports_a_family_that_saturates_at_once():
     loss = np.array([0.47715, 0.47037, 0.47377, 0.47281, 0.47157])
     fit = fit_power_law(compute, loss, floor=0.38)
     assert fit.b > 10 and fit.a == math.inf
+    # Its compute-optimal frontier is the first two sizes: too few points for a law, and the report says so.
     text, fits = report([FamilyRuns("dlrm", compute, loss, 0.38)])
-    assert "dlrm: 5 runs" in text and "a = inf" in text and fits["dlrm"].b == pytest.approx(fit.b)
+    assert "dlrm: frontier 2 of 5 points" in text and "dlrm: not fitted" in text and not fits
 
 
 def test_fit_needs_four_distinct_computes():
@@ -167,9 +168,42 @@ def test_scaling_fit_cli_reports_and_plots(tmp_path, capsys):
     png = tmp_path / "plot" / "scaling.png"
     assert main(["scaling", "fit", str(results), "--out", str(png)]) == 0
     out = capsys.readouterr().out
-    assert "wukong: 8 runs" in out and "dlrm: not fitted" in out and "Bayes floor" in out
+    assert "wukong: 8 frontier points" in out and "dlrm: not fitted" in out and "Bayes floor" in out
     assert "-1.09%" in out  # dlrm's larger model: (0.455 - 0.46) / 0.46
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     _, fits = report(load_results(results))
     assert fits["wukong"].b == pytest.approx(0.5, abs=0.1)
     assert main(["scaling", "fit", str(tmp_path / "nope.csv")]) == 2
+
+
+def test_frontier_is_the_envelope_over_sizes_and_lengths():
+    """Hand-made points of two sizes at three lengths: the frontier keeps each point that beats every
+    cheaper one, so the small model's long run (undertrained big one beats it) is dropped."""
+    compute = np.array([1.0, 2.0, 4.0, 4.0, 8.0, 16.0])
+    loss = np.array([0.50, 0.47, 0.46, 0.48, 0.44, 0.43])  # small: 1, 2, 4; big: 4, 8, 16
+    fam = FamilyRuns("wukong", compute, loss, None)
+    assert fam.frontier().tolist() == [0, 1, 2, 4, 5]
+    assert FamilyRuns(
+        "x", np.array([1.0, 2.0, 3.0]), np.array([0.4, 0.5, 0.4]), None
+    ).frontier().tolist() == [0]
+
+
+def test_results_average_the_seeds_of_a_point(tmp_path):
+    results = tmp_path / "results.csv"
+    rows = [
+        {"family": "w", "point": p, "train_flops": c, "valid_logloss": y, "bayes_logloss": 0.3}
+        for p, c, y in (
+            ("a", 1e12, 0.50),
+            ("a", 1e12, 0.52),
+            ("b", 2e12, 0.47),
+            ("b", 2e12, 0.45),
+            ("b", 2e12, 0.46),
+        )
+    ]
+    with open(results, "w", newline="") as f:
+        writer = csv.DictWriter(f, list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (fam,) = load_results(results)
+    assert fam.compute.tolist() == [1e12, 2e12] and fam.loss == pytest.approx([0.51, 0.46])
+    assert fam.seeds.tolist() == [2, 3] and len(fam.run_loss) == 5

@@ -11,13 +11,18 @@ L_inf is kept at or above ``floor`` (the synthetic teacher's Bayes LogLoss when 
 few or flat points the unconstrained optimum runs to b → 0 and L_inf → −∞, a straight line in log C
 that says nothing about saturation. When the floor binds, L_inf is fixed there and only (a, b) are
 fitted, with their intervals on n − 2 degrees of freedom.
+
+A family's runs are grouped into points (a size trained for a length; the mean LogLoss over its seeds)
+and the law is fitted to its compute-optimal frontier: the points that no cheaper point beats (the
+envelope over sizes and lengths), as in Hoffmann et al. (2022). Points off the frontier are
+undertrained or too small for their compute; fitting them would bend the law toward the wrong runs.
 """
 
 from __future__ import annotations
 
 import csv
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -148,20 +153,34 @@ def fit_power_law(compute: np.ndarray, loss: np.ndarray, floor: float = 0.0) -> 
 
 @dataclass(frozen=True)
 class FamilyRuns:
-    """One family's runs, sorted by compute."""
+    """One family's points (a size at a length, over its seeds), sorted by compute."""
 
     name: str
     compute: np.ndarray  # training FLOPs
-    loss: np.ndarray  # validation LogLoss
+    loss: np.ndarray  # validation LogLoss, mean over the point's seeds
     bayes: float | None  # the synthetic teacher's LogLoss floor, when known
+    seeds: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # runs per point
+    run_compute: np.ndarray = field(default_factory=lambda: np.zeros(0))  # every run, for plots
+    run_loss: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def relative_change(self) -> np.ndarray:
         """The paper's form: LogLoss change (%) against the family's smallest model."""
         return 100.0 * (self.loss - self.loss[0]) / self.loss[0]
 
+    def frontier(self) -> np.ndarray:
+        """Indices of the compute-optimal points: each beats every point of less or equal compute."""
+        order = np.lexsort((self.loss, self.compute))
+        keep, best = [], math.inf
+        for i in order:
+            if self.loss[i] < best:
+                keep.append(int(i))
+                best = float(self.loss[i])
+        return np.array(keep, dtype=np.int64)
+
 
 def load_results(path: str | Path) -> list[FamilyRuns]:
-    """Families (in order of first appearance) from a sweep's results CSV."""
+    """Families (in order of first appearance) from a sweep's results CSV; runs of one ``point`` (the
+    ``run`` in CSVs from before seeds and lengths) are averaged."""
     path = Path(path)
     if not path.is_file():
         raise RecscaleError(f"{path}: no such results file (a sweep writes OUT/results.csv)")
@@ -173,13 +192,19 @@ def load_results(path: str | Path) -> list[FamilyRuns]:
     families = []
     for name in dict.fromkeys(r["family"] for r in rows):
         mine = sorted((r for r in rows if r["family"] == name), key=lambda r: float(r["train_flops"]))
+        points: dict[str, list[dict[str, str]]] = {}
+        for i, r in enumerate(mine):  # without a point or run column, every row is its own point
+            points.setdefault(r.get("point") or r.get("run") or f"row {i}", []).append(r)
         floors = {r["bayes_logloss"] for r in mine if r["bayes_logloss"]}
         families.append(
             FamilyRuns(
                 name=name,
-                compute=np.array([float(r["train_flops"]) for r in mine]),
-                loss=np.array([float(r["valid_logloss"]) for r in mine]),
+                compute=np.array([np.mean([float(r["train_flops"]) for r in p]) for p in points.values()]),
+                loss=np.array([np.mean([float(r["valid_logloss"]) for r in p]) for p in points.values()]),
                 bayes=float(floors.pop()) if len(floors) == 1 else None,
+                seeds=np.array([len(p) for p in points.values()]),
+                run_compute=np.array([float(r["train_flops"]) for r in mine]),
+                run_loss=np.array([float(r["valid_logloss"]) for r in mine]),
             )
         )
     return families
@@ -190,17 +215,28 @@ def _fmt_ci(v: float, ci: tuple[float, float]) -> str:
 
 
 def report(families: list[FamilyRuns]) -> tuple[str, dict[str, PowerLawFit]]:
-    """A text report (fits with 95% intervals, relative LogLoss changes) and the fits that succeeded."""
-    lines, fits = ["loss(C) = L_inf + a_C0 * (C / C0)^(-b), C = training FLOPs; 95% confidence intervals"], {}
+    """A text report (frontier fits with 95% intervals, relative LogLoss changes) and the fits that
+    succeeded."""
+    lines = ["loss(C) = L_inf + a_C0 * (C / C0)^(-b), C = training FLOPs, fitted to each family's "
+             "compute-optimal frontier; 95% confidence intervals"]  # fmt: skip
+    fits = {}
     for fam in families:
+        front = fam.frontier()
+        c = fam.compute[front]
+        seeds = f", {fam.seeds.min()}-{fam.seeds.max()} seeds per point" if len(fam.seeds) else ""
+        lines.append(
+            f"{fam.name}: frontier {len(front)} of {len(fam.compute)} points{seeds}, compute "
+            f"{c.min():.3g}-{c.max():.3g} ({math.log10(c.max() / c.min()):.2f} orders of magnitude): "
+            + "  ".join(f"{x:.2e}: {y:.4f}" for x, y in zip(c, fam.loss[front], strict=True))
+        )
         try:
-            fit = fit_power_law(fam.compute, fam.loss, fam.bayes or 0.0)
+            fit = fit_power_law(c, fam.loss[front], fam.bayes or 0.0)
         except RecscaleError as e:
             lines.append(f"{fam.name}: not fitted: {e}")
             continue
         fits[fam.name] = fit
         lines.append(
-            f"{fam.name}: {fit.points} runs  L_inf "
+            f"{fam.name}: {fit.points} frontier points  L_inf "
             f"{f'{fit.l_inf:.4g} (pinned to the floor)' if fit.at_floor else _fmt_ci(fit.l_inf, fit.l_inf_ci)}  "
             f"a_C0 {_fmt_ci(fit.a_c0, fit.a_c0_ci)}  b {_fmt_ci(fit.b, fit.b_ci)}  "
             f"C0 {fit.c0:.3g}  (a = {fit.a:.4g} for C in FLOPs)  rmse {fit.rmse:.2g}"

@@ -1,4 +1,4 @@
-"""One PNG of a scaling study: LogLoss against training compute, and the paper's relative form."""
+"""One PNG of a scaling study: LogLoss against training compute, and the frontier's excess over L_inf."""
 
 from __future__ import annotations
 
@@ -12,34 +12,41 @@ from recscale.scaling.fit import FamilyRuns, PowerLawFit
 
 
 def plot_scaling(families: list[FamilyRuns], fits: dict[str, PowerLawFit], out: str | Path) -> Path:
-    """Left: points and fitted curve per family on a log compute axis, the Bayes floor as a line when
-    known. Right: LogLoss change (%) against each family's smallest model."""
+    """Left: every run (dots), each point's mean over seeds (circles), the compute-optimal frontier
+    (filled, joined) and its fitted curve per family on a log compute axis, the Bayes floor as a line
+    when known. Right: the frontier's loss above the fitted L_inf on log-log axes, where the fitted law
+    is a straight line of slope −b."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on training machines
     import matplotlib.pyplot as plt
 
-    fig, (ax, rel) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (ax, excess) = plt.subplots(1, 2, figsize=(12, 4.8))
     for i, fam in enumerate(families):
         color = f"C{i}"
-        ax.plot(fam.compute, fam.loss, "o", color=color, label=fam.name)
-        rel.plot(fam.compute, fam.relative_change(), "o-", color=color, label=fam.name)
+        front = fam.frontier()
+        ax.plot(fam.run_compute, fam.run_loss, ".", color=color, alpha=0.3, markersize=3)
+        ax.plot(fam.compute, fam.loss, "o", color=color, fillstyle="none", alpha=0.6)
+        ax.plot(fam.compute[front], fam.loss[front], "o-", color=color, label=f"{fam.name} frontier")
         if fam.name in fits:
             fit = fits[fam.name]
-            grid = np.geomspace(fam.compute.min(), fam.compute.max(), 200)
-            ax.plot(grid, fit(grid), "-", color=color,
-                    label=f"{fam.name} fit: {fit.l_inf:.4f} + a·C^-{fit.b:.2f}")  # fmt: skip
+            grid = np.geomspace(fam.compute[front].min(), fam.compute[front].max(), 200)
+            label = f"{fam.name} fit: {fit.l_inf:.4f} + a·C^-{fit.b:.2f}"
+            ax.plot(grid, fit(grid), "--", color=color, label=label)
+            above = fam.loss[front] - fit.l_inf
+            excess.plot(fam.compute[front], above, "o", color=color, label=fam.name)
+            excess.plot(grid, fit(grid) - fit.l_inf, "--", color=color)
     floors = {f.bayes for f in families if f.bayes is not None}
     if len(floors) == 1:
         ax.axhline(floors.pop(), color="k", linestyle="--", linewidth=1, label="Bayes floor (teacher)")
     ax.set(xscale="log", xlabel="training compute (FLOPs)", ylabel="validation LogLoss",
-           title="LogLoss vs compute")  # fmt: skip
-    rel.set(xscale="log", xlabel="training compute (FLOPs)", ylabel="LogLoss change vs smallest model (%)",
-            title="relative to each family's smallest model")  # fmt: skip
-    rel.axhline(0.0, color="k", linewidth=0.5)
-    for a in (ax, rel):
+           title="LogLoss vs compute: runs, points, frontier")  # fmt: skip
+    excess.set(xscale="log", yscale="log", xlabel="training compute (FLOPs)",
+               ylabel="frontier LogLoss − fitted L_inf", title="frontier above its asymptote")  # fmt: skip
+    for a in (ax, excess):
         a.grid(True, which="both", alpha=0.3)
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:  # the right panel is empty when no family was fitted
+            a.legend(fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
