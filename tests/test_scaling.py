@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from recscale.cli import main
@@ -14,6 +15,7 @@ from recscale.errors import RecscaleError
 from recscale.scaling import sweep as sweep_mod
 from recscale.scaling.fit import FamilyRuns, fit_power_law, load_results, report
 from recscale.scaling.sweep import COLUMNS, load_sweep, run_sweep
+from recscale.train.loop import Trainer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY = [
@@ -207,3 +209,63 @@ def test_results_average_the_seeds_of_a_point(tmp_path):
     (fam,) = load_results(results)
     assert fam.compute.tolist() == [1e12, 2e12] and fam.loss == pytest.approx([0.51, 0.46])
     assert fam.seeds.tolist() == [2, 3] and len(fam.run_loss) == 5
+
+
+LENGTHS = {
+    "wukong": {
+        "model": {"name": "wukong", "k": 4, "n_l": 4},
+        "sizes": [{"num_layers": 1, "n_f": 4}, {"num_layers": 2, "n_f": 8}],
+        "lengths": [512, 1024],
+    }
+}
+
+
+def test_sweep_lengths_and_seeds(tmp_path):
+    """2 sizes x 2 lengths x 1 seed: one pass of `length` fresh rows per run, one shared data set."""
+    path = write_sweep(tmp_path, LENGTHS)
+    spec = yaml.safe_load(path.read_text())
+    spec["seeds"] = [3]
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    rows = read_csv(run_sweep(path, log=lambda _: None))
+    assert [(int(r["examples"]), r["seed"]) for r in rows] == [(512, "3"), (1024, "3")] * 2
+    assert [r["run"] for r in rows][:2] == [
+        "wukong-num_layers1-n_f4-n512-seed3",
+        "wukong-num_layers1-n_f4-n1024-seed3",
+    ]
+    assert [r["point"] for r in rows][:2] == ["wukong-num_layers1-n_f4-n512", "wukong-num_layers1-n_f4-n1024"]
+    assert len(list((tmp_path / "out" / "data").iterdir())) == 1
+    (fam,) = load_results(tmp_path / "out" / "results.csv")
+    assert len(fam.compute) == 4 and fam.seeds.tolist() == [1] * 4
+
+
+def test_lengths_of_one_seed_nest(tmp_path):
+    """A shorter run's rows are the first rows a longer run of the same seed reads."""
+    _, runs = load_sweep(write_sweep(tmp_path, LENGTHS))
+    short, long = runs[:2]
+    assert (short.length, long.length) == (512, 1024)
+    assert (short.config.train.max_steps, long.config.train.max_steps) == (4, 8)
+
+    def labels(run, steps):
+        trainer = Trainer(run.config, tmp_path / run.name)
+        return [b.labels for b, _ in zip(trainer._epoch(), range(steps), strict=False)]
+
+    first, longer = labels(short, 4), labels(long, 8)
+    assert len(longer) == 8
+    for a, b in zip(first, longer[:4], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "message"),
+    [
+        ([500], "length 500 is not a multiple of train.batch_size 128"),
+        ([2048], "length 2048 exceeds the 1024 training rows; raise data.synthetic.rows.train"),
+        ([512, 512], "repeat a length"),
+        ([0], "greater than 0"),
+    ],
+)
+def test_bad_lengths_are_one_line_errors(tmp_path, capsys, lengths, message):
+    path = write_sweep(tmp_path, {"wukong": {**LENGTHS["wukong"], "lengths": lengths}})
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "wukong" in err and len(err.strip().splitlines()) == 1

@@ -1,4 +1,4 @@
-"""Scaling sweeps: train a grid of model sizes, one pass over the same data each, one CSV row per run.
+"""Scaling sweeps: train a grid of model sizes (and lengths, and seeds) on the same data, one CSV row per run.
 
 A sweep file names a base run config, overrides for every run, and per model family the sizes to
 train (explicit ``sizes`` and/or the cartesian product of a ``grid``), given as keys of the model
@@ -16,7 +16,12 @@ section (dotted for nested ones, e.g. ``embedding.dim``)::
         grid: {top_mlp: [[64], [256, 256]]}
 
 Every run trains exactly one epoch (``train.epochs`` is set to 1, as in the Wukong paper's scaling
-study) in ``OUT/runs/<run name>``. The data is read and materialised once, under ``OUT/data/<hash>``,
+study) in ``OUT/runs/<run name>``. A family may give ``lengths``, in training rows (whole batches):
+each size is then trained once per length, ``length / batch`` steps of one pass, so every step sees
+fresh rows and the fit can take the compute-optimal frontier over sizes and lengths. A run reads the
+first rows of its seed's shuffle of the training split, so the lengths of one seed nest: a shorter run's
+rows are the first rows of a longer one's. ``seeds: [0, 1, 2]`` (top level) trains every (size,
+length) point once per seed (``seed``), the point's name then suffixed ``-seed<s>``. The data is read and materialised once, under ``OUT/data/<hash>``,
 and linked into each run directory. A run is finished when its ``result.json`` exists; a restarted
 sweep skips finished runs (after checking their config is the one the sweep asks for) and starts
 unfinished ones afresh. After each run ``OUT/results.csv`` is rewritten atomically from all results.
@@ -35,7 +40,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -47,7 +52,7 @@ from recscale.io import atomic_write_text
 from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER
 
 COLUMNS = [
-    "family", "run", "model", "knobs", "dense_params", "sparse_params", "gflop_per_example",
+    "family", "run", "point", "seed", "model", "knobs", "dense_params", "sparse_params", "gflop_per_example",
     "examples", "train_flops", "valid_logloss", "valid_ne", "valid_auc", "bayes_logloss",
     "wall_s", "train_s",
 ]  # fmt: skip
@@ -62,6 +67,8 @@ class Family(BaseModel):
     model: dict[str, Any]
     sizes: list[dict[str, Any]] = []
     grid: dict[str, list[Any]] = {}
+    # Training rows per run (each size once per length); empty: one epoch over the training split.
+    lengths: list[Annotated[int, Field(gt=0)]] = []
 
     @model_validator(mode="after")
     def _has_sizes(self) -> Family:
@@ -69,6 +76,8 @@ class Family(BaseModel):
             raise ValueError("give the family's sizes (a list of model keys) or a grid (key: [values])")
         if any(not values for values in self.grid.values()):
             raise ValueError("every grid key needs at least one value")
+        if len(set(self.lengths)) < len(self.lengths):
+            raise ValueError(f"lengths {self.lengths} repeat a length; list each once")
         return self
 
     def points(self) -> list[dict[str, Any]]:
@@ -83,13 +92,23 @@ class SweepConfig(BaseModel):
     base: str
     overrides: list[str] = []
     out: str = "runs/sweep"
+    # Seeds (``seed`` of each run) per point; empty: the base config's seed, no name suffix.
+    seeds: list[Annotated[int, Field(ge=0)]] = []
     families: dict[str, Family] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _distinct_seeds(self) -> SweepConfig:
+        if len(set(self.seeds)) < len(self.seeds):
+            raise ValueError(f"seeds {self.seeds} repeat a seed; list each once")
+        return self
 
 
 class Run(BaseModel):
     family: str
     name: str
+    point: str  # the name without the seed: runs of one point differ only in their seed
     knobs: dict[str, Any]
+    length: int | None  # training rows; None: one epoch
     config: RunConfig
 
 
@@ -128,6 +147,7 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
     base = apply_overrides(load_raw(base_path), sweep.overrides)
     _set(base, "train.epochs", 1)
     runs, names = [], set()
+    seeds: list[int | None] = [*sweep.seeds] or [None]
     for family, spec in sweep.families.items():
         for i, knobs in enumerate(spec.points()):
             raw = json.loads(json.dumps(base))  # a deep copy
@@ -138,14 +158,45 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
                 cfg = validate_config(raw)
             except ConfigError as e:
                 raise ConfigError(f"{path}: family {family}, size {i + 1} {knobs}: {e}") from None
-            name = _slug(family, knobs)
-            if name in names:
+            size = _slug(family, knobs)
+            if size in names:
                 raise ConfigError(f"{path}: family {family} lists the size {knobs} twice")
-            names.add(name)
-            runs.append(Run(family=family, name=name, knobs=knobs, config=cfg))
+            names.add(size)
+            lengths: list[int | None] = [*spec.lengths] or [None]
+            for length in lengths:
+                _check_length(path, family, length, cfg)
+                point = size if length is None else f"{size}-n{length}"
+                train = {"max_steps": length // cfg.train.batch_size} if length else {}
+                for seed in seeds:
+                    run_cfg = cfg.model_copy(
+                        update={"train": cfg.train.model_copy(update=train)}
+                        | ({} if seed is None else {"seed": seed})
+                    )
+                    name = point if seed is None else f"{point}-seed{seed}"
+                    runs.append(
+                        Run(family=family, name=name, point=point, knobs=knobs, length=length, config=run_cfg)
+                    )
     if len({r.config.data.model_dump_json() for r in runs}) > 1:
         raise ConfigError(f"{path}: every run of a sweep must read the same data; families may not set it")
     return sweep, runs
+
+
+def _check_length(path: Path, family: str, length: int | None, cfg: RunConfig) -> None:
+    """A length is whole batches, and (for synthetic data, whose size is known here) fresh rows."""
+    if length is None:
+        return
+    where = f"{path}: family {family}: length {length}"
+    batch = cfg.train.batch_size
+    if length % batch:
+        raise ConfigError(
+            f"{where} is not a multiple of train.batch_size {batch}; give lengths in whole batches"
+        )
+    syn = cfg.data.synthetic
+    if syn is not None and length > syn.rows.get("train", 0):
+        raise ConfigError(
+            f"{where} exceeds the {syn.rows.get('train', 0)} training rows; raise data.synthetic.rows.train "
+            "to the longest length, so that every step reads fresh rows"
+        )
 
 
 def _shared_data(root: Path, cfg: RunConfig) -> Path:
@@ -163,6 +214,8 @@ def result_row(run: Run, report: dict[str, Any], wall_s: float) -> dict[str, Any
     return {
         "family": run.family,
         "run": run.name,
+        "point": run.point,
+        "seed": run.config.seed,
         "model": report["model"],
         "knobs": json.dumps(run.knobs, separators=(",", ":")),
         "dense_params": report["parameters"]["dense"],
@@ -213,6 +266,11 @@ def _train(run: Run, run_dir: Path, shared: Path) -> dict[str, Any]:
         shutil.copyfile(pre, run_dir / "preprocess.json")
     t0 = time.perf_counter()
     trainer = Trainer(run.config, run_dir)
+    if run.length is not None and len(trainer.train_ds) < run.length:
+        raise RecscaleError(
+            f"{run.name}: length {run.length} exceeds the {len(trainer.train_ds)} training rows; "
+            "shorten the sweep's lengths or give it more training data"
+        )
     if not pre.is_file():  # the first run fitted the preprocessing: later runs reuse it
         atomic_write_text(pre, (run_dir / "preprocess.json").read_text())
     report = trainer.fit()
