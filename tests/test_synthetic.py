@@ -20,6 +20,7 @@ from recscale.data.synthetic import (
 SMALL = SyntheticSpec(
     rows={"train": 30_000, "valid": 5_000}, num_sparse=4, vocab_sizes=200, num_multi=1, num_dense=2
 )
+DEEP = SMALL.model_copy(update={"teacher": DeepTeacher(kind="deep", num_layers=3, width=32)})
 
 
 def _table(spec: SyntheticSpec, split: str, chunk_rows: int = 65536) -> pa.Table:
@@ -108,13 +109,15 @@ def test_spec_validation() -> None:
         teacher_probabilities(SMALL, "valid", chunk_rows=0)
 
 
-def test_base_ctr_and_bayes_floor() -> None:
-    spec = SMALL.model_copy(update={"rows": {"big": 200_000}})
+@pytest.mark.parametrize("teacher", [SMALL, DEEP], ids=["interaction", "deep"])
+def test_base_ctr_and_bayes_floor(teacher: SyntheticSpec) -> None:
+    spec = teacher.model_copy(update={"rows": {"big": 200_000}})
     p = _probs(spec, "big")
     labels = _table(spec, "big").column(LABEL).to_numpy()
     bayes = bayes_logloss(spec, "big")
     assert bayes == pytest.approx(float(_entropy(p).mean()), rel=1e-9)
     assert p.mean() == pytest.approx(spec.base_ctr, abs=0.02)
+    assert labels.mean() == pytest.approx(spec.base_ctr, abs=0.02)
     background = float(_entropy(np.array([labels.mean()]))[0])
     assert bayes < background - 0.1
     # Labels are drawn from the teacher: the true probabilities score the floor on them.
@@ -156,9 +159,6 @@ def test_interactions_beat_logistic_regression() -> None:
     assert _logloss(_probs(spec, "test"), y_test) < lr_loss - 0.05
 
 
-DEEP = SMALL.model_copy(update={"teacher": DeepTeacher(kind="deep", num_layers=3, width=32)})
-
-
 def test_default_spec_dumps_without_a_teacher() -> None:
     """Existing specs serialise as before the deep teacher, so their data fingerprints stay valid."""
     assert "teacher" not in SMALL.model_dump() and '"teacher":' not in SMALL.model_dump_json()
@@ -176,18 +176,6 @@ def test_deep_teacher_is_deterministic_and_shares_the_features() -> None:
     # Only the labels depend on the teacher: the features are the interaction teacher's.
     assert table.drop_columns([LABEL]).equals(_table(SMALL, "valid").drop_columns([LABEL]))
     assert not np.allclose(_probs(DEEP, "valid"), _probs(SMALL, "valid"))
-
-
-def test_deep_teacher_base_ctr_and_bayes_floor() -> None:
-    spec = DEEP.model_copy(update={"rows": {"big": 200_000}})
-    p = _probs(spec, "big")
-    labels = _table(spec, "big").column(LABEL).to_numpy()
-    bayes = bayes_logloss(spec, "big")
-    assert bayes == pytest.approx(float(_entropy(p).mean()), rel=1e-9)
-    assert p.mean() == pytest.approx(spec.base_ctr, abs=0.02)
-    assert labels.mean() == pytest.approx(spec.base_ctr, abs=0.01)
-    assert bayes < float(_entropy(np.array([labels.mean()]))[0]) - 0.1
-    assert _logloss(p, labels) == pytest.approx(bayes, abs=0.005)
 
 
 def test_every_deep_level_carries_signal() -> None:
