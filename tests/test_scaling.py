@@ -102,7 +102,7 @@ def test_sweep_config_errors_are_one_line(tmp_path, capsys):
 
 
 def test_sweep_presets_validate():
-    for name in ("small", "full"):
+    for name in ("small", "full", "medium"):
         _, runs = load_sweep(CONFIGS / "sweeps" / f"{name}.yaml")
         families = {r.family for r in runs}
         assert families == {"wukong", "dlrm", "dcnv2"}
