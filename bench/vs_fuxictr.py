@@ -60,14 +60,14 @@ def fuxictr_rate(log: str, epoch: int = 2) -> float:
     """Examples/s of ``epoch``'s training in a FuxiCTR log (see the module doc)."""
     rows = int(re.search(r"Train samples: total/(\d+)", log).group(1))  # type: ignore[union-attr]
     batch = int(re.search(r'"batch_size": "(\d+)"', log).group(1))  # type: ignore[union-attr]
-    start = end = None
+    start = end = first = None
     seen = 0
     for line in log.replace("\r", "\n").splitlines():
         t = stamp(line)
         if t and ("Epoch=1 start" in line or "end ****" in line):
             seen += 1
             if seen == epoch:
-                start, first = t, None
+                start = t
         elif start and end is None:
             m = re.search(r"\s1/\d+ \[[^,]*,\s+([\d.]+)s/it\]", line)
             if m and first is None:
