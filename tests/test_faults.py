@@ -152,6 +152,9 @@ def test_hung_rank_is_named_and_the_job_ends_soon_after_the_timeout(tmp_path):
     victim = None
     try:
         _wait_for_step(run_dir, 3, proc)
+        # Beats are rate-limited from the one the group forms with: a fast job can reach step 3 before
+        # rank 1 has beaten after a step, so let one beat interval pass while it trains on.
+        time.sleep(dist_env._BEAT_EVERY_S + 0.5)
         victim = _pid_of_rank(run_dir, 1)
         os.kill(victim, signal.SIGSTOP)
         t0 = time.monotonic()
