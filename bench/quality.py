@@ -123,14 +123,22 @@ def torch_version() -> str:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (floating-point paths, so the last digits of a metric, differ between CPUs)."""
+    """The CPU's model name and the instruction sets torch dispatches to (floating-point paths, so the last
+    digits of a metric, differ between them; a virtual machine's model name alone can be just "AMD EPYC")."""
+    import torch
+
+    name, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    extra = sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})
+    return f"{name} ({' '.join([torch.backends.cpu.get_cpu_capability(), *extra])})"
 
 
 def mean_std(values: list[float], digits: int = 4) -> str:
