@@ -164,9 +164,43 @@ def test_unweighted_mean_pooling() -> None:
     torch.testing.assert_close(x0[:, 1], table(layer, "b")[[4, 5]])
 
 
+@pytest.mark.parametrize("op", ["mult", "add"])
+def test_quotient_remainder_embeddings(op: str) -> None:
+    """A QR feature's vector is its quotient row times (plus) its remainder row, in the feature's place in
+    X0; a bag mean-pools each half first; the tables hold ceil(N/m) + m rows instead of N."""
+    torch.manual_seed(0)
+    cfg = EmbeddingConfig(
+        dim=8, init_std=0.1, qr_buckets={"a": 4, "bag": 5}, qr_op=op, multi_embedding={"s1": 2}
+    )
+    layer = EmbeddingLayer(FEATURES, cfg)
+    rows = {c.name: c.num_embeddings for c in layer.ebc.embedding_bag_configs()}
+    assert (rows["t_a#q"], rows["t_a#r"], rows["t_bag#q"], rows["t_bag#r"]) == (3, 4, 3, 5)
+    assert layer.positions == {"a": [1], "bag": [2], "s1": [3, 4], "s2": [5], "s3": [6]}
+    keys = ["a", "bag", "s1", "s2", "s3"]
+    lengths = torch.tensor([1, 1, 2, 0, 1, 1, 1, 1, 1, 1])
+    values = torch.tensor([9, 2, 11, 4, 3, 0, 1, 2, 4, 0])
+    weights = torch.tensor([1.0, 1.0, 0.5, 1.5, 1, 1, 1, 1, 1, 1])
+    x0 = layer(torch.randn(2, 2), KeyedJaggedTensor.from_lengths_sync(keys, values, lengths, weights))
+    assert x0.shape == (2, 7, 8)
+    combine = (lambda q, r: q * r) if op == "mult" else (lambda q, r: q + r)
+    q, r = table(layer, "a#q"), table(layer, "a#r")
+    torch.testing.assert_close(x0[:, 1], combine(q[[9 // 4, 2 // 4]], r[[9 % 4, 2 % 4]]))
+    q, r = table(layer, "bag#q"), table(layer, "bag#r")
+    bag_q, bag_r = (0.5 * q[11 // 5] + 1.5 * q[4 // 5]) / 2, (0.5 * r[11 % 5] + 1.5 * r[4 % 5]) / 2
+    torch.testing.assert_close(x0[0, 2], combine(bag_q, bag_r))
+    torch.testing.assert_close(x0[1, 2], torch.zeros(8))  # empty bag
+    torch.testing.assert_close(x0[:, 3:5], table(layer, "s1")[[3, 0]].view(2, 2, 8))
+    torch.testing.assert_close(x0[:, 5], table(layer, "s2")[[1, 2]])
+    if op == "mult":  # remainder rows start near 1, so a product starts near its quotient row
+        assert (table(layer, "a#r").mean() - 1).abs() < 0.1
+
+
 @pytest.mark.parametrize(
     ("cfg", "match"),
     [
+        ({"qr_buckets": {"a": 1}}, ">= 2"),
+        ({"qr_buckets": {"a": 2}, "multi_embedding": {"a": 2}}, "both qr_buckets and multi_embedding"),
+        ({"qr_buckets": {"nope": 2}}, "qr_buckets names unknown"),
         ({"dim": 10}, "multiples of 4"),
         ({"small_dim": 6}, "multiples of 4"),
         ({"multi_embedding": {"a": 0}}, ">= 1"),

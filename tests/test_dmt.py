@@ -40,12 +40,15 @@ TOWERS = {"a": 1, "b": 0, "m": 1, "c": 0, "e": 1}  # interleaved, so the flat or
 SINGLE = [f.name for f in FEATURES.sparse if f.name != "m"]
 
 
-def _cfg(tower_module: dict, sharding: str = "table_wise", model: dict | None = None) -> dict:
+def _cfg(
+    tower_module: dict, sharding: str = "table_wise", model: dict | None = None, qr: bool = False
+) -> dict:
     return {
         "data": {"format": "synthetic"},
         "model": model
         or {"name": "wukong", "num_layers": 1, "n_f": 2, "n_l": 2, "k": 2, "fmb_mlp": [8], "final_mlp": [8],
-            "embedding": {"dim": D, "init_std": 0.1, "multi_embedding": {"b": 2}}},
+            "embedding": {"dim": D, "init_std": 0.1, "multi_embedding": {"b": 2},
+                          **({"qr_buckets": {"a": 6, "m": 4}} if qr else {})}},
         "train": {"sparse_optimizer": {"name": "sgd", "lr": 1.0}, "dense_optimizer": {"name": "sgd", "lr": 1.0}},
         "dmt": {"assignment": TOWERS, "tower_module": tower_module, "sharding": sharding},
         "distributed": {"count_bytes": True},  # the traffic tests count the DDP all-reduce too
@@ -121,10 +124,11 @@ def _compare(
     return diffs
 
 
-def _semantics(sharding: str, rank: int, world: int, l2: float = 0.0) -> dict:
-    """Identity tower modules against the flat model (with ``l2``: both with the embedding L2 penalty)."""
+def _semantics(sharding: str, rank: int, world: int, l2: float = 0.0, qr: bool = False) -> dict:
+    """Identity tower modules against the flat model (with ``l2``: both with the embedding L2 penalty;
+    with ``qr``: two features as quotient-remainder tables)."""
     env = init_distributed()
-    cfg = validate_config(_cfg({"type": "identity"}, sharding))
+    cfg = validate_config(_cfg({"type": "identity"}, sharding, qr=qr))
     built = build(cfg, FEATURES, env)
     model, opt = built.module, built.opt
     torch.manual_seed(cfg.seed)
@@ -208,6 +212,7 @@ CASES = {
     "semantics_table_wise": lambda r, w: _semantics("table_wise", r, w),
     "semantics_row_wise": lambda r, w: _semantics("row_wise", r, w),
     "semantics_l2_table_wise": lambda r, w: _semantics("table_wise", r, w, l2=0.5),
+    "semantics_qr_row_wise": lambda r, w: _semantics("row_wise", r, w, qr=True),
     "compressed_lcb": lambda r, w: _compressed("lcb", r, w),
     "compressed_wukong": lambda r, w: _compressed("wukong", r, w),
     **{f"traffic_{kind}_{c}": (lambda r, w, kind=kind, c=c: _traffic({"type": kind, "compression": c}, r, w))
@@ -232,11 +237,12 @@ def results(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "l2_table_wise"])
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "l2_table_wise", "qr_row_wise"])
 def test_identity_towers_compute_the_flat_model(results, sharding):
     """2 hosts x 2 ranks: logits, dense gradients and (through one fused SGD step with lr 1) table
     gradients equal the unsharded flat model's on the global batch; also with train.embedding_l2's
-    penalty, whose parts DMT computes on the towers' hosts (l2_table_wise)."""
+    penalty, whose parts DMT computes on the towers' hosts (l2_table_wise), and with quotient-remainder
+    tables (qr_row_wise)."""
     for r in results:
         d = r[f"semantics_{sharding}"]
         assert d["shards"] > 0

@@ -8,13 +8,21 @@ X0 stacks, along the embedding axis, in this order:
 3. ceil(k·small_dim/d) vectors mapped by a linear layer from the concatenated small-dim tables of the
    k ``small_dim_features`` (Wukong's option for low-cardinality features).
 
+A ``qr_buckets`` feature (quotient-remainder embeddings, Shi et al., KDD 2020) has two tables instead of
+one: id -> (id // m, id % m) looks up a ceil(N/m)-row and an m-row table, and its vector is their
+element-wise product (``qr_op: mult``) or sum (``add``): about N/m + m rows instead of N, and unlike hashing
+no two ids share a vector. For a bag of several ids the two pooled vectors are combined (a product of sums
+under ``mult``).
+
 All tables live in one TorchRec ``EmbeddingBagCollection`` that is only ever called, so
 ``DistributedModelParallel`` can shard and replace it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -25,7 +33,7 @@ from pydantic import Field, field_validator
 from torch import Tensor, nn
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recscale.models.blocks.mlp import MLP
 
@@ -68,12 +76,23 @@ class EmbeddingConfig(pydantic.BaseModel, extra="forbid"):
     # Storage precision of the tables (fbgemm's fused CPU and CUDA kernels read and update fp16 rows;
     # their optimizer state, e.g. row-wise Adagrad's accumulator, stays fp32). Pooled outputs are fp32.
     storage: Literal["fp32", "fp16"] = "fp32"
+    # Feature -> m: quotient-remainder tables of ceil(N/m) and m rows for that feature (see above).
+    qr_buckets: dict[str, int] = {}
+    qr_op: Literal["mult", "add"] = "mult"
 
     @field_validator("dim", "small_dim")
     @classmethod
     def _fbgemm_dim(cls, v: int) -> int:
         if v % _DIM_MULTIPLE:
             raise ValueError(f"embedding dims must be multiples of {_DIM_MULTIPLE} (fbgemm), got {v}")
+        return v
+
+    @field_validator("qr_buckets")
+    @classmethod
+    def _qr_buckets(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = {f: m for f, m in v.items() if m < 2}
+        if bad:
+            raise ValueError(f"qr_buckets must be >= 2 (the remainder table's rows), got {bad}")
         return v
 
     @field_validator("multi_embedding")
@@ -92,6 +111,17 @@ class EmbeddingConfig(pydantic.BaseModel, extra="forbid"):
         return v
 
 
+_QUOTIENT, _REMAINDER = "#q", "#r"
+
+
+def _qr_tables(f: SparseInput, m: int | None) -> list[SparseInput]:
+    """A feature's tables: itself, or its quotient (ceil(N/m) rows) and remainder (m rows) tables."""
+    if m is None:
+        return [f]
+    quotient = dataclasses.replace(f, name=f.name + _QUOTIENT, num_embeddings=-(-f.num_embeddings // m))
+    return [quotient, dataclasses.replace(f, name=f.name + _REMAINDER, num_embeddings=m)]
+
+
 class EmbeddingLayer(nn.Module):
     """(dense (B, n_dense), sparse KJT) -> X0 (B, n, d).
 
@@ -101,6 +131,9 @@ class EmbeddingLayer(nn.Module):
     the KJT must carry weights for all keys (1.0 for ids of unweighted features).
     """
 
+    _qr_quotient: Tensor  # buffers: see __init__
+    _qr_keep: Tensor
+
     def __init__(
         self, features: FeatureSet, cfg: EmbeddingConfig, device: torch.device | None = None
     ) -> None:
@@ -109,16 +142,20 @@ class EmbeddingLayer(nn.Module):
         if not names:
             raise ValueError("the embedding layer needs at least one sparse feature")
         small_names = set(cfg.small_dim_features)
-        for option, chosen in (
-            ("multi_embedding", set(cfg.multi_embedding)),
-            ("small_dim_features", small_names),
-        ):
+        options = {
+            "multi_embedding": set(cfg.multi_embedding),
+            "small_dim_features": small_names,
+            "qr_buckets": set(cfg.qr_buckets),
+        }
+        for option, chosen in options.items():
             unknown = sorted(chosen - set(names))
             if unknown:
                 raise ValueError(f"{option} names unknown sparse features {unknown}; features: {names}")
-        both = sorted(small_names & set(cfg.multi_embedding))
-        if both:
-            raise ValueError(f"features {both} are in both multi_embedding and small_dim_features")
+        for a, b in (("multi_embedding", "small_dim_features"), ("qr_buckets", "multi_embedding"),
+                     ("qr_buckets", "small_dim_features")):  # fmt: skip
+            both = sorted(options[a] & options[b])
+            if both:
+                raise ValueError(f"features {both} are in both {a} and {b}")
         num_dense_outputs = (
             cfg.dense_embeddings if cfg.dense_embeddings is not None else int(features.num_dense > 0)
         )
@@ -132,9 +169,23 @@ class EmbeddingLayer(nn.Module):
         full = [f for f in features.sparse if f.name not in small_names]
         small = [f for f in features.sparse if f.name in small_names]
         counts = [cfg.multi_embedding.get(f.name, 1) for f in full]
-        self._tables = full + small
-        self._table_dims = [m * d for m in counts] + [cfg.small_dim] * len(small)
-        self._full_width = sum(counts) * d
+        # A QR feature's two tables sit side by side: its quotient vector, then its remainder vector.
+        self._qr = dict(cfg.qr_buckets)
+        self._qr_op = cfg.qr_op
+        full_tables = [t for f in full for t in _qr_tables(f, self._qr.get(f.name))]
+        full_counts = [m for f, m in zip(full, counts, strict=True) for _ in range(1 + (f.name in self._qr))]
+        self._tables = full_tables + small
+        self._table_dims = [m * d for m in full_counts] + [cfg.small_dim] * len(small)
+        self._full_width = sum(full_counts) * d
+        # Positions of the quotient and remainder vectors among the full tables' vectors.
+        starts = [0, *itertools.accumulate(full_counts)][:-1]
+        quotient = [i for i, t in zip(starts, full_tables, strict=True) if t.name.endswith(_QUOTIENT)]
+        self.register_buffer("_qr_quotient", torch.tensor(quotient, dtype=torch.long), persistent=False)
+        self.register_buffer(
+            "_qr_keep",
+            torch.tensor([i for i in range(sum(full_counts)) if i - 1 not in quotient], dtype=torch.long),
+            persistent=False,
+        )
         self._weighted = any(f.weighted for f in features.sparse)
         self.ebc = EmbeddingBagCollection(
             tables=[
@@ -144,7 +195,12 @@ class EmbeddingLayer(nn.Module):
                     num_embeddings=f.num_embeddings,
                     feature_names=[f.name],
                     pooling=PoolingType.SUM,
-                    init_fn=functools.partial(torch.nn.init.normal_, mean=0.0, std=cfg.init_std),
+                    # A remainder table starts near 1, so a product starts as its quotient vector.
+                    init_fn=functools.partial(
+                        torch.nn.init.normal_,
+                        mean=float(self._qr_op == "mult" and f.name.endswith(_REMAINDER)),
+                        std=cfg.init_std,
+                    ),
                     data_type=DataType.FP16 if cfg.storage == "fp16" else DataType.FP32,
                 )
                 for f, dim in zip(self._tables, self._table_dims, strict=True)
@@ -173,15 +229,41 @@ class EmbeddingLayer(nn.Module):
     def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
         if self._weighted and sparse.weights_or_none() is None:
             raise ValueError("a sparse feature is weighted but the KeyedJaggedTensor has no weights")
+        sparse = self._split_qr(sparse)
         pooled = self._mean_pool(self.ebc(sparse).values(), sparse)  # (B, Σ table dims), table order
         b = pooled.shape[0]
         parts = []
         if self.dense_mlp is not None:
             parts.append(self.dense_mlp(dense).view(b, -1, self.dim))
-        parts.append(pooled[:, : self._full_width].view(b, -1, self.dim))
+        parts.append(self._combine_qr(pooled[:, : self._full_width].view(b, -1, self.dim)))
         if self.small_mlp is not None:
             parts.append(self.small_mlp(pooled[:, self._full_width :]).view(b, -1, self.dim))
         return torch.cat(parts, dim=1)
+
+    def _split_qr(self, sparse: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """Each QR feature's ids -> two keys: ``<name>#q`` (id // m) and ``<name>#r`` (id % m)."""
+        if not self._qr:
+            return sparse
+        jts: dict[str, JaggedTensor] = {}
+        for key, jt in sparse.to_dict().items():
+            m = self._qr.get(key)
+            if m is None:
+                jts[key] = jt
+                continue
+            ids, lengths, weights = jt.values(), jt.lengths(), jt.weights_or_none()
+            jts[key + _QUOTIENT] = JaggedTensor(
+                ids.div(m, rounding_mode="floor"), lengths=lengths, weights=weights
+            )
+            jts[key + _REMAINDER] = JaggedTensor(ids.remainder(m), lengths=lengths, weights=weights)
+        return KeyedJaggedTensor.from_jt_dict(jts)
+
+    def _combine_qr(self, vectors: Tensor) -> Tensor:
+        """(B, full-table vectors incl. both QR halves, d) -> (B, one vector per QR feature, d)."""
+        if not self._qr:
+            return vectors
+        q, r = vectors[:, self._qr_quotient], vectors[:, self._qr_quotient + 1]
+        combined = q * r if self._qr_op == "mult" else q + r
+        return vectors.index_copy(1, self._qr_quotient, combined)[:, self._qr_keep]
 
     def _mean_pool(self, pooled: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
         """Divide the sum-pooled columns of "mean" features by their bag sizes."""

@@ -41,8 +41,11 @@ def _check(cfg: RunConfig) -> None:
 
 def _tower_embedding(features: FeatureSet, names: list[str], cfg: EmbeddingConfig) -> EmbeddingLayer:
     sparse = tuple(f for f in features.sparse if f.name in names)
-    multi = {f: m for f, m in cfg.multi_embedding.items() if f in names}
-    tower_cfg = cfg.model_copy(update={"dense_embeddings": 0, "multi_embedding": multi})
+    mine = {
+        key: {f: m for f, m in getattr(cfg, key).items() if f in names}
+        for key in ("multi_embedding", "qr_buckets")
+    }
+    tower_cfg = cfg.model_copy(update={"dense_embeddings": 0, **mine})
     return EmbeddingLayer(FeatureSet(sparse=sparse, num_dense=0), tower_cfg)
 
 
@@ -94,7 +97,7 @@ def build_unsharded(cfg: RunConfig, features: FeatureSet, hosts: int) -> Unshard
         slots = FeatureSet(
             tuple(SparseInput(f"tower_slot{i}", 1) for i in range(sum(outputs))), features.num_dense
         )
-        plain = emb.model_copy(update={"multi_embedding": {}})
+        plain = emb.model_copy(update={"multi_embedding": {}, "qr_buckets": {}})
         top_model = build_model(cfg.model.name, slots, plain, cfg.model.params)
     tower_params = sum(p.numel() for t in modules for p in t.module.parameters())
     counts = {
