@@ -209,6 +209,10 @@ class DistributedConfig(_Strict):
     sharding: Literal["planner"] | ShardingTypeName = "table_wise"
     tables: dict[str, TablePlan] = {}  # sparse feature name -> its table's explicit plan
     dense: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard, for dense networks too big to replicate
+    # full: every rank builds the whole model, then keeps its shards (the same initial tables whatever
+    # the plan, so plans compare step for step); shards: the tables are built on the meta device and
+    # TorchRec allocates and initialises only this rank's shards (tables larger than one process).
+    materialize: Literal["full", "shards"] = "full"
     # Seconds a rank waits on a collective (and on rank 0 preprocessing the data) before failing.
     timeout_s: float = Field(1800, gt=0)
     # Count the bytes every collective sends (intra/inter host) into metrics.jsonl. Off by default:

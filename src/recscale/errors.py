@@ -19,3 +19,7 @@ class CheckpointError(RecscaleError):
 
 class StaleArtifactError(CheckpointError):
     """A saved artifact (e.g. preprocess.json) was built from other inputs than the ones given now."""
+
+
+class ResourceError(RecscaleError):
+    """The job does not fit the machine, e.g. its tables do not fit a process's memory."""

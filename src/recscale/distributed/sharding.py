@@ -279,7 +279,8 @@ def shard_model(
     if pg is not None:
         _global_placements(plan, pg, env.device.type)
     kinds = table_keys(plan)
-    full = {k: v for k, v in model.state_dict().items() if k in kinds}
+    # Tables built on the meta device (distributed.materialize: shards) are initialised by TorchRec.
+    full = {k: v for k, v in model.state_dict().items() if k in kinds and not v.is_meta}
     orders = {
         path: [f for c in ebc.embedding_bag_configs() for f in c.feature_names]
         for path, ebc in embedding_collections(model).items()

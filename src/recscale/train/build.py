@@ -10,6 +10,9 @@ dense optimizers by name, the unsharded model's parameter counts and its forward
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -24,8 +27,8 @@ from recscale.config import RunConfig
 from recscale.data.preprocess import Preprocessor
 from recscale.distributed.env import DistEnv
 from recscale.distributed.sharding import shard_model
-from recscale.errors import ConfigError
-from recscale.models.base import TrainableModel, count_parameters
+from recscale.errors import ConfigError, ResourceError
+from recscale.models.base import RecModel, TrainableModel, count_parameters
 from recscale.models.embedding import FeatureSet, SparseInput
 from recscale.models.quant import quantize_model
 from recscale.models.registry import build_model
@@ -82,6 +85,57 @@ def check_features(cfg: RunConfig, features: FeatureSet) -> None:
             )
 
 
+def flat_model(cfg: RunConfig, features: FeatureSet) -> RecModel:
+    """The user's model (not DMT), unsharded on the CPU (DMP moves it), seeded by ``cfg.seed``.
+
+    With ``distributed.materialize: shards`` the tables stay on the meta device, for DMP to allocate and
+    initialise this rank's shards only, and the dense part takes its initial values from the same model
+    built with one-row tables (no dense shape depends on a table's rows), so every rank starts alike.
+    """
+    torch.manual_seed(cfg.seed)
+    name, emb, params = cfg.model.name, cfg.model.embedding, cfg.model.params
+    if cfg.distributed.materialize == "full":
+        model = build_model(name, features, emb, params)
+    else:
+        one_row = tuple(dataclasses.replace(f, num_embeddings=1) for f in features.sparse)
+        init = build_model(name, FeatureSet(one_row, features.num_dense), emb, params)
+        model = build_model(name, features, emb, params, device=torch.device("meta"))
+        tables = set(model.embedding.ebc.modules())
+        for m in model.modules():
+            if m not in tables:
+                m.to_empty(device="cpu", recurse=False)
+        values = dict(itertools.chain(init.named_parameters(), init.named_buffers()))
+        with torch.no_grad():
+            for key, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+                if not key.startswith("embedding.ebc."):
+                    t.copy_(values[key])
+    if cfg.model.quant is not None:  # emulated low-precision GEMMs (before FLOPs are counted: same)
+        quantize_model(model, cfg.model.quant)
+    return model
+
+
+def _tables_do_not_fit(cfg: RunConfig, features: FeatureSet, env: DistEnv, e: RuntimeError) -> ResourceError:
+    tables = build_model(
+        cfg.model.name, features, cfg.model.embedding, cfg.model.params, torch.device("meta")
+    )
+    size = 2 if cfg.model.embedding.storage == "fp16" else 4
+    need = sum(
+        c.num_embeddings * c.embedding_dim * size for c in tables.embedding.ebc.embedding_bag_configs()
+    )
+    n = env.world_size
+    how = (
+        "every rank first builds all of them: set distributed.materialize: shards"
+        if cfg.distributed.materialize == "full"
+        else f"this rank holds its share of them over {n} rank{'s' * (n > 1)}: train on more ranks"
+    )
+    tried = re.search(r"allocate (\d+) bytes", str(e))
+    return ResourceError(
+        f"rank {env.rank}: out of memory allocating the embedding tables ({need:,} bytes in all"
+        + (f"; the allocation that failed: {int(tried.group(1)):,} bytes" if tried else "")
+        + f"); {how}, or shrink them (model.embedding.dim, hash_buckets, qr_buckets)"
+    )
+
+
 def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
     """The run's model on this rank, seeded by ``cfg.seed`` (every rank builds the same one first)."""
     check_features(cfg, features)
@@ -99,15 +153,19 @@ def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
             if id(p) not in table_params
         }
     else:
-        torch.manual_seed(cfg.seed)
-        flat = build_model(cfg.model.name, features, cfg.model.embedding, cfg.model.params)
-        if cfg.model.quant is not None:  # emulated low-precision GEMMs (before FLOPs are counted: same)
-            quantize_model(flat, cfg.model.quant)
-        counts, flops = count_parameters(flat), flat.flops_per_example()
-        # apply_optimizer_in_backward adds its own keys to the kwargs it is given: hand it a copy.
-        apply_optimizer_in_backward(opt_cls, flat.embedding.ebc.parameters(), dict(opt_kw))
-        dense_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-        module, tables = shard_model(flat, env, cfg.distributed, (opt_cls, opt_kw), dense_dtype=dense_dtype)
+        try:
+            flat = flat_model(cfg, features)
+            counts, flops = count_parameters(flat), flat.flops_per_example()
+            # apply_optimizer_in_backward adds its own keys to the kwargs it is given: hand it a copy.
+            apply_optimizer_in_backward(opt_cls, flat.embedding.ebc.parameters(), dict(opt_kw))
+            dense_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+            module, tables = shard_model(
+                flat, env, cfg.distributed, (opt_cls, opt_kw), dense_dtype=dense_dtype
+            )
+        except RuntimeError as e:
+            if "allocate" not in str(e):
+                raise
+            raise _tables_do_not_fit(cfg, features, env, e) from None
         model = get_unwrapped_module(module)
         dense_params = {
             n: p for n, p in in_backward_optimizer_filter(module.named_parameters()) if n not in tables.params
