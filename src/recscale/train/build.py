@@ -63,7 +63,7 @@ def local_tensors(w: torch.Tensor) -> list[torch.Tensor]:
 
 def feature_set(pre: Preprocessor) -> FeatureSet:
     sparse = tuple(
-        SparseInput(f.name, pre.num_embeddings(f.name), "mean" if f.multi else "sum", f.weighted)
+        SparseInput(f.name, pre.num_embeddings(f.name), "mean" if f.multi else "sum", f.weighted, f.max_len)
         for f in pre.schema.sparse
     )
     return FeatureSet(sparse=sparse, num_dense=len(pre.schema.dense))
@@ -80,6 +80,16 @@ def check_features(cfg: RunConfig, features: FeatureSet) -> None:
             raise ConfigError(
                 f"model.embedding.{key} names unknown sparse features {unknown}; features: {sorted(names)}"
             )
+    sequences = [f.name for f in features.sparse if f.max_len is not None]
+    if sequences and emb.sequence.encoder != "causal":
+        single = sorted(f.name for f in features.sparse if f.max_len is None and f.pooling == "sum")
+        if emb.sequence.target not in single:
+            raise ConfigError(
+                f"model.embedding.sequence.target: the {emb.sequence.encoder} encoder of sequence features "
+                f"{sequences} needs the candidate's single-id feature, one of {single} (or encoder: causal)"
+            )
+    if sequences and cfg.dmt is not None:
+        raise ConfigError(f"dmt: sequence features {sequences} are not supported with DMT towers; drop dmt")
 
 
 def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
@@ -105,7 +115,7 @@ def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
             quantize_model(flat, cfg.model.quant)
         counts, flops = count_parameters(flat), flat.flops_per_example()
         # apply_optimizer_in_backward adds its own keys to the kwargs it is given: hand it a copy.
-        apply_optimizer_in_backward(opt_cls, flat.embedding.ebc.parameters(), dict(opt_kw))
+        apply_optimizer_in_backward(opt_cls, flat.embedding.table_parameters(), dict(opt_kw))
         dense_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
         module, tables = shard_model(flat, env, cfg.distributed, (opt_cls, opt_kw), dense_dtype=dense_dtype)
         model = get_unwrapped_module(module)

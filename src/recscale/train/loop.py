@@ -340,6 +340,8 @@ class Trainer:
             "train_seconds": round(p.train_seconds, 2),
             "examples_per_s": round(p.examples / p.train_seconds, 1) if p.train_seconds else None,
             "skipped_rows": {k: s.skipped for k, s in self.read_stats.items() if s.skipped},
+            # Rows whose sequence features were cut to max_len (the most recent ids kept), per split.
+            "truncated_sequences": {k: s.truncated for k, s in self.read_stats.items() if s.truncated},
             # A seed reproduces a run bit for bit only at the same thread count: sums in another
             # order can move the step early stopping keeps.
             "torch_threads": torch.get_num_threads(),
