@@ -130,3 +130,26 @@ def test_synthetic_histories_have_skewed_lengths_within_max_len_and_move_the_lab
     empty, long_ = labels[top & (lengths == 0)], labels[top & (lengths >= 8)]
     assert min(len(empty), len(long_)) > 30
     assert abs(empty.mean() - long_.mean()) > 0.05
+
+
+def test_movielens_histories_hold_only_strictly_earlier_ratings_of_the_user(tmp_path):
+    rows = [  # user, item, rating, timestamp; the two ratings of u1 at time 30 must not see each other
+        ("u1", "a", 5, 10), ("u2", "x", 1, 15), ("u1", "b", 2, 20), ("u1", "c", 4, 30), ("u1", "d", 5, 30),
+        ("u2", "y", 5, 35), ("u1", "e", 3, 40), ("u1", "f", 5, 50),
+    ]  # fmt: skip
+    lines = ["user_id:token\titem_id:token\trating:float\ttimestamp:float"]
+    (tmp_path / "t.inter").write_text("\n".join(lines + ["\t".join(map(str, r)) for r in rows]) + "\n")
+    schema = Schema.model_validate({"label": "rating", "sparse": [
+        {"name": "item_id"}, {"name": "history", "multi": True, "max_len": 3},
+        {"name": "liked_history", "multi": True, "max_len": 3}]})  # fmt: skip
+    stats = ReadStats()
+    options = {"split": "all"}
+    table = pa.Table.from_batches(list(read_batches(tmp_path, "movielens", schema, options, stats=stats)))
+    got = {r["item_id"]: (r["history"], r["liked_history"]) for r in table.to_pylist()}
+    assert got == {
+        "a": ([], []), "x": ([], []), "b": (["a"], ["a"]), "c": (["a", "b"], ["a"]), "d": (["a", "b"], ["a"]),
+        "y": (["x"], []), "e": (["b", "c", "d"], ["a", "c", "d"]), "f": (["c", "d", "e"], ["a", "c", "d"]),
+    }  # fmt: skip
+    assert stats.truncated == {"history": 2}  # e and f had 4 and 5 earlier ratings
+    test = list(read_batches(tmp_path, "movielens", schema, {"split": "test", "fractions": [0.75, 0, 0.25]}))
+    assert pa.Table.from_batches(test).column("history").to_pylist() == [["b", "c", "d"], ["c", "d", "e"]]
