@@ -66,10 +66,12 @@ FEATURES = FeatureSet(
 )
 
 
-def _model(encoder: str, buckets: int = 1) -> torch.nn.Module:
+def _model(encoder: str, buckets: int = 1, softmax: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = EmbeddingConfig(
-        dim=8, init_std=0.1, sequence={"encoder": encoder, "target": "item", "buckets": buckets}
+        dim=8,
+        init_std=0.1,
+        sequence={"encoder": encoder, "target": "item", "buckets": buckets, "softmax": softmax},
     )
     return build_model("wukong", FEATURES, cfg, {"num_layers": 1})
 
@@ -84,11 +86,14 @@ def _batch(histories: list[list[int]]) -> tuple[torch.Tensor, KeyedJaggedTensor]
 HISTORIES = [[1, 2, 3], [], [4, 5, 6, 7, 8, 9], [3], [], [2, 2]]
 
 
-@pytest.mark.parametrize("encoder", ["din", "causal", "causal_din"])
-def test_length_buckets_change_padding_not_results(encoder):
+@pytest.mark.parametrize(
+    "encoder, softmax", [("din", False), ("din", True), ("causal", False), ("causal_din", True)]
+)
+def test_length_buckets_change_padding_not_results(encoder, softmax):
     dense, kjt = _batch(HISTORIES)
-    ref = _model(encoder)(dense, kjt)
-    torch.testing.assert_close(_model(encoder, buckets=3)(dense, kjt), ref, rtol=1e-5, atol=1e-6)
+    ref = _model(encoder, softmax=softmax)(dense, kjt)
+    got = _model(encoder, buckets=3, softmax=softmax)(dense, kjt)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("encoder", ["din", "causal", "causal_din"])

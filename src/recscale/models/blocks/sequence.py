@@ -2,7 +2,8 @@
 
 - ``TargetAttention``: DIN (Zhou et al., KDD 2018) target-aware attention: each history position is
   scored against the candidate (the target feature's embedding) by a small MLP, and the history is
-  summed with those weights (softmax-normalised over the valid positions);
+  summed with those weights: unnormalised as in the paper (so the sum keeps how much of the history
+  relates to the candidate), or softmax-normalised over the valid positions (``softmax``);
 - ``CausalBlock``: a SASRec-style (Kang & McAuley, ICDM 2018) causal self-attention layer with a
   feed-forward layer, post-norm residuals; position j attends to positions <= j only.
 
@@ -35,6 +36,7 @@ class SequenceConfig(pydantic.BaseModel, extra="forbid"):
     # The single-id feature whose embedding is the candidate for target attention (e.g. item_id).
     target: str | None = None
     attention_hidden: list[int] = [32]  # DIN's scoring MLP
+    softmax: bool = False  # normalise DIN's weights over the history (the paper does not)
     layers: int = Field(1, ge=1)  # causal blocks
     heads: int = Field(2, ge=1)
     # Length buckets per batch (sorted by length, equal counts), each padded to its own longest history.
@@ -44,17 +46,23 @@ class SequenceConfig(pydantic.BaseModel, extra="forbid"):
 class TargetAttention(nn.Module):
     """(history (B, L, d), attendable (B, L) bool, target (B, d)) -> (B, d).
 
-    score_j = MLP([h_j, t, h_j - t, h_j * t]) over the attendable positions, softmax, Σ_j w_j h_j."""
+    w_j = MLP([h_j, t, h_j - t, h_j * t]) over the attendable positions (0 elsewhere; softmax over them
+    with ``softmax``), then Σ_j w_j h_j."""
 
-    def __init__(self, dim: int, hidden: list[int], max_len: int, device: torch.device | None = None) -> None:
+    def __init__(
+        self, dim: int, hidden: list[int], max_len: int, softmax: bool, device: torch.device | None = None
+    ) -> None:
         super().__init__()
         self.mlp = MLP(4 * dim, hidden, 1, device=device)
-        self.max_len, self.dim = max_len, dim
+        self.max_len, self.dim, self.softmax = max_len, dim, softmax
 
     def forward(self, h: Tensor, attendable: Tensor, target: Tensor) -> Tensor:
         t = target[:, None, :].expand_as(h)
         scores = self.mlp(torch.cat([h, t, h - t, h * t], dim=-1)).squeeze(-1)
-        weights = torch.softmax(scores.masked_fill(~attendable, float("-inf")), dim=-1)
+        if self.softmax:
+            weights = torch.softmax(scores.masked_fill(~attendable, float("-inf")), dim=-1)
+        else:
+            weights = scores * attendable
         return (weights.unsqueeze(-1) * h).sum(dim=1)
 
     def flops_per_example(self) -> int:
@@ -111,7 +119,9 @@ class SequenceEncoder(nn.Module):
             [CausalBlock(dim, cfg.heads, max_len, device) for _ in range(cfg.layers)] if causal else []
         )
         self.din = (
-            TargetAttention(dim, cfg.attention_hidden, max_len, device) if cfg.encoder != "causal" else None
+            TargetAttention(dim, cfg.attention_hidden, max_len, cfg.softmax, device)
+            if cfg.encoder != "causal"
+            else None
         )
 
     def forward(self, values: Tensor, lengths: Tensor, target: Tensor | None) -> Tensor:
