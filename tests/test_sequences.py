@@ -11,10 +11,13 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recscale.config import DistributedConfig
 from recscale.data.readers import ReadStats, read_batches
 from recscale.data.schema import Schema
 from recscale.data.synthetic import SyntheticSpec, synthetic_batches
-from recscale.errors import DataError
+from recscale.distributed.env import DistEnv
+from recscale.distributed.sharding import plan_tables
+from recscale.errors import ConfigError, DataError
 from recscale.models import EmbeddingConfig, FeatureSet, SparseInput, build_model
 
 SCHEMA = Schema.model_validate({"sparse": [{"name": "u"}, {"name": "h", "multi": True, "max_len": 3}]})
@@ -158,3 +161,20 @@ def test_movielens_histories_hold_only_strictly_earlier_ratings_of_the_user(tmp_
     assert stats.truncated == {"history": 2}  # e and f had 4 and 5 earlier ratings
     test = list(read_batches(tmp_path, "movielens", schema, {"split": "test", "fractions": [0.75, 0, 0.25]}))
     assert pa.Table.from_batches(test).column("history").to_pylist() == [["b", "c", "d"], ["c", "d", "e"]]
+
+
+def _sequence_plan(sharding: str, tables: dict | None = None) -> dict:
+    env = DistEnv(0, 2, 0, 2, torch.device("cpu"), "gloo")
+    cfg = DistributedConfig.model_validate({"sharding": sharding, "tables": tables or {}})
+    return plan_tables(_model("causal"), env, cfg).plan
+
+
+def test_sequence_tables_are_planned_with_the_others_but_not_data_parallel():
+    plan = _sequence_plan("row_wise")
+    assert set(plan["embedding.ec"]) == {"t_h"} and set(plan["embedding.ebc"]) == {"t_u", "t_item"}
+    assert plan["embedding.ec"]["t_h"].sharding_type == "row_wise"
+    assert _sequence_plan("data_parallel", {"h": {"type": "table_wise"}})["embedding.ec"]["t_h"].ranks == [0]
+    with pytest.raises(
+        ConfigError, match=r"sequence table of 'h' cannot be data_parallel.*distributed\.tables\.h"
+    ):
+        _sequence_plan("data_parallel")
