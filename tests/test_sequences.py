@@ -18,7 +18,7 @@ from recscale.data.synthetic import SyntheticSpec, synthetic_batches
 from recscale.distributed.env import DistEnv
 from recscale.distributed.sharding import plan_tables
 from recscale.errors import ConfigError, DataError
-from recscale.models import EmbeddingConfig, FeatureSet, SparseInput, build_model
+from recscale.models import EmbeddingConfig, FeatureSet, SparseInput, build_model, model_names
 
 SCHEMA = Schema.model_validate({"sparse": [{"name": "u"}, {"name": "h", "multi": True, "max_len": 3}]})
 
@@ -178,3 +178,13 @@ def test_sequence_tables_are_planned_with_the_others_but_not_data_parallel():
         ConfigError, match=r"sequence table of 'h' cannot be data_parallel.*distributed\.tables\.h"
     ):
         _sequence_plan("data_parallel")
+
+
+@pytest.mark.parametrize("name", model_names())
+def test_every_model_reads_the_pooled_history_in_x0(name):
+    cfg = EmbeddingConfig(dim=8, init_std=0.1, sequence={"encoder": "din", "target": "item"})
+    torch.manual_seed(0)
+    model = build_model(name, FEATURES, cfg, {})
+    dense, kjt = _batch(HISTORIES)
+    other = [[(x + 1) % 20 for x in h] for h in HISTORIES]
+    assert not torch.allclose(model(dense, kjt), model(*_batch(other)))
