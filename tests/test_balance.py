@@ -2,13 +2,18 @@
 split's (every sample trained once per step, the loss rescaled for unequal parts)."""
 
 import json
+import logging
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from recscale.cli import main
+from recscale.config import load_config
 from recscale.distributed.balance import imbalance, partition, sample_costs
+from recscale.distributed.env import shutdown
+from recscale.distributed.launch import launch
+from recscale.train.loop import Trainer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -54,17 +59,28 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in records if r["split"] == "train"]
 
 
+def _worker(spec_path: str) -> None:
+    """Both runs in one launch (one start-up of the ranks): contiguous, then balanced."""
+    logging.disable(logging.WARNING)
+    for out, overrides in json.loads(Path(spec_path).read_text()):
+        Trainer(load_config(CONFIGS / "demo.yaml", [*SMALL, *overrides]), Path(out)).fit()
+    shutdown()
+
+
 @pytest.mark.dist
 def test_balanced_two_rank_run_has_the_losses_of_contiguous_slices(tmp_path):
-    runs = {
-        "none": ["distributed.sharding=table_wise"],
-        "tokens2": ["distributed.sharding=row_wise", "distributed.balance=tokens2"],
-    }
-    for name, overrides in runs.items():
-        args = ["train", str(CONFIGS / "demo.yaml"), "--nproc", "2", "--out", str(tmp_path / name)]
-        assert main([*args, *SMALL, *overrides]) == 0
+    runs = [
+        (str(tmp_path / "none"), ["distributed.sharding=table_wise"]),
+        (str(tmp_path / "tokens2"), ["distributed.sharding=row_wise", "distributed.balance=tokens2"]),
+    ]
+    (tmp_path / "spec.json").write_text(json.dumps(runs))
+    launch([__file__, "worker", str(tmp_path / "spec.json")], 2, 2, 0)
     reference = _losses(tmp_path / "none")
     assert len(reference) == 6
     np.testing.assert_allclose(_losses(tmp_path / "tokens2"), reference, rtol=0, atol=1e-5)
     report = json.loads((tmp_path / "tokens2" / "report.json").read_text())
     assert report["examples"] == 6 * 128
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    _worker(sys.argv[2])
