@@ -122,7 +122,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=512, help="global batch")
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--alpha", type=float, default=1.2, help="Zipf exponent of the history lengths")
-    p.add_argument("--buckets", type=int, default=4, help="length buckets per rank batch")
+    p.add_argument("--buckets", type=lambda v: v if v == "pow2" else int(v), default=4,
+                   help="length buckets per rank batch: N equal counts, or pow2")  # fmt: skip
     p.add_argument("--balance", choices=["tokens", "tokens2"], default="tokens2")
     args = p.parse_args()
     from recscale.distributed.launch import launch

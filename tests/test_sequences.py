@@ -69,7 +69,7 @@ FEATURES = FeatureSet(
 )
 
 
-def _model(encoder: str, buckets: int = 1, softmax: bool = False) -> torch.nn.Module:
+def _model(encoder: str, buckets: int | str = 1, softmax: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = EmbeddingConfig(
         dim=8,
@@ -90,12 +90,19 @@ HISTORIES = [[1, 2, 3], [], [4, 5, 6, 7, 8, 9], [3], [], [2, 2]]
 
 
 @pytest.mark.parametrize(
-    "encoder, softmax", [("din", False), ("din", True), ("causal", False), ("causal_din", True)]
+    "encoder, softmax, buckets",
+    [
+        ("din", False, 3),
+        ("din", True, 3),
+        ("causal", False, 3),
+        ("causal_din", True, 3),
+        ("causal_din", False, "pow2"),
+    ],
 )
-def test_length_buckets_change_padding_not_results(encoder, softmax):
+def test_length_buckets_change_padding_not_results(encoder, softmax, buckets):
     dense, kjt = _batch(HISTORIES)
     ref = _model(encoder, softmax=softmax)(dense, kjt)
-    got = _model(encoder, buckets=3, softmax=softmax)(dense, kjt)
+    got = _model(encoder, buckets=buckets, softmax=softmax)(dense, kjt)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 

@@ -15,7 +15,7 @@ SASRec readout. An empty history gives the zero vector.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import pydantic
 import torch
@@ -39,8 +39,9 @@ class SequenceConfig(pydantic.BaseModel, extra="forbid"):
     softmax: bool = False  # normalise DIN's weights over the history (the paper does not)
     layers: int = Field(1, ge=1)  # causal blocks
     heads: int = Field(2, ge=1)
-    # Length buckets per batch (sorted by length, equal counts), each padded to its own longest history.
-    buckets: int = Field(1, ge=1)
+    # Length buckets per batch, each padded to its own longest history: N (sorted by length, equal
+    # counts), or pow2 (lengths in (2^(k-1), 2^k] share bucket k: padding under 2x whatever the batch).
+    buckets: Annotated[int, Field(ge=1)] | Literal["pow2"] = 1
 
 
 class TargetAttention(nn.Module):
@@ -131,10 +132,17 @@ class SequenceEncoder(nn.Module):
         if self.cfg.buckets == 1:
             return self._encode(padded, offsets, lengths, target)
         out = values.new_empty(b, self.dim)
-        for rows in torch.argsort(lengths).tensor_split(min(self.cfg.buckets, max(b, 1))):
+        for rows in self._buckets(lengths):
             t = None if target is None else target[rows]
             out[rows] = self._encode(padded, offsets[rows], lengths[rows], t)
         return out
+
+    def _buckets(self, lengths: Tensor) -> list[Tensor]:
+        """The batch's rows grouped into length buckets (``cfg.buckets``)."""
+        if self.cfg.buckets == "pow2":
+            k = torch.ceil(torch.log2(lengths.clamp(min=1).double())).long()
+            return [torch.nonzero(k == v).flatten() for v in torch.unique(k)]
+        return list(torch.argsort(lengths).tensor_split(min(self.cfg.buckets, max(lengths.numel(), 1))))
 
     def _encode(self, padded: Tensor, starts: Tensor, lengths: Tensor, target: Tensor | None) -> Tensor:
         """Rows given by (starts, lengths) into ``padded`` (its last row zeros), at their longest length."""
