@@ -247,7 +247,7 @@ def test_lengths_of_one_seed_nest(tmp_path):
 
     def labels(run, steps):
         trainer = Trainer(run.config, tmp_path / run.name)
-        return [b.labels for b, _ in zip(trainer._epoch(), range(steps), strict=False)]
+        return [b.labels for (b, _), _ in zip(trainer._epoch(), range(steps), strict=False)]
 
     first, longer = labels(short, 4), labels(long, 8)
     assert len(longer) == 8

@@ -58,6 +58,8 @@ def print_report(report: dict) -> None:
         )
     if report.get("skipped_rows"):
         lines.append(f"skipped bad rows: {report['skipped_rows']}")
+    if report.get("truncated_sequences"):
+        lines.append(f"sequences cut to max_len (rows): {report['truncated_sequences']}")
     lines.append(f"run directory: {report['run_dir']}")
     print("\n".join(lines))
 

@@ -221,6 +221,9 @@ class DistributedConfig(_Strict):
     # Quantized collectives: the embedding all-to-all / reduce-scatter through TorchRec's codecs
     # (forward: pooled embeddings, backward: their gradients), and the dense all-reduce (DDP hook).
     qcomms: QComms = QComms()
+    # FreeScale-style balancing (recscale/distributed/balance.py): split each global batch across ranks by
+    # predicted cost (1 + history tokens, or 1 + tokens² for attention) instead of contiguous slices.
+    balance: Literal["none", "tokens", "tokens2"] = "none"
 
 
 class TowerModuleConfig(_Strict):

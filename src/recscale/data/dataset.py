@@ -97,6 +97,14 @@ class ArrayDataset:
         held = held_out(len(self), fraction)
         return self.subset(~held), self.subset(held)
 
+    def lengths(self, idx: np.ndarray, names: list[str]) -> np.ndarray:
+        """(len(idx), len(names)) int64: how many ids rows ``idx`` hold in each multi-id field ``names``."""
+        a = self._open()
+        if self.index is not None:
+            idx = self.index[idx]
+        cols = [a[f"{n}.offsets"][idx + 1] - a[f"{n}.offsets"][idx] for n in names]
+        return np.stack(cols, axis=1) if cols else np.zeros((len(idx), 0), np.int64)
+
     def gather_arrays(self, idx: np.ndarray) -> tuple[np.ndarray, ...]:
         """Rows ``idx`` -> (dense (B, n_dense), values, lengths (n_keys * B,), weights or empty, labels (B,))."""
         a = self._open()

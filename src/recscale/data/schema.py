@@ -6,7 +6,9 @@ Every reader yields ``pyarrow.RecordBatch`` es in one *raw* layout described by 
 - each dense feature: float32, null = missing (filled by preprocessing);
 - each single-id sparse feature: string or int64, null = missing;
 - each multi-id sparse feature: ``list<string>`` or ``list<int64>`` (empty list = missing);
-- a weighted multi-id feature also has ``{name}__w``: ``list<float32>`` aligned with the ids.
+- a weighted multi-id feature also has ``{name}__w``: ``list<float32>`` aligned with the ids;
+- a sequence feature (``max_len`` set: an ordered id list such as a user history, oldest first) is a
+  multi-id feature whose order matters: at most ``max_len`` ids, an empty list is an empty history.
 
 Preprocessing (``recscale.data.preprocess``) maps this raw layout to integer ids and float arrays.
 """
@@ -47,12 +49,23 @@ class SparseFeature(_Strict):
     max_vocab: int | None = Field(None, ge=1)
     # Hash ids into this many buckets instead of building a vocabulary (huge vocabularies).
     hash_buckets: int | None = Field(None, ge=1)
+    # A sequence: an ordered id list (oldest first) embedded position by position. A longer list keeps
+    # its last (most recent) max_len ids; readers count the rows they truncate.
+    max_len: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _weights_need_multi(self) -> SparseFeature:
         if self.weighted and not self.multi:
             raise ValueError(f"sparse feature '{self.name}': weighted=true needs multi=true")
+        if self.max_len is not None and (not self.multi or self.weighted):
+            raise ValueError(
+                f"sparse feature '{self.name}': a sequence (max_len) needs multi=true and weighted=false"
+            )
         return self
+
+    @property
+    def sequence(self) -> bool:
+        return self.max_len is not None
 
 
 class Schema(_Strict):

@@ -7,6 +7,9 @@ Features (``synthetic_schema``), in the raw layout of ``recscale.data.schema``:
   order says nothing about frequency;
 - ``m0 .. m{num_multi-1}``: a ``list<int64>`` of ``1 + Poisson(pooling_factor - 1)`` Zipf ids;
 - ``d0 .. d{num_dense-1}``: float32, standard normal;
+- ``h0 .. h{num_history-1}``: sequence features (``max_len = history_max_len``): a ``list<int64>`` of Zipf
+  ids, a user history, whose length is itself skewed: ``P(length = k) ∝ (k + 1)^-history_alpha`` for
+  ``k`` in ``0..history_max_len`` (most histories short or empty, a few long);
 - ``label``: float32, ``Bernoulli(p)`` with ``p = sigmoid(logit)`` from the teacher.
 
 The teacher has one *field* per feature (sparse, multi, dense, F in all) and gives every row a latent
@@ -14,6 +17,7 @@ vector ``e_f`` (``teacher_dim``) and a scalar ``b_f`` per field:
 
 - sparse field: a table lookup, ``e_f = V_f[id]``, ``b_f = B_f[id]`` (entries standard normal);
 - multi field: the mean of its ids' ``V_f`` rows and ``B_f`` entries;
+- history field: the same mean over the history (zero for an empty history), so the label depends on it;
 - dense field: ``e_f = x_f * u_f`` (a fixed normal vector ``u_f``), ``b_f = x_f``.
 
 Its terms are grouped by order: order 1 has one term per field, ``b_f``; each order ``k`` in
@@ -110,13 +114,21 @@ class SyntheticSpec(BaseModel, extra="forbid"):
     base_ctr: float = Field(0.25, gt=0.0, lt=1.0)
     # None: the interaction teacher above; {kind: deep, ...}: the deep teacher.
     teacher: DeepTeacher | None = None
+    # Sequence fields (user histories) with Zipf-skewed lengths, drawn from vocabularies of history_vocab.
+    num_history: int = Field(0, ge=0)
+    history_max_len: int = Field(64, ge=1)
+    history_alpha: float = Field(1.2, ge=0.0)
+    history_vocab: int = Field(1000, ge=2)
 
     @model_serializer(mode="wrap")
     def _drop_default_teacher(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Specs without a teacher dump as before, so the fingerprints of existing data stay valid.
+        # Specs without a teacher or histories dump as before, so the fingerprints of existing data stay valid.
         data: dict[str, Any] = handler(self)
         if self.teacher is None:
             data.pop("teacher", None)
+        if self.num_history == 0:
+            for key in ("num_history", "history_max_len", "history_alpha", "history_vocab"):
+                data.pop(key, None)
         return data
 
     @model_validator(mode="after")
@@ -139,15 +151,18 @@ class SyntheticSpec(BaseModel, extra="forbid"):
 
     @property
     def field_vocab_sizes(self) -> list[int]:
-        """Vocabulary size of each sparse field: single fields, then multi fields."""
-        if isinstance(self.vocab_sizes, int):
-            return [self.vocab_sizes] * (self.num_sparse + self.num_multi)
-        return list(self.vocab_sizes)
+        """Vocabulary size of each id field: single fields, then multi fields, then history fields."""
+        sizes = (
+            [self.vocab_sizes] * (self.num_sparse + self.num_multi)
+            if isinstance(self.vocab_sizes, int)
+            else list(self.vocab_sizes)
+        )
+        return sizes + [self.history_vocab] * self.num_history
 
     @property
     def num_fields(self) -> int:
-        """Fields of the teacher: one per sparse, multi and dense feature."""
-        return self.num_sparse + self.num_multi + self.num_dense
+        """Fields of the teacher: one per sparse, multi, dense and history feature."""
+        return self.num_sparse + self.num_multi + self.num_dense + self.num_history
 
 
 def synthetic_schema(spec: SyntheticSpec) -> Schema:
@@ -155,7 +170,11 @@ def synthetic_schema(spec: SyntheticSpec) -> Schema:
     return Schema(
         dense=[DenseFeature(name=f"d{j}") for j in range(spec.num_dense)],
         sparse=[SparseFeature(name=f"s{i}") for i in range(spec.num_sparse)]
-        + [SparseFeature(name=f"m{i}", multi=True) for i in range(spec.num_multi)],
+        + [SparseFeature(name=f"m{i}", multi=True) for i in range(spec.num_multi)]
+        + [
+            SparseFeature(name=f"h{i}", multi=True, max_len=spec.history_max_len)
+            for i in range(spec.num_history)
+        ],
     )
 
 
@@ -213,6 +232,7 @@ class _Features:
     singles: list[np.ndarray]  # per single field: (n,) int64 ids
     multis: list[tuple[np.ndarray, np.ndarray]]  # per multi field: (n + 1,) int32 offsets, int64 ids
     dense: np.ndarray  # (n, num_dense) float32
+    histories: list[tuple[np.ndarray, np.ndarray]]  # per history field: offsets, ids (lists may be empty)
 
 
 def _split_blocks(spec: SyntheticSpec, split: str) -> Iterator[tuple[_Features, np.ndarray, np.ndarray, int]]:
@@ -342,7 +362,17 @@ def _draw_features(spec: SyntheticSpec, structure: _Structure, rng: np.random.Ge
         np.cumsum(lengths, out=offsets[1:])
         multis.append((offsets, zipf_ids(f, int(offsets[-1]))))
     dense = rng.standard_normal((n, spec.num_dense), dtype=np.float32)
-    return _Features(singles, multis, dense)
+    histories = []  # drawn last: specs without histories keep their streams
+    if spec.num_history:
+        pmf = np.arange(1, spec.history_max_len + 2, dtype=np.float64) ** -spec.history_alpha
+        length_cdf = np.cumsum(pmf / pmf.sum())
+        length_cdf[-1] = 1.0
+    for f in range(spec.num_sparse + spec.num_multi, spec.num_sparse + spec.num_multi + spec.num_history):
+        lengths = np.searchsorted(length_cdf, rng.random(n), side="right")
+        offsets = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        histories.append((offsets, zipf_ids(f, int(offsets[-1]))))
+    return _Features(singles, multis, dense, histories)
 
 
 def _raw_terms(structure: _Structure, features: _Features) -> list[np.ndarray]:
@@ -392,6 +422,15 @@ def _field_vectors(structure: _Structure, features: _Features) -> tuple[list[np.
         x = features.dense[:, j]
         linear.append(x)
         latent.append(structure.dense_vectors[j][:, None] * x)
+    for i, (offsets, ids) in enumerate(features.histories):
+        f = len(features.singles) + len(features.multis) + i
+        # Histories may be empty: mean by bincount (0 for an empty one), not reduceat.
+        sizes = np.diff(offsets)
+        owner, n = np.repeat(np.arange(len(sizes)), sizes), len(sizes)
+        scale = 1.0 / np.maximum(sizes, 1).astype(np.float32)
+        linear.append((np.bincount(owner, structure.biases[f][ids], n) * scale).astype(np.float32))
+        vectors = np.take(structure.vectors[f], ids, axis=1)
+        latent.append(np.stack([np.bincount(owner, v, n) for v in vectors]).astype(np.float32) * scale)
     return linear, latent
 
 
@@ -412,6 +451,7 @@ def _record_batch(schema: Schema, features: _Features, labels: np.ndarray) -> pa
     n_singles = len(features.singles)
     for ids, name in zip(features.singles, schema.sparse_names[:n_singles], strict=True):
         columns[name] = pa.array(ids)
-    for (offsets, ids), name in zip(features.multis, schema.sparse_names[n_singles:], strict=True):
-        columns[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))
+    lists = features.multis + features.histories
+    for (offsets, ids), name in zip(lists, schema.sparse_names[n_singles:], strict=True):
+        columns[name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids, pa.int64()))
     return pa.RecordBatch.from_pydict(columns)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, TypeAlias, cast
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.remote_device import _remote_device
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
 from torchrec.distributed.model_parallel import get_unwrapped_module
@@ -46,8 +47,8 @@ from torchrec.distributed.types import (
     ShardingType,
     ShardMetadata,
 )
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
@@ -63,19 +64,34 @@ FUSED, DENSE = "fused", "dense"
 _COLUMN_MULTIPLE = 4
 
 
-def embedding_collections(model: nn.Module) -> dict[str, EmbeddingBagCollection]:
-    """Module path -> EBC, the modules DMP shards."""
-    return {path: m for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
+Collection: TypeAlias = EmbeddingBagCollection | EmbeddingCollection
+
+
+def embedding_collections(model: nn.Module) -> dict[str, Collection]:
+    """Module path -> EBC (pooled tables) or EC (sequence tables), the modules DMP shards."""
+    return {
+        path: m
+        for path, m in model.named_modules()
+        if isinstance(m, EmbeddingBagCollection | EmbeddingCollection)
+    }
+
+
+def table_configs(collection: Collection) -> list[BaseEmbeddingConfig]:
+    if isinstance(collection, EmbeddingBagCollection):
+        return list(collection.embedding_bag_configs())
+    return list(collection.embedding_configs())
 
 
 def table_names(model: nn.Module) -> list[str]:
-    return [c.name for ebc in embedding_collections(model).values() for c in ebc.embedding_bag_configs()]
+    return [c.name for m in embedding_collections(model).values() for c in table_configs(m)]
 
 
-def table_keys(plan: ShardingPlan) -> dict[str, str]:
+def table_keys(model: nn.Module, plan: ShardingPlan) -> dict[str, str]:
     """State-dict key of every planned table -> its sharding type."""
+    collections = embedding_collections(model)
     return {
-        f"{path}.embedding_bags.{table}.weight": ps.sharding_type
+        f"{path}.{'embedding_bags' if isinstance(collections[path], EmbeddingBagCollection) else 'embeddings'}"
+        f".{table}.weight": ps.sharding_type
         for path, module_plan in plan.plan.items()
         for table, ps in module_plan.items()
     }
@@ -87,7 +103,7 @@ def plan_tables(
     """The plan for every table of ``model`` over the ranks of ``pg`` (default: all): the planner's
     or the configured type, then the per-feature entries of ``cfg.tables``."""
     collections = embedding_collections(model)
-    configs = [c for ebc in collections.values() for c in ebc.embedding_bag_configs()]
+    configs = [c for m in collections.values() for c in table_configs(m)]
     by_feature = {f: c.name for c in configs for f in c.feature_names}
     unknown = sorted(set(cfg.tables) - set(by_feature))
     if unknown:
@@ -99,10 +115,16 @@ def plan_tables(
     builder = _ExplicitPlanner(env)
     for path, ebc in collections.items():
         module_plan = plan.plan.setdefault(path, EmbeddingModuleShardingPlan())
-        for i, c in enumerate(ebc.embedding_bag_configs()):
+        for i, c in enumerate(table_configs(ebc)):
             spec = explicit.get(c.name)
             if spec is None and cfg.sharding != "planner":
                 spec = TablePlan(type=cfg.sharding)
+            if spec is not None and spec.type == "data_parallel" and isinstance(ebc, EmbeddingCollection):
+                raise ConfigError(
+                    f"distributed: the sequence table of {c.feature_names[0]!r} cannot be data_parallel "
+                    "(TorchRec 1.8's replicated EmbeddingCollection fails on CPU); give it another type in "
+                    f"distributed.tables.{c.feature_names[0]}, e.g. {{type: table_wise}}"
+                )
             if spec is not None:
                 module_plan[c.name] = builder.sharding(c, spec, i)
     return plan
@@ -127,7 +149,7 @@ class _ExplicitPlanner:
         self.device_type = env.device.type
         self.load = [0] * env.world_size  # bytes of table shards placed on each rank so far
 
-    def sharding(self, table: EmbeddingBagConfig, spec: TablePlan, index: int) -> ParameterSharding:
+    def sharding(self, table: BaseEmbeddingConfig, spec: TablePlan, index: int) -> ParameterSharding:
         rows, cols = table.num_embeddings, table.embedding_dim
         where = f"distributed: table of feature {table.feature_names[0]!r}"
         kind = spec.type
@@ -260,7 +282,11 @@ def qcomm_sharders(cfg: DistributedConfig, device: torch.device) -> list[ModuleS
             forward=RowwiseFP8Codec(is_fwd=True) if q.forward == "fp8" else pair.forward,
             backward=RowwiseFP8Codec(is_fwd=False) if q.backward == "fp8" else pair.backward,
         )
-    return [cast(ModuleSharder[nn.Module], EmbeddingBagCollectionSharder(qcomm_codecs_registry=codecs))]
+    # Sequence tables (an EC) keep fp32 collectives: the codecs above are for pooled embeddings.
+    return [
+        cast(ModuleSharder[nn.Module], EmbeddingBagCollectionSharder(qcomm_codecs_registry=codecs)),
+        cast(ModuleSharder[nn.Module], EmbeddingCollectionSharder()),
+    ]
 
 
 def shard_model(
@@ -278,12 +304,13 @@ def shard_model(
     plan = plan_tables(model, env, cfg, pg)
     if pg is not None:
         _global_placements(plan, pg, env.device.type)
-    kinds = table_keys(plan)
+    kinds = table_keys(model, plan)
     # Tables built on the meta device (distributed.materialize: shards) are initialised by TorchRec.
     full = {k: v for k, v in model.state_dict().items() if k in kinds and not v.is_meta}
     orders = {
         path: [f for c in ebc.embedding_bag_configs() for f in c.feature_names]
         for path, ebc in embedding_collections(model).items()
+        if isinstance(ebc, EmbeddingBagCollection)
     }
     dmp = DistributedModelParallel(
         model,

@@ -61,8 +61,8 @@ class TrainableModel(Protocol):
 
 def count_parameters(model: RecModel) -> dict[str, int]:
     """Dense and sparse (embedding table) parameter counts of an unsharded model."""
-    ebc = model.embedding.ebc
-    sparse = sum(c.num_embeddings * c.embedding_dim for c in ebc.embedding_bag_configs())
-    table_ids = {id(p) for p in ebc.parameters()}
+    tables = model.embedding.table_parameters()
+    sparse = sum(p.numel() for p in tables)
+    table_ids = {id(p) for p in tables}
     dense = sum(p.numel() for p in model.parameters() if id(p) not in table_ids)
     return {"dense": int(dense), "sparse": int(sparse)}

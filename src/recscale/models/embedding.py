@@ -6,7 +6,11 @@ X0 stacks, along the embedding axis, in this order:
 2. one vector per sparse feature from its table, or ``m`` vectors for a multi-embedding feature
    (table dim m·d, split into m vectors);
 3. ceil(k·small_dim/d) vectors mapped by a linear layer from the concatenated small-dim tables of the
-   k ``small_dim_features`` (Wukong's option for low-cardinality features).
+   k ``small_dim_features`` (Wukong's option for low-cardinality features);
+4. one vector per sequence feature (``max_len`` set: an ordered id list such as a user history): its
+   ids are embedded position by position and pooled by a ``SequenceEncoder`` (DIN target attention
+   and/or causal transformer blocks, ``sequence``), so every model reads the history as extra
+   embeddings.
 
 A ``qr_buckets`` feature (quotient-remainder embeddings, Shi et al., KDD 2020) has two tables instead of
 one: id -> (id // m, id % m) looks up a ceil(N/m)-row and an m-row table, and its vector is their
@@ -14,8 +18,9 @@ element-wise product (``qr_op: mult``) or sum (``add``): about N/m + m rows inst
 no two ids share a vector. For a bag of several ids the two pooled vectors are combined (a product of sums
 under ``mult``).
 
-All tables live in one TorchRec ``EmbeddingBagCollection`` that is only ever called, so
-``DistributedModelParallel`` can shard and replace it.
+The pooled tables live in one TorchRec ``EmbeddingBagCollection``, the sequence tables in one
+``EmbeddingCollection`` (no pooling: one vector per position); both are only ever called, so
+``DistributedModelParallel`` can shard and replace them.
 """
 
 from __future__ import annotations
@@ -24,19 +29,24 @@ import dataclasses
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import pydantic
 import torch
 from pydantic import Field, field_validator
 from torch import Tensor, nn
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import EmbeddingConfig as SequenceTableConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recscale.models.blocks.mlp import MLP
+from recscale.models.blocks.sequence import SequenceConfig, SequenceEncoder
+from recscale.models.flops import module_flops
 
+_Table = TypeVar("_Table", EmbeddingBagConfig, SequenceTableConfig)
 # fbgemm's GPU kernels need every table dim to be a multiple of 4.
 _DIM_MULTIPLE = 4
 
@@ -49,6 +59,7 @@ class SparseInput:
     num_embeddings: int  # vocabulary size incl. the OOV id 0
     pooling: Literal["sum", "mean"] = "sum"  # for multi-id features
     weighted: bool = False
+    max_len: int | None = None  # a sequence feature: ids embedded per position, at most max_len
 
 
 @dataclass(frozen=True)
@@ -79,20 +90,14 @@ class EmbeddingConfig(pydantic.BaseModel, extra="forbid"):
     # Feature -> m: quotient-remainder tables of ceil(N/m) and m rows for that feature (see above).
     qr_buckets: dict[str, int] = {}
     qr_op: Literal["mult", "add"] = "mult"
+    # How each sequence feature's embedded positions become its one vector of X0.
+    sequence: SequenceConfig = SequenceConfig()
 
     @field_validator("dim", "small_dim")
     @classmethod
     def _fbgemm_dim(cls, v: int) -> int:
         if v % _DIM_MULTIPLE:
             raise ValueError(f"embedding dims must be multiples of {_DIM_MULTIPLE} (fbgemm), got {v}")
-        return v
-
-    @field_validator("qr_buckets")
-    @classmethod
-    def _qr_buckets(cls, v: dict[str, int]) -> dict[str, int]:
-        bad = {f: m for f, m in v.items() if m < 2}
-        if bad:
-            raise ValueError(f"qr_buckets must be >= 2 (the remainder table's rows), got {bad}")
         return v
 
     @field_validator("multi_embedding")
@@ -103,12 +108,35 @@ class EmbeddingConfig(pydantic.BaseModel, extra="forbid"):
             raise ValueError(f"multi_embedding counts must be >= 1, got {bad}")
         return v
 
+    @field_validator("qr_buckets")
+    @classmethod
+    def _qr_buckets(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = {f: m for f, m in v.items() if m < 2}
+        if bad:
+            raise ValueError(f"qr_buckets must be >= 2 (the remainder table's rows), got {bad}")
+        return v
+
     @field_validator("dense_hidden")
     @classmethod
     def _positive_widths(cls, v: list[int]) -> list[int]:
         if any(w < 1 for w in v):
             raise ValueError(f"dense_hidden widths must be >= 1, got {v}")
         return v
+
+
+def _table_config(
+    cls: type[_Table],
+    f: SparseInput,
+    dim: int,
+    init: Callable[[Tensor], Any],
+    data_type: DataType,
+    **extra: Any,
+) -> _Table:
+    """The TorchRec config of feature ``f``'s table (named ``t_{feature}``)."""
+    return cls(
+        name=f"t_{f.name}", embedding_dim=dim, num_embeddings=f.num_embeddings, feature_names=[f.name],
+        init_fn=init, data_type=data_type, **extra,
+    )  # fmt: skip
 
 
 _QUOTIENT, _REMAINDER = "#q", "#r"
@@ -138,9 +166,10 @@ class EmbeddingLayer(nn.Module):
         self, features: FeatureSet, cfg: EmbeddingConfig, device: torch.device | None = None
     ) -> None:
         super().__init__()
-        names = [f.name for f in features.sparse]
+        names = [f.name for f in features.sparse if f.max_len is None]
+        sequences = [f for f in features.sparse if f.max_len is not None]
         if not names:
-            raise ValueError("the embedding layer needs at least one sparse feature")
+            raise ValueError("the embedding layer needs at least one sparse feature that is not a sequence")
         small_names = set(cfg.small_dim_features)
         options = {
             "multi_embedding": set(cfg.multi_embedding),
@@ -166,9 +195,10 @@ class EmbeddingLayer(nn.Module):
 
         d = self.dim = cfg.dim
         # Full-dim tables first, then small ones, so the pooled KeyedTensor splits into two blocks.
-        full = [f for f in features.sparse if f.name not in small_names]
+        full = [f for f in features.sparse if f.name in names and f.name not in small_names]
         small = [f for f in features.sparse if f.name in small_names]
         counts = [cfg.multi_embedding.get(f.name, 1) for f in full]
+        self._pooled_names = [f.name for f in full + small]  # the KJT keys the pooled tables read
         # A QR feature's two tables sit side by side: its quotient vector, then its remainder vector.
         self._qr = dict(cfg.qr_buckets)
         self._qr_op = cfg.qr_op
@@ -187,22 +217,18 @@ class EmbeddingLayer(nn.Module):
             persistent=False,
         )
         self._weighted = any(f.weighted for f in features.sparse)
+        table = functools.partial(
+            _table_config,
+            init=functools.partial(torch.nn.init.normal_, mean=0.0, std=cfg.init_std),
+            data_type=DataType.FP16 if cfg.storage == "fp16" else DataType.FP32,
+        )
+        remainder_init = functools.partial(torch.nn.init.normal_, mean=1.0, std=cfg.init_std)
         self.ebc = EmbeddingBagCollection(
             tables=[
-                EmbeddingBagConfig(
-                    name=f"t_{f.name}",
-                    embedding_dim=dim,
-                    num_embeddings=f.num_embeddings,
-                    feature_names=[f.name],
-                    pooling=PoolingType.SUM,
-                    # A remainder table starts near 1, so a product starts as its quotient vector.
-                    init_fn=functools.partial(
-                        torch.nn.init.normal_,
-                        mean=float(self._qr_op == "mult" and f.name.endswith(_REMAINDER)),
-                        std=cfg.init_std,
-                    ),
-                    data_type=DataType.FP16 if cfg.storage == "fp16" else DataType.FP32,
-                )
+                table(EmbeddingBagConfig, f, dim, pooling=PoolingType.SUM)
+                if not (self._qr_op == "mult" and f.name.endswith(_REMAINDER))
+                # A remainder table starts near 1, so a product starts as its quotient vector.
+                else table(EmbeddingBagConfig, f, dim, pooling=PoolingType.SUM, init=remainder_init)
                 for f, dim in zip(self._tables, self._table_dims, strict=True)
             ],
             is_weighted=self._weighted,
@@ -218,19 +244,39 @@ class EmbeddingLayer(nn.Module):
             MLP(len(small) * cfg.small_dim, [], num_small_outputs * d, device=device) if small else None
         )
         self.num_dense_outputs = num_dense_outputs
-        self.num_outputs = num_dense_outputs + sum(counts) + num_small_outputs
+        self.num_outputs = num_dense_outputs + sum(counts) + num_small_outputs + len(sequences)
         # Where each full-dim feature's vectors sit in X0 (for models that condition on a field).
         self.positions: dict[str, list[int]] = {}
         start = num_dense_outputs
         for f, m in zip(full, counts, strict=True):
             self.positions[f.name] = list(range(start, start + m))
             start += m
+        self._sequences = [f.name for f in sequences]
+        self.ec, self.encoders, self._target = None, None, None
+        if sequences:
+            self.ec = EmbeddingCollection(
+                tables=[table(SequenceTableConfig, f, d) for f in sequences], device=device
+            )
+            self.encoders = nn.ModuleDict(
+                {f.name: SequenceEncoder(cfg.sequence, d, int(f.max_len or 1), device) for f in sequences}
+            )
+            if cfg.sequence.encoder != "causal":
+                target = cfg.sequence.target
+                if target not in self.positions:
+                    raise ValueError(
+                        f"sequence.target {target!r} must name a single-id feature with a full-dim table for "
+                        f"the {cfg.sequence.encoder} encoder; features: {sorted(self.positions)}"
+                    )
+                self._target = self.positions[target][0]
+            last = self.num_outputs - len(sequences)
+            self.positions |= {f.name: [last + i] for i, f in enumerate(sequences)}
 
     def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
         if self._weighted and sparse.weights_or_none() is None:
             raise ValueError("a sparse feature is weighted but the KeyedJaggedTensor has no weights")
-        sparse = self._split_qr(sparse)
-        pooled = self._mean_pool(self.ebc(sparse).values(), sparse)  # (B, Σ table dims), table order
+        pooled_kjt, seq_kjt = self._split(sparse)
+        pooled_kjt = self._split_qr(pooled_kjt)
+        pooled = self._mean_pool(self.ebc(pooled_kjt).values(), pooled_kjt)  # (B, Σ table dims)
         b = pooled.shape[0]
         parts = []
         if self.dense_mlp is not None:
@@ -238,7 +284,26 @@ class EmbeddingLayer(nn.Module):
         parts.append(self._combine_qr(pooled[:, : self._full_width].view(b, -1, self.dim)))
         if self.small_mlp is not None:
             parts.append(self.small_mlp(pooled[:, self._full_width :]).view(b, -1, self.dim))
-        return torch.cat(parts, dim=1)
+        if seq_kjt is None:
+            return torch.cat(parts, dim=1)
+        assert self.ec is not None and self.encoders is not None  # built with the sequence features
+        x0 = torch.cat(parts, dim=1)
+        target = None if self._target is None else x0[:, self._target]
+        histories = self.ec(seq_kjt)
+        pooled_histories = [
+            self.encoders[name](histories[name].values(), histories[name].lengths(), target)
+            for name in self._sequences
+        ]
+        return torch.cat([x0, torch.stack(pooled_histories, dim=1)], dim=1)
+
+    def _split(self, sparse: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor | None]:
+        """The pooled features' KJT (table order) and the sequence features' (None: there are none)."""
+        if not self._sequences:
+            return sparse, None
+        keys = sparse.keys()
+        order = [keys.index(n) for n in self._pooled_names] + [keys.index(n) for n in self._sequences]
+        pooled, seqs = sparse.permute(order).split([len(self._pooled_names), len(self._sequences)])
+        return pooled, seqs
 
     def _split_qr(self, sparse: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """Each QR feature's ids -> two keys: ``<name>#q`` (id // m) and ``<name>#r`` (id % m)."""
@@ -265,6 +330,10 @@ class EmbeddingLayer(nn.Module):
         combined = q * r if self._qr_op == "mult" else q + r
         return vectors.index_copy(1, self._qr_quotient, combined)[:, self._qr_keep]
 
+    def table_parameters(self) -> list[nn.Parameter]:
+        """Every embedding table's weights (pooled and sequence): what the table optimizer trains."""
+        return [*self.ebc.parameters(), *(self.ec.parameters() if self.ec is not None else [])]
+
     def _mean_pool(self, pooled: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
         """Divide the sum-pooled columns of "mean" features by their bag sizes."""
         if all(f.pooling == "sum" for f in self._tables):
@@ -282,4 +351,5 @@ class EmbeddingLayer(nn.Module):
         return pooled * scale.T.repeat_interleave(dims, dim=1, output_size=pooled.shape[1])
 
     def flops_per_example(self) -> int:
-        return sum(m.flops_per_example() for m in (self.dense_mlp, self.small_mlp) if m is not None)
+        """The MLPs, and the sequence encoders at full histories (max_len ids)."""
+        return sum(module_flops(child) for child in self.children())

@@ -66,7 +66,7 @@ def local_tensors(w: torch.Tensor) -> list[torch.Tensor]:
 
 def feature_set(pre: Preprocessor) -> FeatureSet:
     sparse = tuple(
-        SparseInput(f.name, pre.num_embeddings(f.name), "mean" if f.multi else "sum", f.weighted)
+        SparseInput(f.name, pre.num_embeddings(f.name), "mean" if f.multi else "sum", f.weighted, f.max_len)
         for f in pre.schema.sparse
     )
     return FeatureSet(sparse=sparse, num_dense=len(pre.schema.dense))
@@ -83,6 +83,16 @@ def check_features(cfg: RunConfig, features: FeatureSet) -> None:
             raise ConfigError(
                 f"model.embedding.{key} names unknown sparse features {unknown}; features: {sorted(names)}"
             )
+    sequences = [f.name for f in features.sparse if f.max_len is not None]
+    if sequences and emb.sequence.encoder != "causal":
+        single = sorted(f.name for f in features.sparse if f.max_len is None and f.pooling == "sum")
+        if emb.sequence.target not in single:
+            raise ConfigError(
+                f"model.embedding.sequence.target: the {emb.sequence.encoder} encoder of sequence features "
+                f"{sequences} needs the candidate's single-id feature, one of {single} (or encoder: causal)"
+            )
+    if sequences and cfg.dmt is not None:
+        raise ConfigError(f"dmt: sequence features {sequences} are not supported with DMT towers; drop dmt")
 
 
 def flat_model(cfg: RunConfig, features: FeatureSet) -> RecModel:
@@ -100,14 +110,15 @@ def flat_model(cfg: RunConfig, features: FeatureSet) -> RecModel:
         one_row = tuple(dataclasses.replace(f, num_embeddings=1) for f in features.sparse)
         init = build_model(name, FeatureSet(one_row, features.num_dense), emb, params)
         model = build_model(name, features, emb, params, device=torch.device("meta"))
-        tables = set(model.embedding.ebc.modules())
+        collections = {"embedding.ebc": model.embedding.ebc, "embedding.ec": model.embedding.ec}
+        tables = {m for c in collections.values() if c is not None for m in c.modules()}
         for m in model.modules():
             if m not in tables:
                 m.to_empty(device="cpu", recurse=False)
         values = dict(itertools.chain(init.named_parameters(), init.named_buffers()))
         with torch.no_grad():
             for key, t in itertools.chain(model.named_parameters(), model.named_buffers()):
-                if not key.startswith("embedding.ebc."):
+                if not key.startswith(tuple(f"{path}." for path in collections)):
                     t.copy_(values[key])
     if cfg.model.quant is not None:  # emulated low-precision GEMMs (before FLOPs are counted: same)
         quantize_model(model, cfg.model.quant)
@@ -119,9 +130,12 @@ def _tables_do_not_fit(cfg: RunConfig, features: FeatureSet, env: DistEnv, e: Ru
         cfg.model.name, features, cfg.model.embedding, cfg.model.params, torch.device("meta")
     )
     size = 2 if cfg.model.embedding.storage == "fp16" else 4
-    need = sum(
-        c.num_embeddings * c.embedding_dim * size for c in tables.embedding.ebc.embedding_bag_configs()
-    )
+    ec = tables.embedding.ec
+    configs = [
+        *tables.embedding.ebc.embedding_bag_configs(),
+        *(ec.embedding_configs() if ec is not None else []),
+    ]
+    need = sum(c.num_embeddings * c.embedding_dim * size for c in configs)
     n = env.world_size
     how = (
         "every rank first builds all of them: set distributed.materialize: shards"
@@ -157,7 +171,7 @@ def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
             flat = flat_model(cfg, features)
             counts, flops = count_parameters(flat), flat.flops_per_example()
             # apply_optimizer_in_backward adds its own keys to the kwargs it is given: hand it a copy.
-            apply_optimizer_in_backward(opt_cls, flat.embedding.ebc.parameters(), dict(opt_kw))
+            apply_optimizer_in_backward(opt_cls, flat.embedding.table_parameters(), dict(opt_kw))
             dense_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
             module, tables = shard_model(
                 flat, env, cfg.distributed, (opt_cls, opt_kw), dense_dtype=dense_dtype

@@ -23,6 +23,7 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -36,6 +37,7 @@ from recscale.config import RunConfig
 from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
 from recscale.distributed import comms
+from recscale.distributed.balance import partition, sample_costs
 from recscale.distributed.env import heartbeat, init_distributed
 from recscale.errors import CheckpointError, ConfigError, RecscaleError
 from recscale.io import atomic_write_text
@@ -194,10 +196,14 @@ class Trainer:
     def _recording(self) -> AbstractContextManager[None]:
         return self.comm.recording() if self.cfg.distributed.count_bytes else nullcontext()
 
-    def train_step(self, batch: Batch) -> torch.Tensor:
-        """One optimisation step on this rank's slice of the global batch (already on the device):
+    def train_step(self, batch: Batch, global_size: int | None = None) -> torch.Tensor:
+        """One optimisation step on this rank's part of the global batch (already on the device):
         learning rates for the step, forward, loss (+ embedding L2), backward, dense clipping, both
-        optimizers, table decay, the dense average; advances the step counters. Returns the loss."""
+        optimizers, table decay, the dense average; advances the step counters. Returns the loss.
+
+        ``global_size``: the global batch's size when ranks hold unequal parts of it (balanced): the
+        loss is then this rank's sum × world / global_size, so the ranks' mean (DDP) is the global mean,
+        as with equal slices; None: equal slices, the loss is this rank's mean."""
         t, p = self.cfg.train, self.progress
         t0 = time.perf_counter()
         f = lr_factor(t, p.step, self.total_steps) * p.lr_scale
@@ -209,8 +215,14 @@ class Trainer:
         with self._recording():
             with autocast(t.precision, self.env.device):
                 logits = self.module(batch.dense, batch.sparse)
-            loss = nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
-            objective = loss if self.l2 is None else loss + self.l2(batch.size)
+            if global_size is None:
+                per_rank: float = batch.size
+                loss = nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+            else:
+                per_rank = global_size / self.env.world_size
+                bce = nn.functional.binary_cross_entropy_with_logits
+                loss = bce(logits.float(), batch.labels, reduction="sum") / per_rank
+            objective = loss if self.l2 is None else loss + self.l2(per_rank)
             self.opt.zero_grad()
             objective.backward()
             if t.grad_clip is not None:
@@ -222,7 +234,7 @@ class Trainer:
                 self.ema.update(p.step + 1)
         p.train_seconds += time.perf_counter() - t0
         p.step += 1
-        p.examples += batch.size * self.env.world_size
+        p.examples += batch.size * self.env.world_size if global_size is None else global_size
         return loss.detach()
 
     # -------------------------------------------------- the loop
@@ -244,8 +256,8 @@ class Trainer:
             done = p.step >= self.total_steps or p.stopped_early
             self.module.train()
             while not done and p.epoch < t.epochs:
-                for batch in self._epoch():
-                    window_loss += self.train_step(batch.to(self.env.device)).item()
+                for batch, global_size in self._epoch():
+                    window_loss += self.train_step(batch.to(self.env.device), global_size).item()
                     window_n += 1
                     p.batch += 1
                     bar.update(1)
@@ -266,15 +278,24 @@ class Trainer:
             bar.close()  # before any error line, so it does not land on the bar's line
         return self.finish()
 
-    def _epoch(self) -> Any:
-        """This rank's batches of the current epoch, from the position the run is at."""
-        t, p = self.cfg.train, self.progress
-        n = len(self.train_ds)
+    def _epoch(self) -> Iterator[tuple[Batch, int | None]]:
+        """This rank's batches of the current epoch, from the position the run is at, each with the
+        global batch's size when the ranks' parts are balanced (unequal), else None."""
+        t, p, env = self.cfg.train, self.progress, self.env
+        n, balance = len(self.train_ds), self.cfg.distributed.balance
+        balanced = balance != "none" and env.world_size > 1
         batches = epoch_batches(
             n, t.batch_size, shuffle=True, seed=self.cfg.seed, epoch=p.epoch, drop_last=n >= t.batch_size,
-            rank=self.env.rank, world_size=self.env.world_size,
-        )  # fmt: skip
-        return iterate(self.train_ds, batches[p.batch :], self.cfg.data.num_workers)
+            rank=0 if balanced else env.rank, world_size=1 if balanced else env.world_size,
+        )[p.batch :]  # fmt: skip
+        sizes: list[int | None] = [len(b) if balanced else None for b in batches]
+        if balanced:
+            names = [f.name for f in self.pre.schema.sparse if f.sequence]
+            batches = [
+                b[partition(sample_costs(self.train_ds.lengths(b, names), balance), env.world_size)[env.rank]]
+                for b in batches
+            ]
+        return zip(iterate(self.train_ds, batches, self.cfg.data.num_workers), sizes, strict=True)
 
     def _log_window(self, loss_sum: float, steps: int, seconds: float) -> float:
         """Log a window of steps: mean loss over all ranks, examples/s, bytes per step; returns the loss."""
@@ -340,6 +361,8 @@ class Trainer:
             "train_seconds": round(p.train_seconds, 2),
             "examples_per_s": round(p.examples / p.train_seconds, 1) if p.train_seconds else None,
             "skipped_rows": {k: s.skipped for k, s in self.read_stats.items() if s.skipped},
+            # Rows whose sequence features were cut to max_len (the most recent ids kept), per split.
+            "truncated_sequences": {k: s.truncated for k, s in self.read_stats.items() if s.truncated},
             # A seed reproduces a run bit for bit only at the same thread count: sums in another
             # order can move the step early stopping keeps.
             "torch_threads": torch.get_num_threads(),

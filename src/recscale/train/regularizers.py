@@ -23,7 +23,7 @@ class EmbeddingL2:
         for i, (module, scale) in enumerate(model.x0_sources()):
             module.register_forward_hook(lambda m, x, out, i=i, s=scale: self.parts.__setitem__(i, (out, s)))
 
-    def __call__(self, batch_size: int) -> torch.Tensor:
+    def __call__(self, batch_size: float) -> torch.Tensor:
         total = sum(s * x.square().sum() for x, s in self.parts.values())
         assert isinstance(total, torch.Tensor)  # after a forward: the hooks have filled every part
         return self.weight * total / batch_size

@@ -3,7 +3,8 @@
 ``read_batches(path, fmt, schema)`` is the entry point; ``fmt`` is one of ``FORMATS`` and
 ``options`` are validated by ``options_model(fmt)``. Every batch has exactly the columns
 ``schema.column_names()`` with the types of ``raw_arrow_schema(schema)`` and at most
-``chunk_rows`` rows. Bad rows raise a one-line ``DataError`` naming file and line, or are dropped
+``chunk_rows`` rows; a sequence feature's lists are cut to its ``max_len`` (the most recent ids
+kept, the cut rows counted in ``ReadStats.truncated``). Bad rows raise a one-line ``DataError`` naming file and line, or are dropped
 and counted in ``ReadStats`` under ``on_bad_row="skip"``.
 """
 
@@ -18,7 +19,7 @@ import pydantic
 
 from recscale.data.chunks import rechunk
 from recscale.data.readers import criteo, csv, libsvm, movielens, parquet
-from recscale.data.readers.base import BadRows, OnBadRow, ReadStats, raw_arrow_schema
+from recscale.data.readers.base import BadRows, OnBadRow, ReadStats, raw_arrow_schema, truncate_sequences
 from recscale.data.schema import Schema
 from recscale.errors import ConfigError, DataError
 
@@ -80,17 +81,17 @@ def read_batches(
     stats = ReadStats() if stats is None else stats
     bad = BadRows(path, "row" if fmt == "parquet" else "line", on_bad_row, stats)
     extra = (chunk_rows,) if fmt == "parquet" else ()
-    return _counted(module.read(path, schema, opts, bad, *extra), path, chunk_rows, stats)
+    return _counted(module.read(path, schema, opts, bad, *extra), path, schema, chunk_rows, stats)
 
 
 def _counted(
-    batches: Iterator[pa.RecordBatch], path: Path, chunk_rows: int, stats: ReadStats
+    batches: Iterator[pa.RecordBatch], path: Path, schema: Schema, chunk_rows: int, stats: ReadStats
 ) -> Iterator[pa.RecordBatch]:
     rows = 0
     for batch in rechunk(batches, chunk_rows, pa.concat_batches):
         rows += batch.num_rows
         stats.rows += batch.num_rows
-        yield batch
+        yield truncate_sequences(batch, schema, stats)
     if not rows:
         dropped = f" ({stats.skipped} bad rows dropped)" if stats.skipped else ""
         raise DataError(f"{path} has no data rows{dropped}")

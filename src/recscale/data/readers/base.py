@@ -36,6 +36,7 @@ class ReadStats:
     rows: int = 0
     skipped: int = 0
     examples: list[str] = field(default_factory=list)
+    truncated: dict[str, int] = field(default_factory=dict)  # sequence feature -> rows cut to max_len
 
 
 @dataclass
@@ -261,6 +262,45 @@ def list_weights(weights: pa.Array, ids: pa.Array, name: str) -> tuple[pa.Array,
     return weights, Problem(bad, reason)
 
 
+def check_sequence(cells: pa.Array, name: str, sep: str) -> Problem | None:
+    """Rows whose ordered id list has an empty element (text ``3||7``, ``3|7|``) or a null one (list
+    column): in a sequence a missing position is malformed, not droppable. An empty cell or list is an
+    empty history, which is valid."""
+    if is_list(cells.type):
+        lengths = pc.fill_null(pc.list_value_length(cells), 0).to_numpy(zero_copy_only=False)
+        bad_items = pc.is_null(pc.list_flatten(cells)).to_numpy(zero_copy_only=False)
+    else:
+        text = pc.fill_null(cells, "")
+        parts = pc.split_pattern(text, sep)
+        lengths = np.diff(parts.offsets.to_numpy())
+        bad_items = pc.equal(parts.flatten(), "").to_numpy(zero_copy_only=False)
+        bad_items &= np.repeat(pc.not_equal(text, "").to_numpy(zero_copy_only=False), lengths)
+    bad = _rows_with(bad_items, lengths)
+    if not bad.any():
+        return None
+    how = "a null element" if is_list(cells.type) else f"an empty element (write ids as 3{sep}7{sep}9)"
+    return Problem(bad, lambda i: f"sequence feature '{name}' has {how}; an empty cell is an empty history")
+
+
+def truncate_sequences(batch: pa.RecordBatch, schema: Schema, stats: ReadStats) -> pa.RecordBatch:
+    """Cut each sequence feature's lists to their last (most recent) ``max_len`` ids; count cut rows."""
+    for f in schema.sparse:
+        if f.max_len is None:
+            continue
+        col = batch.column(f.name)
+        lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False)
+        over = lengths > f.max_len
+        if not over.any():
+            continue
+        stats.truncated[f.name] = stats.truncated.get(f.name, 0) + int(over.sum())
+        flat = pc.list_flatten(col)
+        # Position of each id counted from its row's end: keep those within max_len of it.
+        from_end = np.repeat(np.cumsum(lengths), lengths) - np.arange(len(flat))
+        kept = _lists(np.minimum(lengths, f.max_len), flat.filter(pa.array(from_end <= f.max_len)))
+        batch = batch.set_column(batch.schema.get_field_index(f.name), batch.schema.field(f.name), kept)
+    return batch
+
+
 def convert(column: Callable[[str], pa.Array], schema: Schema) -> tuple[list[pa.Array], list[Problem | None]]:
     """Source columns (fetched by name) -> raw-layout arrays in ``schema.column_names()`` order.
 
@@ -288,6 +328,8 @@ def convert(column: Callable[[str], pa.Array], schema: Schema) -> tuple[list[pa.
             ids, weights, problem = split_ids(cells, f.sep, f.weighted, f.name)
             arrays += [ids] if weights is None else [ids, weights]
             problems.append(problem)
+        if f.sequence:
+            problems.append(check_sequence(cells, f.name, f.sep))
     return arrays, problems
 
 

@@ -12,6 +12,12 @@ names are the header names without the ``:type``. A schema feature must be a ``t
 (sparse, multi: false), a ``token_seq`` column (sparse, multi: true) or a ``float`` column
 (dense). The schema label is ``label`` (or ``rating``): both mean the thresholded rating.
 
+Histories: two derived sequence features, declared in the schema as ``{name: history, multi: true,
+max_len: N}`` (and/or ``liked_history``): the items the rating's user rated (``liked_history``: rated at
+least ``rating_threshold``) *strictly before* the rating's timestamp, oldest first, the last ``max_len``
+kept (rows cut are counted). They are computed over all ratings before the split is taken, so a valid
+or test rating sees the user's earlier train ratings, and no rating sees one at or after its own time.
+
 Split (the project's documented, reproducible split): all ratings (bad rows dropped first) are
 sorted by (timestamp as a number, user_id, item_id; ids compared as strings). With n ratings and
 ``fractions`` (f_train, f_valid, f_test), default (0.8, 0.1, 0.1): ``train`` is the first
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, model_validator
@@ -52,6 +59,8 @@ from recscale.data.schema import Schema
 from recscale.errors import DataError
 
 KEYS = {"user": "user_id", "item": "item_id"}
+# Derived sequence features: name -> whether only ratings >= rating_threshold count.
+HISTORIES = {"history": False, "liked_history": True}
 # Columns the label and the split need.
 RATING, TIMESTAMP = "rating", "timestamp"
 EMPTY_IDS = pa.scalar([], pa.list_(pa.string()))
@@ -136,11 +145,21 @@ def _owners(files: dict[str, AtomicFile], schema: Schema) -> dict[str, str]:
     for part, file in files.items():
         for name in file.types:
             owner.setdefault(name, part)
+    for f in schema.sparse:
+        if f.name in HISTORIES and f.name not in owner:
+            if f.max_len is None:
+                raise DataError(
+                    f"{files['inter'].path}: '{f.name}' is a derived user history; declare it as a sequence: "
+                    f"{{name: {f.name}, multi: true, max_len: 50}}"
+                )
+            owner[f.name] = "history"
     missing = [n for n in [*schema.dense_names, *schema.sparse_names] if n not in owner]
     if missing:
         raise missing_columns_error(files["inter"].path, missing, list(owner))
     wanted = {d.name: "float" for d in schema.dense}
-    wanted |= {f.name: "token_seq" if f.multi else "token" for f in schema.sparse}
+    wanted |= {
+        f.name: "token_seq" if f.multi else "token" for f in schema.sparse if owner[f.name] != "history"
+    }
     for f in schema.sparse:
         if f.weighted:
             raise DataError(
@@ -153,7 +172,7 @@ def _owners(files: dict[str, AtomicFile], schema: Schema) -> dict[str, str]:
                 f"{files[owner[name]].path}: column '{name}' is {have}, but the schema needs a {kind} "
                 "column there (dense = float, sparse = token, sparse multi = token_seq)"
             )
-    return {name: owner[name] for name in wanted}
+    return {name: owner[name] for name in [*schema.dense_names, *schema.sparse_names]}
 
 
 def _load(file: AtomicFile, include: list[str], required: tuple[str, ...], bad: BadRows) -> pa.Table:
@@ -184,6 +203,35 @@ def _load(file: AtomicFile, include: list[str], required: tuple[str, ...], bad: 
     return pa.concat_tables(tables).combine_chunks()
 
 
+def _history(ratings: pa.Table, threshold: float, liked: bool, max_len: int) -> tuple[pa.Array, np.ndarray]:
+    """Each rating's user history (item ids rated strictly earlier; ``liked``: rated >= threshold),
+    oldest first, the last ``max_len`` kept; and a (n,) bool mask of the ratings whose history was cut."""
+    users = pc.dictionary_encode(ratings.column("user_id")).combine_chunks().indices.to_numpy()
+    times = ratings.column(TIMESTAMP).to_numpy()
+    by_user = np.lexsort((np.arange(len(users)), times, users))  # stable: per user, by time
+    u, t = users[by_user], times[by_user]
+    idx = np.arange(len(u))
+    new_user = np.r_[True, u[1:] != u[:-1]]
+    new_time = new_user | np.r_[True, t[1:] != t[:-1]]
+    first = np.maximum.accumulate(np.where(new_user, idx, 0))  # the user's first rating
+    before = np.maximum.accumulate(
+        np.where(new_time, idx, 0)
+    )  # the first rating at this time: end of history
+    counted = idx
+    if liked:
+        counted = idx[ratings.column(RATING).to_numpy()[by_user] >= threshold]
+    lo, hi = np.searchsorted(counted, first), np.searchsorted(counted, before)
+    start = np.maximum(lo, hi - max_len)
+    lengths = hi - start
+    items = ratings.column("item_id").combine_chunks().take(pa.array(by_user))
+    pos = counted[np.repeat(start - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))]
+    offsets = np.zeros(len(u) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    lists = pa.ListArray.from_arrays(pa.array(offsets), items.take(pa.array(pos)))
+    back = np.argsort(by_user)  # user order -> the ratings' (time) order
+    return lists.take(pa.array(back)), (hi - lo > max_len)[back]
+
+
 def _missing(values: pa.Array, name: str) -> Problem | None:
     null = values.is_null().to_numpy(zero_copy_only=False)
     return Problem(null, lambda i: f"{name} is missing") if null.any() else None
@@ -198,12 +246,22 @@ def _batches(
     ratings = _load(files["inter"], include, needs, inter_bad)
     order = [(TIMESTAMP, "ascending"), ("user_id", "ascending"), ("item_id", "ascending")]
     ratings = ratings.take(pc.sort_indices(ratings, order))
+    histories = {
+        f.name: _history(ratings, options.rating_threshold, HISTORIES[f.name], int(f.max_len or 0))
+        for f in schema.sparse
+        if owner[f.name] == "history"
+    }
     n = ratings.num_rows
     f_train, f_valid, _ = options.fractions
     cuts = [0, round(f_train * n), round((f_train + f_valid) * n), n]
     start, stop = {"train": (0, 1), "valid": (1, 2), "test": (2, 3), "all": (0, 3)}[options.split]
     ratings = ratings.slice(cuts[start], cuts[stop] - cuts[start])
     columns = {name: ratings.column(name) for name in ratings.column_names}
+    for name, (lists, cut) in histories.items():
+        columns[name] = lists.slice(cuts[start], cuts[stop] - cuts[start])
+        truncated = int(cut[cuts[start] : cuts[stop]].sum())
+        if truncated:
+            bad.stats.truncated[name] = bad.stats.truncated.get(name, 0) + truncated
     for part, key in KEYS.items():
         side_names = [name for name, p in owner.items() if p == part]
         if not side_names:

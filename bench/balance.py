@@ -1,0 +1,150 @@
+"""FreeScale-style balancing under Zipf-skewed history lengths: contiguous slices against ``balance``.
+
+    python bench/balance.py --world 2 4 --steps 8 --repeats 3
+
+For each world size, one launch of W gloo ranks (1 thread each) on the synthetic teacher with one history
+feature whose lengths are Zipf-skewed (``history_alpha``), a causal-transformer sequence encoder, and the
+trainer's own ``train_step``. Each repeat trains ``--steps`` steps contiguous (``balance: none``), then the
+same steps balanced (``--balance``, default tokens2), each from a freshly built model (same seed), in
+alternating order across repeats. Per step it records:
+
+- step time: from a barrier before ``train_step`` to a barrier after it (the straggler sets it);
+- per-rank compute: forward + backward of the rank's part on a local, unsharded replica of the model,
+  all ranks timed side by side between barriers (no collectives, so no waiting is counted);
+- the predicted cost of each rank's part and the step's loss (balanced must equal contiguous).
+
+Prints one JSON line per world size and mode (medians over repeats x steps), and the loss gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    return [
+        f"data.synthetic.rows={{train: {args.batch * (args.steps + 1)}, valid: 256, test: 256}}",
+        "data.synthetic.num_sparse=4", "data.synthetic.num_multi=0", "data.synthetic.num_history=1",
+        f"data.synthetic.history_max_len={args.max_len}", f"data.synthetic.history_alpha={args.alpha}",
+        "data.num_workers=0", "model.embedding.dim=16", "model.num_layers=1",
+        f"model.embedding.sequence={{encoder: causal, layers: 1, heads: 2, buckets: {args.buckets}}}",
+        f"train.batch_size={args.batch}", "train.progress=false", "train.early_stopping=null",
+        "distributed.sharding=table_wise",
+    ]  # fmt: skip
+
+
+def worker(spec_path: str) -> None:
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from recscale.config import load_config
+    from recscale.distributed.balance import imbalance, sample_costs
+    from recscale.distributed.env import shutdown
+    from recscale.models.registry import build_model
+    from recscale.train.build import feature_set
+    from recscale.train.loop import Trainer
+
+    logging.disable(logging.WARNING)
+    spec = json.loads(Path(spec_path).read_text())
+    args = argparse.Namespace(**spec["args"])
+    results: dict[str, dict[str, list]] = {}
+    for rep in range(args.repeats):
+        modes = ["none", args.balance] if rep % 2 == 0 else [args.balance, "none"]
+        for mode in modes:
+            cfg = load_config(REPO / "configs/demo.yaml", [*overrides(args), f"distributed.balance={mode}"])
+            trainer = Trainer(cfg, Path(spec["root"]) / f"{mode}_{rep}")
+            torch.manual_seed(cfg.seed)
+            replica = build_model(
+                cfg.model.name, feature_set(trainer.pre), cfg.model.embedding, cfg.model.params
+            )
+            names = [f.name for f in trainer.pre.schema.sparse if f.sequence]
+            rec = results.setdefault(mode, {"step_s": [], "compute_s": [], "cost": [], "loss": []})
+            for i, (batch, global_size) in enumerate(trainer._epoch()):
+                if i == args.steps:
+                    break
+                dist.barrier()
+                t0 = time.perf_counter()
+                loss = trainer.train_step(batch, global_size)
+                dist.barrier()
+                step = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                logits = replica(batch.dense, batch.sparse)
+                nn.functional.binary_cross_entropy_with_logits(logits, batch.labels).backward()
+                compute = time.perf_counter() - t1
+                replica.zero_grad(set_to_none=True)
+                dist.barrier()
+                lengths = batch.sparse.to_dict()[names[0]].lengths().numpy()[:, None]
+                cost = float(sample_costs(lengths, args.balance).sum())
+                local = torch.tensor([compute, cost, float(loss)], dtype=torch.float64)
+                gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+                dist.all_gather(gathered, local)
+                g = torch.stack(gathered)
+                loss_mean = float(g[:, 2].mean())  # what the trainer logs: the ranks' mean
+                if rep == 0:
+                    rec["loss"].append(loss_mean)
+                rec["step_s"].append(step)
+                rec["compute_s"].append(g[:, 0].tolist())
+                rec["cost"].append(g[:, 1].tolist())
+            trainer.log.close()
+    if dist.get_rank() == 0:
+        out = {}
+        for mode, rec in results.items():
+            compute, cost = np.array(rec["compute_s"]), np.array(rec["cost"])
+            out[mode] = {
+                "step_s_median": statistics.median(rec["step_s"]),
+                "per_rank_compute_s_median": np.median(compute, axis=0).round(4).tolist(),
+                "compute_max_over_mean_median": statistics.median(imbalance(c) for c in compute),
+                "cost_max_over_mean_median": statistics.median(imbalance(c) for c in cost),
+                "losses": rec["loss"],
+            }
+        Path(spec["out"]).write_text(json.dumps(out))
+    shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch", type=int, default=512, help="global batch")
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--alpha", type=float, default=1.2, help="Zipf exponent of the history lengths")
+    p.add_argument("--buckets", type=lambda v: v if v == "pow2" else int(v), default=4,
+                   help="length buckets per rank batch: N equal counts, or pow2")  # fmt: skip
+    p.add_argument("--balance", choices=["tokens", "tokens2"], default="tokens2")
+    args = p.parse_args()
+    from recscale.distributed.launch import launch
+
+    for world in args.world:
+        with tempfile.TemporaryDirectory(prefix="recscale-balance-") as tmp:
+            spec = {"args": vars(args), "root": tmp, "out": f"{tmp}/out.json"}
+            (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+            launch([__file__, "worker", f"{tmp}/spec.json"], world, world, 0)
+            out = json.loads(Path(spec["out"]).read_text())
+        ref = out["none"]
+        for mode, r in out.items():
+            gap = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"], strict=True))
+            speedup = ref["step_s_median"] / r["step_s_median"]
+            row = {k: v for k, v in r.items() if k != "losses"}
+            print(json.dumps({"world": world, "mode": mode, **row, "speedup_vs_none": round(speedup, 3),
+                              "max_loss_gap_vs_none": gap}), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["worker"]:
+        worker(sys.argv[2])
+    else:
+        main()

@@ -1,0 +1,86 @@
+"""FreeScale-style balancing: the LPT partition, and a 2-rank gloo run whose losses equal the contiguous
+split's (every sample trained once per step, the loss rescaled for unequal parts)."""
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from recscale.config import load_config
+from recscale.distributed.balance import imbalance, partition, sample_costs
+from recscale.distributed.env import shutdown
+from recscale.distributed.launch import launch
+from recscale.train.loop import Trainer
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _zipf_lengths(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    pmf = np.arange(1, 258, dtype=np.float64) ** -1.2
+    return rng.choice(257, size=(n, 1), p=pmf / pmf.sum())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("balance", ["tokens", "tokens2"])
+def test_lpt_trains_every_sample_once_and_evens_the_cost(world, balance):
+    costs = sample_costs(_zipf_lengths(1024), balance)
+    parts = partition(costs, world)
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(1024))
+    assert all(np.all(np.diff(p) > 0) for p in parts)
+    balanced = imbalance(np.array([costs[p].sum() for p in parts]))
+    contiguous = imbalance(np.array([c.sum() for c in np.array_split(costs, world)]))
+    assert balanced <= 1.1 < contiguous or balanced < contiguous
+    assert balanced <= 1.1
+    assert all(np.array_equal(a, b) for a, b in zip(parts, partition(costs, world), strict=True))
+
+
+def test_costs_count_tokens_or_their_squares_over_every_sequence():
+    lengths = np.array([[0, 0], [3, 1], [2, 2]])
+    assert sample_costs(lengths, "tokens").tolist() == [1, 5, 5]
+    assert sample_costs(lengths, "tokens2").tolist() == [1, 11, 9]
+
+
+SMALL = [
+    "data.synthetic.rows={train: 4096, valid: 512, test: 512}", "data.synthetic.num_sparse=3",
+    "data.synthetic.num_multi=1", "data.synthetic.num_history=1", "data.synthetic.history_max_len=32",
+    "data.synthetic.vocab_sizes=64", "data.num_workers=0", "model.embedding.dim=8", "model.num_layers=1",
+    "model.embedding.sequence={encoder: causal_din, target: s0, buckets: 2}", "train.batch_size=128",
+    "train.max_steps=6", "train.log_every=1", "train.progress=false", "train.early_stopping=null",
+    "train.embedding_l2=0.01",
+]  # fmt: skip
+
+
+def _losses(run: Path) -> list[float]:
+    records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    return [r["loss"] for r in records if r["split"] == "train"]
+
+
+def _worker(spec_path: str) -> None:
+    """Both runs in one launch (one start-up of the ranks): contiguous, then balanced."""
+    logging.disable(logging.WARNING)
+    for out, overrides in json.loads(Path(spec_path).read_text()):
+        Trainer(load_config(CONFIGS / "demo.yaml", [*SMALL, *overrides]), Path(out)).fit()
+    shutdown()
+
+
+@pytest.mark.dist
+def test_balanced_two_rank_run_has_the_losses_of_contiguous_slices(tmp_path):
+    runs = [
+        (str(tmp_path / "none"), ["distributed.sharding=table_wise"]),
+        (str(tmp_path / "tokens2"), ["distributed.sharding=row_wise", "distributed.balance=tokens2"]),
+    ]
+    (tmp_path / "spec.json").write_text(json.dumps(runs))
+    launch([__file__, "worker", str(tmp_path / "spec.json")], 2, 2, 0)
+    reference = _losses(tmp_path / "none")
+    assert len(reference) == 6
+    np.testing.assert_allclose(_losses(tmp_path / "tokens2"), reference, rtol=0, atol=1e-5)
+    report = json.loads((tmp_path / "tokens2" / "report.json").read_text())
+    assert report["examples"] == 6 * 128
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    _worker(sys.argv[2])
