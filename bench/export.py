@@ -10,13 +10,12 @@ checks the fp32 export against ``recscale eval`` of the run itself. Writes OUT.m
 from __future__ import annotations
 
 import argparse
-import csv
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from report_files import write_report
 from safetensors.torch import load_file
 
 from recscale.cli import _quiet
@@ -81,13 +80,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        args.out.with_suffix(".md").write_text(
-            text + "\n\nCommand: `" + " ".join(["python", *sys.argv]) + "`\n"
-        )
-        with open(args.out.with_suffix(".csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_report(args.out, text, rows)
 
 
 if __name__ == "__main__":

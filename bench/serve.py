@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import os
 import signal
@@ -32,6 +31,7 @@ import httpx
 import numpy as np
 import pyarrow as pa
 import torch
+from report_files import write_report
 
 from recscale.cli import _quiet
 from recscale.data.readers import read_batches
@@ -172,13 +172,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        args.out.with_suffix(".md").write_text(
-            text + "\n\nCommand: `" + " ".join(["python", *sys.argv]) + "`\n"
-        )
-        with open(args.out.with_suffix(".csv"), "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(results[0]))
-            w.writeheader()
-            w.writerows(results)
+        write_report(args.out, text, results)
 
 
 if __name__ == "__main__":
