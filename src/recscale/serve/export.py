@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.inference.modules import quantize_embeddings
 from torchrec.tensor_types import UIntXTensor
@@ -58,13 +57,30 @@ def _full(name: str, t: torch.Tensor) -> torch.Tensor:
     return (full_tensor() if full_tensor is not None else t).detach().cpu()
 
 
-def weights(model: nn.Module, dense: DenseFormat) -> dict[str, torch.Tensor]:
-    """The inference model's tensors to save: quantized tables as their packed rows (int4's uint8 bytes),
-    the dense weights in ``dense``."""
+# Bytes of a quantized table row as fbgemm lays it out before padding the row to 16 bytes: fp16 values;
+# row-wise int8/int4: an fp16 scale and bias, then the values. The padding (zeros) is not saved.
+_ROW_BYTES = {"fp16": lambda d: 2 * d, "int8": lambda d: 4 + d, "int4": lambda d: 4 + d // 2}
+
+
+def _row_widths(model: RecModel, tables: TableFormat) -> dict[str, int]:
+    if tables == "fp32":
+        return {}
+    return {
+        f"{_TABLES}embedding_bags.{c.name}.weight": _ROW_BYTES[tables](c.embedding_dim)
+        for c in model.embedding.ebc.embedding_bag_configs()
+    }
+
+
+def weights(model: RecModel, tables: TableFormat, dense: DenseFormat) -> dict[str, torch.Tensor]:
+    """The inference model's tensors to save: quantized tables as their packed rows without padding, the
+    dense weights in ``dense``."""
+    widths = _row_widths(model, tables)
     out = {}
     for name, t in model.state_dict().items():
         if isinstance(t, UIntXTensor):
             t = t.elem
+        if name in widths:
+            t = t[:, : widths[name]]
         elif dense == "bf16" and not name.startswith(_TABLES) and t.is_floating_point():
             t = t.to(torch.bfloat16)
         out[name] = t.detach().contiguous()
@@ -72,10 +88,10 @@ def weights(model: nn.Module, dense: DenseFormat) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+def load_weights(model: RecModel, tensors: dict[str, torch.Tensor], tables: TableFormat, where: str) -> None:
     """Copy ``tensors`` (as ``weights`` saved them) into ``model``'s own storage (a quantized table's
     buffers are views of fbgemm's weights); every name, shape and dtype must match."""
-    target = model.state_dict(keep_vars=True)
+    target, widths = model.state_dict(keep_vars=True), _row_widths(model, tables)
     if target.keys() != tensors.keys():
         missing, extra = sorted(target.keys() - tensors.keys()), sorted(tensors.keys() - target.keys())
         raise CheckpointError(
@@ -83,6 +99,9 @@ def load_weights(model: nn.Module, tensors: dict[str, torch.Tensor], where: str)
         )
     for name, t in target.items():
         dst, src = (t.elem if isinstance(t, UIntXTensor) else t), tensors[name]
+        if name in widths:
+            dst[:, widths[name] :] = 0
+            dst = dst[:, : widths[name]]
         upcast = src.dtype == torch.bfloat16 and dst.dtype == torch.float32 and not name.startswith(_TABLES)
         if src.shape != dst.shape or (src.dtype != dst.dtype and not upcast):
             raise CheckpointError(
@@ -101,10 +120,10 @@ def export_run(
     cfg, pre, built = load_trained(run_dir)
     model = inference_model(cfg, pre, "fp32")
     trained = {k: _full(k, v) for k, v in built.model.state_dict().items()}  # type: ignore[attr-defined]
-    load_weights(model, trained, f"{run_dir}'s checkpoint")
+    load_weights(model, trained, "fp32", f"{run_dir}'s checkpoint")
     if tables != "fp32":
         quantize_embeddings(model, dtype=_QUANT_DTYPES[tables], inplace=True)
     manifest = Manifest(
         model=cfg.model.name, tables=tables, dense=dense, source=str(Path(run_dir).resolve()), files={}
     )
-    return write_artifact(out, cfg, pre, weights(model, dense), manifest)
+    return write_artifact(out, cfg, pre, weights(model, tables, dense), manifest)

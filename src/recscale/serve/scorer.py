@@ -27,7 +27,7 @@ class Scorer:
         art = read_artifact(model_dir)
         self.manifest, self.config, self.pre = art.manifest, art.config, art.pre
         self.model = inference_model(art.config, art.pre, art.manifest.tables)
-        load_weights(self.model, art.tensors, str(Path(model_dir) / WEIGHTS))
+        load_weights(self.model, art.tensors, art.manifest.tables, str(Path(model_dir) / WEIGHTS))
         self.precision: str = art.manifest.dense
         self.parser = RowParser(art.pre.schema, max_rows)
         self._keys = art.pre.schema.sparse_names
