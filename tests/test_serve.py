@@ -156,6 +156,13 @@ def _flip(data: bytes, at: int) -> bytes:
     return data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :]
 
 
+def test_serve_on_a_taken_port_is_one_line(trained, capsys):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        code = main(["serve", str(_export(trained)), "--port", str(taken.getsockname()[1])])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "cannot listen on 127.0.0.1" in err, err
+
+
 def test_export_refuses_to_overwrite_a_directory_that_is_not_a_model(trained, tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("mine")
     assert main(["export", str(trained["run"]), "--out", str(tmp_path)]) == 2

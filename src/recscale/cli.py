@@ -124,6 +124,8 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    import socket
+
     from recscale.serve.scorer import Scorer
     from recscale.serve.server import ServeOptions, serve
 
@@ -134,6 +136,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
             )
     if args.max_wait_ms < 0:
         raise RecscaleError(f"serve: --max-wait-ms must be >= 0, got {args.max_wait_ms}")
+    try:  # before the model loads: a taken port is found at once, as one line
+        with socket.create_server((args.host, args.port)):
+            pass
+    except OSError as e:
+        raise RecscaleError(
+            f"serve: cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose another --port or --host"
+        ) from None
     opts = ServeOptions(
         args.max_batch, args.max_wait_ms, not args.no_batching, args.threads, args.max_body_kb << 10
     )
