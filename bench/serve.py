@@ -21,6 +21,7 @@ import argparse
 import http.client
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -60,12 +61,12 @@ def offline(scorer: Scorer, data: Path, limit: int) -> tuple[list[dict], np.ndar
     return rows, probs, best
 
 
-def start_server(model_dir: Path, batching: bool) -> tuple[subprocess.Popen[bytes], int]:
+def start_server(model_dir: Path, batching: bool, extra: list[str]) -> tuple[subprocess.Popen[bytes], int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [sys.executable, "-m", "recscale.cli", "serve", str(model_dir), "--port", str(port)]
-    proc = subprocess.Popen(argv + ([] if batching else ["--no-batching"]), env=os.environ.copy())
+    proc = subprocess.Popen(argv + ([] if batching else ["--no-batching"]) + extra, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
     while True:
@@ -150,6 +151,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=2000, help="requests per level at most")
     p.add_argument("--seconds", type=float, default=20, help="seconds per level at most")
     p.add_argument("--batching", choices=["on", "off"], nargs="+", default=["on", "off"])
+    p.add_argument("--server-args", default="", help='more options of recscale serve, e.g. "--threads 2"')
     p.add_argument("--tol", type=float, default=1e-5, help="largest allowed |server - offline| score")
     p.add_argument("--out", type=Path, help="write OUT.md and OUT.csv")
     args = p.parse_args()
@@ -160,7 +162,7 @@ def main() -> None:
     print(f"offline: {offline_rate:,.0f} rows/s (Scorer.score_file, batch 8192)", flush=True)
     results = []
     for mode in args.batching:
-        proc, port = start_server(args.model_dir, mode == "on")
+        proc, port = start_server(args.model_dir, mode == "on", shlex.split(args.server_args))
         try:
             for r in args.rows_per_request:
                 n = len(rows) // r
