@@ -66,7 +66,7 @@ def test_skip_counts_dropped_rows(tmp_path, capsys):
 
 
 def test_help_for_each_command():
-    for argv in ([], ["train"], ["eval"], ["data", "inspect"], ["data", "prepare"]):
+    for argv in ([], ["train"], ["eval"], ["data", "inspect"], ["data", "prepare"], ["export"], ["serve"]):
         r = subprocess.run(
             [sys.executable, "-m", "recscale.cli", *argv, "--help"], capture_output=True, text=True
         )

@@ -113,6 +113,48 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(json.dumps(eval_run(Path(args.run_dir), args.data, args.format)))
 
 
+def cmd_export(args: argparse.Namespace) -> None:
+    from recscale.distributed.env import shutdown
+    from recscale.serve.export import export_run
+
+    manifest = export_run(Path(args.run_dir), Path(args.out), args.tables, args.dense)
+    shutdown()
+    size = sum(f.bytes for f in manifest.files.values())
+    print(
+        f"exported {manifest.model} (tables {manifest.tables}, dense {manifest.dense}, {size:,} bytes): {args.out}"
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import socket
+
+    from recscale.serve.scorer import Scorer
+    from recscale.serve.server import ServeOptions, serve
+
+    for name in ("port", "max_batch", "threads", "max_rows", "max_body_kb"):
+        if getattr(args, name) < (0 if name == "port" else 1):
+            raise RecscaleError(
+                f"serve: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
+            )
+    if args.max_wait_ms < 0:
+        raise RecscaleError(f"serve: --max-wait-ms must be >= 0, got {args.max_wait_ms}")
+    try:  # before the model loads: a taken port is found at once, as one line
+        with socket.create_server((args.host, args.port)):
+            pass
+    except OSError as e:
+        raise RecscaleError(
+            f"serve: cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose another --port or --host"
+        ) from None
+    opts = ServeOptions(
+        args.max_batch, args.max_wait_ms, not args.no_batching, args.threads, args.max_body_kb << 10
+    )
+    scorer = Scorer(Path(args.model_dir), args.max_rows)
+    print(
+        f"serving {scorer.manifest.model} from {args.model_dir} on http://{args.host}:{args.port} (Ctrl-C stops)"
+    )
+    serve(scorer, args.host, args.port, opts)
+
+
 def cmd_inspect(args: argparse.Namespace) -> None:
     from recscale.data.inspect import inspect_file
 
@@ -229,6 +271,36 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data", required=True, help="file in the same format as the run's training data")
     e.add_argument("--format", help="override the data format (default: the run's)")
     e.set_defaults(fn=cmd_eval)
+
+    x = sub.add_parser("export", help="write a trained run as a self-contained model directory for serving",
+                       description="Export the run's best (else latest) model: config, vocabularies and weights "
+                                   "(safetensors), with a manifest of sha256 hashes; tables optionally quantized.")  # fmt: skip
+    x.add_argument("run_dir")
+    x.add_argument(
+        "--out", required=True, help="model directory to write (created; an older export is replaced)"
+    )
+    x.add_argument("--tables", choices=["fp32", "fp16", "int8", "int4"], default="fp32",
+                   help="table storage: int8/int4 are fbgemm row-wise quantized (default fp32)")  # fmt: skip
+    x.add_argument("--dense", choices=["fp32", "bf16"], default="fp32",
+                   help="dense weights: bf16 stores them in bfloat16 and scores under bf16 autocast")  # fmt: skip
+    x.set_defaults(fn=cmd_export)
+
+    sv = sub.add_parser("serve", help="serve an exported model over HTTP: POST /score, GET /healthz, /readyz",
+                        description='POST /score with {"rows": [{feature: value, ...}, ...]} answers '
+                                    '{"scores": [p, ...]} in row order (docs/SERVING.md).')  # fmt: skip
+    sv.add_argument("model_dir")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--max-batch", type=int, default=1024, help="rows scored together at most (default 1024)")
+    sv.add_argument("--max-wait-ms", type=float, default=2.0,
+                    help="how long a request waits for others to batch with (default 2)")  # fmt: skip
+    sv.add_argument("--no-batching", action="store_true", help="score every request alone")
+    sv.add_argument("--threads", type=int, default=1, help="scoring threads (default 1)")
+    sv.add_argument("--max-rows", type=int, default=4096, help="rows per request at most (default 4096)")
+    sv.add_argument(
+        "--max-body-kb", type=int, default=8192, help="request body size limit (default 8192 KiB)"
+    )
+    sv.set_defaults(fn=cmd_serve)
 
     d = sub.add_parser("data", help="data utilities")
     dsub = d.add_subparsers(dest="data_command", required=True)

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import ValidationError
 
-from recscale.data.schema import Schema
+from recscale.data.schema import WEIGHT_SUFFIX, Schema
 from recscale.errors import CheckpointError, DataError, StaleArtifactError
 from recscale.io import atomic_write_text
 
@@ -89,6 +89,37 @@ def dense_matrix(batch: pa.RecordBatch, schema: Schema) -> np.ndarray:
             "dense features hold NaN or infinite values after preprocessing; check the fill values"
         )
     return dense
+
+
+def encode(batch: pa.RecordBatch, pre: Preprocessor) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A raw-layout batch (a label column is not needed) mapped as a materialised split is, in memory:
+    (dense (B, n_dense) float32, ids (total,) int64, lengths (n_sparse * B,) int32 in feature-major
+    order, weights (total,) float32 when a feature is weighted else empty): ``ArrayDataset.gather_arrays``'
+    layout. For online scoring, where rows arrive a few at a time and no split is written."""
+    schema = pre.schema
+    weighted = any(f.weighted for f in schema.sparse)
+    values, lengths, weights = [], [], []
+    for f in schema.sparse:
+        ids, lens = values_and_lengths(batch.column(f.name))
+        values.append(
+            hashed_ids(ids, f.hash_buckets) if f.hash_buckets is not None else pre.lookup(f.name, ids)
+        )
+        lengths.append(lens)
+        if f.weighted:
+            w, w_lens = values_and_lengths(batch.column(f.name + WEIGHT_SUFFIX))
+            if not np.array_equal(w_lens, lens):
+                raise DataError(
+                    f"feature '{f.name}': its weights ({f.name}{WEIGHT_SUFFIX}) and ids differ in number"
+                )
+            weights.append(pc.fill_null(w, 1.0).to_numpy(zero_copy_only=False).astype(np.float32))
+        elif weighted:
+            weights.append(np.ones(int(lens.sum()), np.float32))
+    return (
+        dense_matrix(batch, schema),
+        np.concatenate(values) if values else np.zeros(0, np.int64),
+        np.concatenate(lengths) if lengths else np.zeros(0, np.int32),
+        np.concatenate(weights) if weights else np.zeros(0, np.float32),
+    )
 
 
 def _merge_counts(tables: list[pa.Table]) -> pa.Table:

@@ -69,33 +69,33 @@ def one_line(e: object, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def tampered(path: Path, what: str) -> CheckpointError:
+def tampered(path: Path, what: str, kind: str = "checkpoint") -> CheckpointError:
     return CheckpointError(
-        f"{path}: {one_line(what, 300)}; the checkpoint is damaged or was tampered with: "
+        f"{path}: {one_line(what, 300)}; the {kind} is damaged or was tampered with: "
         "restore it from a good copy or delete it"
     )
 
 
-def read_regular_file(path: Path, cap: int) -> bytes:
-    """The bytes of ``path``, which must be a regular file (not a symlink) of 1..cap bytes."""
+def read_regular_file(path: Path, cap: int, kind: str = "checkpoint") -> bytes:
+    """The bytes of ``path``, which must be a regular file (not a symlink) of 1..cap bytes of a ``kind``."""
     try:
         if stat.S_ISLNK(os.lstat(path).st_mode):
-            raise tampered(path, "is a symbolic link, and recscale writes none in a checkpoint")
+            raise tampered(path, f"is a symbolic link, and recscale writes none in a {kind}", kind)
         # O_NOFOLLOW: a link swapped in after the check still fails; O_NONBLOCK: a FIFO cannot hang us.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
-                raise tampered(path, "is not a regular file")
+                raise tampered(path, "is not a regular file", kind)
             data = b"" if st.st_size > cap else f.read(cap + 1)  # +1: it may have grown since
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete: delete it") from None
+        raise CheckpointError(f"{path}: missing; the {kind} is incomplete: delete it") from None
     except OSError as e:
-        raise tampered(path, f"cannot be read ({e.strerror or e})") from None
+        raise tampered(path, f"cannot be read ({e.strerror or e})", kind) from None
     if st.st_size > cap or len(data) > cap:
-        raise tampered(path, f"is larger than {cap >> 20} MiB, more than any recscale checkpoint writes")
+        raise tampered(path, f"is larger than {cap >> 20} MiB, more than any recscale {kind} writes", kind)
     if not data:
-        raise tampered(path, "is empty")
+        raise tampered(path, "is empty", kind)
     return data
 
 

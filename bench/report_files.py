@@ -1,0 +1,15 @@
+"""A benchmark's result table as OUT.md (with the command that made it) and its rows as OUT.csv."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+
+def write_report(out: Path, text: str, rows: list[dict]) -> None:
+    out.with_suffix(".md").write_text(text + "\n\nCommand: `" + " ".join(["python", *sys.argv]) + "`\n")
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)

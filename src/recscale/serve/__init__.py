@@ -1,0 +1,1 @@
+"""Exported models and the online scoring service (``recscale export``, ``recscale serve``)."""

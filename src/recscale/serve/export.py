@@ -1,0 +1,129 @@
+"""``recscale export``: a trained run -> a self-contained inference model (``recscale.serve.artifact``).
+
+The inference model is the run's own network, unsharded and in eval mode, rebuilt from the config by
+the model registry. Its tables can be stored quantized through TorchRec's quantized
+``EmbeddingBagCollection`` (fbgemm's row-wise int8/int4 with a per-row fp16 scale and bias, or fp16),
+which runs on CPU; its dense weights can be stored as bf16 and then run under bf16 autocast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.inference.modules import quantize_embeddings
+from torchrec.tensor_types import UIntXTensor
+
+from recscale.config import RunConfig
+from recscale.data.preprocess import Preprocessor
+from recscale.errors import CheckpointError
+from recscale.models.base import RecModel
+from recscale.models.quant import quantize_model
+from recscale.models.registry import build_model
+from recscale.serve.artifact import DenseFormat, Manifest, TableFormat, write_artifact
+from recscale.train.build import feature_set
+
+_QUANT_DTYPES = {"fp16": torch.float16, "int8": torch.qint8, "int4": torch.quint4x2}
+_TABLES = "embedding.ebc."  # state-dict prefix of the tables in every RecModel
+
+
+def inference_model(cfg: RunConfig, pre: Preprocessor, tables: TableFormat) -> RecModel:
+    """The run's network, unsharded, in eval mode, tables quantized to ``tables`` (weights not loaded)."""
+    model = build_model(cfg.model.name, feature_set(pre), cfg.model.embedding, cfg.model.params)
+    if cfg.model.quant is not None:  # the emulated low-precision GEMMs it was trained with
+        quantize_model(model, cfg.model.quant)
+    if tables != "fp32":
+        quantize_embeddings(model, dtype=_QUANT_DTYPES[tables], inplace=True)
+    return model.eval()
+
+
+def _full(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A trained model's tensor as one plain tensor (a sharded table assembled from this process's shards)."""
+    if isinstance(t, ShardedTensor):
+        out = torch.empty(t.size(), dtype=t.dtype)
+        covered = 0
+        for shard in t.local_shards():
+            where = tuple(
+                slice(o, o + s)
+                for o, s in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True)
+            )
+            out[where] = shard.tensor
+            covered += shard.tensor.numel()
+        if covered != out.numel():
+            raise CheckpointError(f"table {name} is sharded over processes; export from one process")
+        return out
+    full_tensor = getattr(t, "full_tensor", None)  # an FSDP2 DTensor
+    return (full_tensor() if full_tensor is not None else t).detach().cpu()
+
+
+# Bytes of a quantized table row as fbgemm lays it out before padding the row to 16 bytes: fp16 values;
+# row-wise int8/int4: an fp16 scale and bias, then the values. The padding (zeros) is not saved.
+_ROW_BYTES = {"fp16": lambda d: 2 * d, "int8": lambda d: 4 + d, "int4": lambda d: 4 + d // 2}
+
+
+def _row_widths(model: RecModel, tables: TableFormat) -> dict[str, int]:
+    if tables == "fp32":
+        return {}
+    return {
+        f"{_TABLES}embedding_bags.{c.name}.weight": _ROW_BYTES[tables](c.embedding_dim)
+        for c in model.embedding.ebc.embedding_bag_configs()
+    }
+
+
+def weights(model: RecModel, tables: TableFormat, dense: DenseFormat) -> dict[str, torch.Tensor]:
+    """The inference model's tensors to save: quantized tables as their packed rows without padding, the
+    dense weights in ``dense``."""
+    widths = _row_widths(model, tables)
+    out = {}
+    for name, t in model.state_dict().items():
+        if isinstance(t, UIntXTensor):
+            t = t.elem
+        if name in widths:
+            t = t[:, : widths[name]]
+        elif dense == "bf16" and not name.startswith(_TABLES) and t.is_floating_point():
+            t = t.to(torch.bfloat16)
+        out[name] = t.detach().contiguous()
+    return out
+
+
+@torch.no_grad()
+def load_weights(model: RecModel, tensors: dict[str, torch.Tensor], tables: TableFormat, where: str) -> None:
+    """Copy ``tensors`` (as ``weights`` saved them) into ``model``'s own storage (a quantized table's
+    buffers are views of fbgemm's weights); every name, shape and dtype must match."""
+    target, widths = model.state_dict(keep_vars=True), _row_widths(model, tables)
+    if target.keys() != tensors.keys():
+        missing, extra = sorted(target.keys() - tensors.keys()), sorted(tensors.keys() - target.keys())
+        raise CheckpointError(
+            f"{where}: does not fit the model (missing {missing[:3]}, unexpected {extra[:3]}); export it again"
+        )
+    for name, t in target.items():
+        dst, src = (t.elem if isinstance(t, UIntXTensor) else t), tensors[name]
+        if name in widths:
+            dst[:, widths[name] :] = 0
+            dst = dst[:, : widths[name]]
+        upcast = src.dtype == torch.bfloat16 and dst.dtype == torch.float32 and not name.startswith(_TABLES)
+        if src.shape != dst.shape or (src.dtype != dst.dtype and not upcast):
+            raise CheckpointError(
+                f"{where}: tensor {name} is {src.dtype} {tuple(src.shape)}, the model has "
+                f"{dst.dtype} {tuple(dst.shape)}; export it again"
+            )
+        dst.copy_(src)
+
+
+def export_run(
+    run_dir: Path, out: Path, tables: TableFormat = "fp32", dense: DenseFormat = "fp32"
+) -> Manifest:
+    """Export a trained run's best (else latest) model to the model directory ``out``."""
+    from recscale.train.runs import load_trained
+
+    cfg, pre, built = load_trained(run_dir)
+    model = inference_model(cfg, pre, "fp32")
+    trained = {k: _full(k, v) for k, v in built.model.state_dict().items()}  # type: ignore[attr-defined]
+    load_weights(model, trained, "fp32", f"{run_dir}'s checkpoint")
+    if tables != "fp32":
+        quantize_embeddings(model, dtype=_QUANT_DTYPES[tables], inplace=True)
+    manifest = Manifest(
+        model=cfg.model.name, tables=tables, dense=dense, source=str(Path(run_dir).resolve()), files={}
+    )
+    return write_artifact(out, cfg, pre, weights(model, tables, dense), manifest)

@@ -1,0 +1,56 @@
+"""A loaded model directory: raw rows in, click probabilities out, preprocessed exactly as in training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recscale.data.preprocess import encode
+from recscale.data.readers import read_batches
+from recscale.data.schema import LABEL
+from recscale.serve.artifact import WEIGHTS, read_artifact
+from recscale.serve.export import inference_model, load_weights
+from recscale.serve.rows import RowParser
+from recscale.train.precision import autocast
+
+DEFAULT_MAX_ROWS = 4096
+
+
+class Scorer:
+    """``Scorer(model_dir).probabilities(parser.parse(body))``: (B,) float32 in request row order."""
+
+    def __init__(self, model_dir: Path, max_rows: int = DEFAULT_MAX_ROWS) -> None:
+        art = read_artifact(model_dir)
+        self.manifest, self.config, self.pre = art.manifest, art.config, art.pre
+        self.model = inference_model(art.config, art.pre, art.manifest.tables)
+        load_weights(self.model, art.tensors, art.manifest.tables, str(Path(model_dir) / WEIGHTS))
+        self.precision: str = art.manifest.dense
+        self.parser = RowParser(art.pre.schema, max_rows)
+        self._keys = art.pre.schema.sparse_names
+        self._weighted = any(f.weighted for f in art.pre.schema.sparse)
+
+    @torch.inference_mode()
+    def logits(self, batch: pa.RecordBatch) -> torch.Tensor:
+        """Raw-layout rows (B) -> logits (B,) float32."""
+        dense, values, lengths, weights = (torch.from_numpy(a) for a in encode(batch, self.pre))
+        kjt = KeyedJaggedTensor(
+            keys=self._keys, values=values, lengths=lengths, weights=weights if self._weighted else None
+        )
+        with autocast("bf16" if self.precision == "bf16" else "fp32", dense.device):
+            return self.model(dense, kjt).float()
+
+    def probabilities(self, batch: pa.RecordBatch) -> np.ndarray:
+        return torch.sigmoid(self.logits(batch)).numpy()
+
+    def score_file(self, path: Path, chunk_rows: int = 8192) -> tuple[np.ndarray, np.ndarray]:
+        """(logits (N,), labels (N,)) of a data file in the run's format, read by the run's reader."""
+        data = self.config.data
+        logits, labels = [], []
+        for batch in read_batches(path, data.format, self.pre.schema, data.options, chunk_rows):
+            logits.append(self.logits(batch).numpy())
+            labels.append(batch.column(LABEL).to_numpy(zero_copy_only=False))
+        return np.concatenate(logits), np.concatenate(labels)

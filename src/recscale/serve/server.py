@@ -1,0 +1,197 @@
+"""``recscale serve``: an HTTP JSON scoring service (FastAPI on uvicorn) over one loaded model.
+
+    POST /score   {"rows": [{feature: value, ...}, ...]} -> {"scores": [p, ...]} in row order
+    GET  /healthz  200 while the process serves
+    GET  /readyz   200 once the model is loaded and warmed up, 503 before and while shutting down
+
+Requests are validated on the event loop (``RowParser``: 400 malformed JSON, 413 too large, 422 a bad
+row, each with a one-line ``{"error": ...}``) and handed to a ``Batcher``: scoring threads that each
+gather requests until ``max_batch`` rows or ``max_wait_ms`` have passed, score them as one batch and
+answer each request with its own slice. uvicorn's graceful shutdown (SIGINT / SIGTERM) stops
+accepting, lets in-flight requests finish, then the batcher drains and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from recscale.errors import DataError
+from recscale.serve.rows import RequestError
+from recscale.serve.scorer import Scorer
+from recscale.train.dcp_safety import one_line
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    max_batch: int = 1024  # rows scored together at most (a larger single request is scored alone)
+    max_wait_ms: float = 2.0  # how long the first request of a batch waits for others
+    batching: bool = True  # False: every request is scored alone, at once
+    threads: int = 1  # scoring threads (torch releases the GIL in its kernels)
+    max_body_bytes: int = 8 << 20
+
+
+_Job = tuple[pa.RecordBatch, "Future[np.ndarray]"]
+
+
+class Batcher:
+    """Dynamic batching: ``submit(rows)`` returns a future of their probabilities."""
+
+    def __init__(self, scorer: Scorer, opts: ServeOptions) -> None:
+        self.scorer, self.opts = scorer, opts
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"recscale-scorer-{i}", daemon=True)
+            for i in range(opts.threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, batch: pa.RecordBatch) -> Future[np.ndarray]:
+        fut: Future[np.ndarray] = Future()
+        self._queue.put((batch, fut))
+        return fut
+
+    def stop(self) -> None:
+        """Score every queued request, then end the threads."""
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
+
+    def _gather(self, first: _Job) -> tuple[list[_Job], bool]:
+        """``first`` and the requests that arrive within the wait, up to ``max_batch`` rows; and whether
+        the stop marker was met."""
+        jobs, rows = [first], first[0].num_rows
+        if not self.opts.batching:
+            return jobs, False
+        deadline = time.perf_counter() + self.opts.max_wait_ms / 1000
+        while rows < self.opts.max_batch:
+            try:
+                job = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
+            except queue.Empty:
+                break
+            if job is None:
+                return jobs, True
+            if rows + job[0].num_rows > self.opts.max_batch:
+                self._queue.put(job)  # scored next: this batch is full
+                break
+            jobs.append(job)
+            rows += job[0].num_rows
+        return jobs, False
+
+    def _run(self) -> None:
+        while (first := self._queue.get()) is not None:
+            jobs, stop = self._gather(first)
+            self._score(jobs)
+            if stop:
+                break
+
+    def _score(self, jobs: list[_Job]) -> None:
+        try:
+            probs = self.scorer.probabilities(pa.concat_batches([b for b, _ in jobs]))
+        except Exception as e:
+            if len(jobs) > 1:  # one bad request must not fail the others: score each alone
+                for job in jobs:
+                    self._score([job])
+            else:
+                jobs[0][1].set_exception(e)
+            return
+        start = 0
+        for batch, fut in jobs:
+            fut.set_result(probs[start : start + batch.num_rows])
+            start += batch.num_rows
+
+
+def _error(status: int, reason: str) -> JSONResponse:
+    return JSONResponse({"error": reason}, status_code=status)
+
+
+def create_app(scorer: Scorer, opts: ServeOptions) -> FastAPI:
+    state: dict[str, Batcher | None] = {"batcher": None}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        batcher = Batcher(scorer, opts)
+        # One forward before reporting ready: the first call pays for lazy initialisation.
+        await asyncio.wrap_future(batcher.submit(scorer.parser.parse(_example_body(scorer))))
+        state["batcher"] = batcher
+        try:
+            yield
+        finally:
+            state["batcher"] = None  # not ready: new requests get 503 while the queue drains
+            await asyncio.to_thread(batcher.stop)
+
+    app = FastAPI(title="recscale", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        if state["batcher"] is None:
+            return _error(503, "not ready: the model is loading or the server is shutting down")
+        m = scorer.manifest
+        return JSONResponse({"ready": True, "model": m.model, "tables": m.tables, "dense": m.dense})
+
+    @app.post("/score")
+    async def score(request: Request) -> JSONResponse:
+        batcher = state["batcher"]
+        if batcher is None:
+            return _error(503, "not ready: the server is starting or shutting down; retry")
+        try:
+            body = await _read_body(request, opts.max_body_bytes)
+            batch = scorer.parser.parse(body)
+        except RequestError as e:
+            return _error(e.status, str(e))
+        try:
+            probs = await asyncio.wrap_future(batcher.submit(batch))
+        except DataError as e:
+            return _error(422, one_line(e, 300))
+        except Exception as e:  # the model failed on valid input: a bug; this request fails, the server stays
+            return _error(500, f"internal error {type(e).__name__}: {one_line(e)}")
+        return JSONResponse({"scores": probs.tolist()})
+
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is known to pass ``limit`` bytes (declared or streamed)."""
+    too_big = RequestError(413, f"the body is larger than {limit:,} bytes; send fewer rows per request")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _example_body(scorer: Scorer) -> bytes:
+    """A one-row request of missing values (valid for every schema): the warm-up."""
+    return json.dumps({"rows": [dict.fromkeys(scorer.parser.arrow_schema.names)]}).encode()
+
+
+def serve(scorer: Scorer, host: str, port: int, opts: ServeOptions) -> None:
+    """Serve until SIGINT / SIGTERM, then shut down gracefully."""
+    import uvicorn
+
+    uvicorn.run(
+        create_app(scorer, opts), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30
+    )

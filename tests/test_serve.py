@@ -1,0 +1,311 @@
+"""recscale export / serve: the exported model scores as the trained one, tampering is caught, and the
+HTTP service answers in row order, refuses bad requests with one line and keeps serving."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from recscale.cli import main
+from recscale.errors import CheckpointError
+from recscale.serve.artifact import MANIFEST, WEIGHTS
+from recscale.serve.scorer import Scorer
+from recscale.serve.server import Batcher, ServeOptions, create_app
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+HEADER = "label,user,item,daytime,weekday,isweekend,homework,cost,weather,country,city,x,tags"
+# A dense feature (log1p) and a multi-id one beside Frappe's ten fields: every kind of input is mapped.
+SCHEMA = ("data.schema={label: label, dense: [{name: x, transform: log1p}], sparse: [{name: user}, {name: item}, "
+          "{name: daytime}, {name: weekday}, {name: isweekend}, {name: homework}, {name: cost}, {name: weather}, "
+          "{name: country}, {name: city}, {name: tags, multi: true}]}")  # fmt: skip
+
+
+def _csv(path: Path, rows: int, seed: int, ids: int) -> Path:
+    rng = random.Random(seed)
+    lines = [HEADER]
+    for _ in range(rows):
+        sparse = [str(rng.randrange(ids)) for _ in range(10)]
+        x = "" if rng.random() < 0.1 else f"{rng.random() * 50:.3f}"
+        tags = "|".join(str(rng.randrange(ids)) for _ in range(rng.randrange(4)))
+        lines.append(",".join([str(rng.randrange(2)), *sparse, x, tags]))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _rows(path: Path) -> list[dict]:
+    """The file's rows as a client sends them: ids as integers, missing values null."""
+    out = []
+    for line in path.read_text().splitlines()[1:]:
+        cells = line.split(",")
+        row: dict = {n: int(c) for n, c in zip(HEADER.split(",")[1:11], cells[1:11], strict=True)}
+        row["x"] = float(cells[11]) if cells[11] else None
+        row["tags"] = [int(t) for t in cells[12].split("|")] if cells[12] else []
+        out.append(row)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("serve")
+    train, valid = _csv(d / "train.csv", 400, 0, 30), _csv(d / "valid.csv", 120, 1, 40)  # valid: unseen ids
+    argv = ["train", str(CONFIGS / "frappe.yaml"), "--out", str(d / "run"), f"data.train={train}",
+            f"data.valid={valid}", SCHEMA, "train.max_steps=6", "train.batch_size=64", "train.progress=false",
+            "model.num_layers=1", "model.dropout=0.5"]  # fmt: skip
+    assert main(argv) == 0
+    return {"run": d / "run", "valid": valid, "root": d}
+
+
+def _export(trained: dict[str, Path], tables: str = "fp32", dense: str = "fp32") -> Path:
+    out = trained["root"] / f"model-{tables}-{dense}"
+    if not out.exists():
+        assert (
+            main(["export", str(trained["run"]), "--out", str(out), "--tables", tables, "--dense", dense])
+            == 0
+        )
+    return out
+
+
+def _trained_logits(trained: dict[str, Path]) -> np.ndarray:
+    from recscale.train.data import prepare_split
+    from recscale.train.evaluate import predict
+    from recscale.train.runs import load_trained
+
+    cfg, pre, built = load_trained(trained["run"])
+    ds, _ = prepare_split(
+        cfg.data, pre, "valid", str(trained["valid"]), trained["root"] / "split", progress=False
+    )
+    return predict(built.module, ds, 64, 0).numpy()
+
+
+def test_exported_fp32_scores_equal_the_trained_model(trained):
+    scorer = Scorer(_export(trained))
+    expected = torch.sigmoid(torch.from_numpy(_trained_logits(trained))).numpy()
+    logits, labels = scorer.score_file(trained["valid"])
+    np.testing.assert_allclose(torch.sigmoid(torch.from_numpy(logits)).numpy(), expected, atol=1e-5, rtol=0)
+    # the JSON path (raw values, integer ids, nulls, unseen ids) maps rows exactly as training did
+    body = json.dumps({"rows": _rows(trained["valid"])}).encode()
+    np.testing.assert_allclose(scorer.probabilities(scorer.parser.parse(body)), expected, atol=1e-5, rtol=0)
+    assert len(labels) == 120 and expected.std() > 0  # the model is not constant: the check can fail
+
+
+@pytest.mark.parametrize("tables, dense, tol", [("fp16", "fp32", 1e-3), ("int8", "fp32", 2e-2),
+                                                ("int4", "fp32", 5e-2), ("fp32", "bf16", 5e-2)])  # fmt: skip
+def test_quantized_variants_score_close_and_store_small_tables(trained, tables, dense, tol):
+    base = Scorer(_export(trained))
+    model = _export(trained, tables, dense)
+    scorer = Scorer(model)
+    a = torch.sigmoid(torch.from_numpy(base.score_file(trained["valid"])[0]))
+    b = torch.sigmoid(torch.from_numpy(scorer.score_file(trained["valid"])[0]))
+    assert (a - b).abs().max() < tol
+    from safetensors.torch import load_file
+
+    w = load_file(model / WEIGHTS)
+    table = w["embedding.ebc.embedding_bags.t_user.weight"]
+    d = 16  # configs/frappe.yaml's embedding dim
+    row_bytes = {"fp32": 4 * d, "fp16": 2 * d, "int8": d + 4, "int4": d // 2 + 4}[
+        tables
+    ]  # + fp16 scale, bias
+    assert table.dtype == (torch.float32 if tables == "fp32" else torch.uint8)
+    assert table.shape[1] * table.element_size() == row_bytes  # fbgemm's row padding is not saved
+    live = scorer.model.state_dict()["embedding.ebc.embedding_bags.t_user.weight"]  # fbgemm's own storage
+    live = getattr(live, "elem", live)
+    assert torch.equal(live.view(torch.uint8)[:, :row_bytes], table.view(torch.uint8))
+    if dense == "bf16":
+        assert all(t.dtype == torch.bfloat16 for k, t in w.items() if not k.startswith("embedding.ebc."))
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda m: (m / WEIGHTS).write_bytes(_flip((m / WEIGHTS).read_bytes(), 1000)), ["weights.safetensors", "sha256"]),
+    (lambda m: (m / "config.yaml").write_text((m / "config.yaml").read_text().replace("dim: 16", "dim: 32")),
+     ["config.yaml", "sha256"]),
+    (lambda m: (m / "preprocess.json").unlink(), ["preprocess.json", "missing"]),
+    (lambda m: (m / MANIFEST).write_text("{"), ["manifest.json", "not a recscale model manifest"]),
+    (lambda m: (m / MANIFEST).unlink(), ["not an exported model"]),
+])  # fmt: skip
+def test_a_tampered_artifact_fails_to_load_with_one_line(trained, tmp_path, capsys, edit, words):
+    model = _copy(_export(trained), tmp_path / "m")
+    edit(model)
+    with pytest.raises(CheckpointError) as e:
+        Scorer(model)
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert main(["serve", str(model), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and words[0] in err
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :]
+
+
+def test_serve_on_a_taken_port_is_one_line(trained, capsys):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        code = main(["serve", str(_export(trained)), "--port", str(taken.getsockname()[1])])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "cannot listen on 127.0.0.1" in err, err
+
+
+def test_export_refuses_to_overwrite_a_directory_that_is_not_a_model(trained, tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("mine")
+    assert main(["export", str(trained["run"]), "--out", str(tmp_path)]) == 2
+    assert "not an exported model" in capsys.readouterr().err and (tmp_path / "keep.txt").is_file()
+
+
+@pytest.fixture(scope="module")
+def scorer(trained) -> Scorer:
+    return Scorer(_export(trained), max_rows=256)
+
+
+@pytest.fixture(scope="module")
+def client(scorer):
+    with TestClient(create_app(scorer, ServeOptions(max_body_bytes=64 << 10))) as c:
+        yield c
+
+
+def test_score_answers_in_row_order_and_health_endpoints(client, scorer, trained):
+    rows = _rows(trained["valid"])[:50]
+    expected = scorer.probabilities(scorer.parser.parse(json.dumps({"rows": rows}).encode()))
+    r = client.post("/score", json={"rows": rows})
+    assert r.status_code == 200
+    np.testing.assert_allclose(r.json()["scores"], expected, atol=1e-6)
+    r = client.post("/score", json={"rows": rows[::-1]})
+    np.testing.assert_allclose(r.json()["scores"], expected[::-1], atol=1e-6)
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json()["ready"] is True
+
+
+GOOD = {"user": 1, "item": "2", "daytime": 3, "weekday": 4, "isweekend": 5, "homework": 6, "cost": 7,
+        "weather": 8, "country": 9, "city": 10, "x": 1.5, "tags": [1, "2"]}  # fmt: skip
+BAD = [
+    (b"{", 400, "not valid JSON"),
+    (b"\xff\xfe", 400, "not valid JSON"),
+    (b"[]", 422, "JSON object"),
+    (b'{"rows": []}', 422, "rows"),
+    (b'{"rows": 3}', 422, "rows"),
+    (b'{"rows": [1]}', 422, "rows[0]"),
+    (json.dumps({"rows": [GOOD], "x": 1}).encode(), 422, "unknown key"),
+    (json.dumps({"rows": [{k: v for k, v in GOOD.items() if k != "city"}]}).encode(), 422, "missing feature 'city'"),
+    (json.dumps({"rows": [GOOD | {"citty": 1}]}).encode(), 422, "unknown feature 'citty'"),
+    (json.dumps({"rows": [GOOD | {"user": True}]}).encode(), 422, "rows[0].user"),
+    (json.dumps({"rows": [GOOD | {"user": 1.5}]}).encode(), 422, "rows[0].user"),
+    (json.dumps({"rows": [GOOD, GOOD | {"x": "1"}]}).encode(), 422, "rows[1].x"),
+    (json.dumps({"rows": [GOOD | {"tags": "1|2"}]}).encode(), 422, "rows[0].tags"),
+    (json.dumps({"rows": [GOOD | {"x": 1e39}]}).encode(), 422, "rows[0].x"),
+    (b'{"rows": [{"user": NaN}]}', 422, "rows[0]"),
+    (b'{"rows": [{"user": "\\ud800"}]}', 400, "JSON"),
+    (json.dumps({"rows": [GOOD] * 257}).encode(), 413, "at most 256 rows"),
+    (b" " * (65 << 10), 413, "larger than"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body, status, words", BAD)
+def test_bad_requests_get_a_4xx_with_one_line(client, body, status, words):
+    r = client.post("/score", content=body)
+    assert r.status_code == status, r.text
+    reason = r.json()["error"]
+    assert words in reason and "\n" not in reason, reason
+
+
+def _mutations(rng: random.Random, n: int) -> list[bytes]:
+    good = json.dumps({"rows": [GOOD, GOOD | {"tags": None, "x": None}]}).encode()
+    values = [None, True, -1, 2**70, 1e308, "", "é", [], [[]], {}, {"a": 1}, "\x00", [None], [1.5]]
+    out = []
+    for _ in range(n):
+        kind = rng.randrange(4)
+        if kind == 0:  # random bytes, or a truncated / spliced body
+            out.append(bytes(rng.randrange(256) for _ in range(rng.randrange(40))))
+        elif kind == 1:
+            cut = rng.randrange(len(good))
+            out.append(good[:cut] + good[rng.randrange(len(good)) :])
+        else:  # structurally valid JSON with a wrong value somewhere
+            row = dict(GOOD)
+            key = rng.choice([*GOOD, "label", "rows"])
+            row[key] = rng.choice(values)
+            out.append(json.dumps({"rows": [GOOD, row]}).encode())
+    return out
+
+
+def test_fuzzed_requests_never_take_the_server_down(client, scorer):
+    for body in _mutations(random.Random(0), 300):
+        r = client.post("/score", content=body)
+        assert r.status_code in (200, 400, 413, 422), (body, r.status_code, r.text)
+        if r.status_code != 200:
+            assert "\n" not in r.json()["error"]
+    r = client.post("/score", json={"rows": [GOOD]})
+    assert r.status_code == 200 and 0 < r.json()["scores"][0] < 1
+
+
+def test_batcher_merges_concurrent_requests_and_answers_each_its_own(scorer, trained):
+    rows = _rows(trained["valid"])
+    batches = [scorer.parser.parse(json.dumps({"rows": rows[i : i + 7]}).encode()) for i in range(0, 105, 7)]
+    alone = [scorer.probabilities(b) for b in batches]
+    calls = []
+    real = scorer.probabilities
+    scorer.probabilities = lambda b: calls.append(b.num_rows) or real(b)  # type: ignore[method-assign]
+    try:
+        batcher = Batcher(scorer, ServeOptions(max_batch=64, max_wait_ms=200))
+        futures = [batcher.submit(b) for b in batches]
+        got = [f.result(timeout=30) for f in futures]
+        batcher.stop()
+    finally:
+        del scorer.probabilities
+    for a, g in zip(alone, got, strict=True):
+        np.testing.assert_allclose(g, a, atol=1e-6)
+    assert len(calls) < len(batches) and max(calls) <= 64  # merged, never past max_batch
+
+
+def test_serve_command_finishes_in_flight_requests_on_sigterm(trained):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    # A long batching wait keeps the request in flight while the signal arrives.
+    argv = ["serve", str(_export(trained)), "--port", str(port), "--max-wait-ms", "1500"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "recscale.cli", *argv], env=env, stderr=subprocess.PIPE, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/readyz", timeout=5) as r:
+                    assert json.loads(r.read())["ready"] is True
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, (
+                    proc.stderr.read() if proc.stderr else ""
+                )
+                time.sleep(0.5)
+        answer: list = []
+        req = urllib.request.Request(f"{url}/score", data=json.dumps({"rows": [GOOD]}).encode())
+        client = threading.Thread(
+            target=lambda: answer.append(json.loads(urllib.request.urlopen(req, timeout=30).read()))
+        )
+        client.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        client.join(timeout=30)
+        assert len(answer) == 1 and len(answer[0]["scores"]) == 1  # answered, not dropped
+        assert proc.wait(timeout=60) == -signal.SIGTERM  # uvicorn re-raises the signal once shut down
+    finally:
+        if proc.poll() is None:
+            proc.kill()
