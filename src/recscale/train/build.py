@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -19,10 +20,13 @@ from torchrec.distributed.model_parallel import get_unwrapped_module
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.config import RunConfig
+from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
 from recscale.distributed.env import DistEnv
+from recscale.distributed.planner.features import BATCH
 from recscale.distributed.sharding import shard_model
 from recscale.errors import ConfigError
 from recscale.models.base import TrainableModel, count_parameters
@@ -69,6 +73,14 @@ def feature_set(pre: Preprocessor) -> FeatureSet:
     return FeatureSet(sparse=sparse, num_dense=len(pre.schema.dense))
 
 
+def planner_sample(cfg: RunConfig, ds: ArrayDataset) -> KeyedJaggedTensor | None:
+    """The ids of the first ``BATCH`` training rows, from which the learned planner reads its table
+    features (None unless it plans this run)."""
+    if cfg.distributed.sharding != "learned" or cfg.dmt is not None:
+        return None
+    return ds.gather(np.arange(min(len(ds), BATCH))).sparse
+
+
 def check_features(cfg: RunConfig, features: FeatureSet) -> None:
     """Feature names the config gives the embedding layer exist (a ConfigError naming the key)."""
     names, emb = {f.name for f in features.sparse}, cfg.model.embedding
@@ -82,8 +94,11 @@ def check_features(cfg: RunConfig, features: FeatureSet) -> None:
             )
 
 
-def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
-    """The run's model on this rank, seeded by ``cfg.seed`` (every rank builds the same one first)."""
+def build(
+    cfg: RunConfig, features: FeatureSet, env: DistEnv, sample: KeyedJaggedTensor | None = None
+) -> Built:
+    """The run's model on this rank, seeded by ``cfg.seed`` (every rank builds the same one first).
+    ``sample``: a batch of training ids, from which the learned sharding planner reads table features."""
     check_features(cfg, features)
     opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer, env.device, cfg.dense_tables())
     if cfg.dmt is not None:
@@ -107,7 +122,9 @@ def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
         # apply_optimizer_in_backward adds its own keys to the kwargs it is given: hand it a copy.
         apply_optimizer_in_backward(opt_cls, flat.embedding.ebc.parameters(), dict(opt_kw))
         dense_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
-        module, tables = shard_model(flat, env, cfg.distributed, (opt_cls, opt_kw), dense_dtype=dense_dtype)
+        module, tables = shard_model(
+            flat, env, cfg.distributed, (opt_cls, opt_kw), dense_dtype=dense_dtype, sample=sample
+        )
         model = get_unwrapped_module(module)
         dense_params = {
             n: p for n, p in in_backward_optimizer_filter(module.named_parameters()) if n not in tables.params
