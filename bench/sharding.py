@@ -4,8 +4,8 @@
 
 Evaluation tasks come from their own seed stream (``sharding_common.EVAL_STREAM``), never from the cost
 models' training tasks. Each planner places every task's tables on ``--world`` ranks; each plan is
-scored by measurement: every rank's shards timed alone (fused forward+backward, one thread, the batch
-drawn with the task), the slowest rank's time plus the plan's forward+backward all-to-all timed over gloo
+scored by measurement: every rank's shards timed alone (fused forward+backward, one thread, CPU time,
+mean of the middle 3 of 5 after 2 warm-ups, the batch drawn with the task), the slowest rank's time plus the plan's forward+backward all-to-all timed over gloo
 for its per-rank dim sums. Writes OUT/eval.csv (one row per task and planner) and OUT/eval.md (median
 and 90th percentile of each planner's cost relative to TorchRec's, planning time).
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import logging
 import time
 from collections.abc import Callable
 
@@ -93,6 +94,7 @@ def main() -> None:
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--out", default="docs/sharding")
     a = p.parse_args()
+    logging.getLogger("torchrec").setLevel(logging.ERROR)  # its planner warns on every data_parallel option
     learned = Learned()
     planners: dict[str, Callable[[list[Table], int], Placement]] = {
         "torchrec": torchrec_plan,
@@ -110,7 +112,7 @@ def main() -> None:
             placement = planner(task, a.world)
             seconds = time.perf_counter() - start
             per_rank = [[(task[t], w) for t, w, r in placement if r == rank] for rank in range(a.world)]
-            compute = [shard_ms(s) for s in per_rank]
+            compute = [shard_ms(s, warmup=2, reps=5, trim=1) for s in per_rank]
             dims.append([sum(w for _, w in s) for s in per_rank])
             predicted = learned.predicted if name == "learned" else float("nan")
             rows.append([i, len(task), name, max(compute), seconds, predicted])

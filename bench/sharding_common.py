@@ -58,9 +58,15 @@ def random_task(g: np.random.Generator, n_tables: int | None = None) -> list[Tab
 
 
 def trimmed_mean_ms(
-    run: Callable[[], None], clock: Callable[[], float], warmup: int = 3, reps: int = 9, trim: int = 2
+    run: Callable[[], None],
+    clock: Callable[[], float],
+    warmup: int = 3,
+    reps: int = 9,
+    trim: int = 2,
+    fastest: bool = False,
 ) -> float:
-    """Mean time of ``run`` in ms by ``clock`` without its ``trim`` fastest and slowest of ``reps`` runs."""
+    """Mean time of ``run`` in ms by ``clock`` without its ``trim`` fastest and slowest of ``reps`` runs
+    (``fastest``: the fastest run instead)."""
     for _ in range(warmup):
         run()
     times = []
@@ -68,10 +74,12 @@ def trimmed_mean_ms(
         t0 = clock()
         run()
         times.append(clock() - t0)
+    if fastest:
+        return min(times) * 1e3
     return float(np.mean(sorted(times)[trim : reps - trim]) * 1e3)
 
 
-def shard_ms(shards: list[tuple[Table, int]]) -> float:
+def shard_ms(shards: list[tuple[Table, int]], warmup: int = 3, reps: int = 9, trim: int = 2) -> float:
     """Fused forward+backward (row-wise Adagrad, fbgemm's TBE: the kernels training runs) of one
     rank's shards, (table, width) each, on one thread. 0 for a rank without shards.
 
@@ -98,7 +106,7 @@ def shard_ms(shards: list[tuple[Table, int]]) -> float:
     def step() -> None:
         tbe(indices, offsets).backward(grad)
 
-    return trimmed_mean_ms(step, time.thread_time)
+    return trimmed_mean_ms(step, time.thread_time, warmup, reps, trim)
 
 
 def _a2a_pair(fwd_in: torch.Tensor, fwd_out: torch.Tensor, sends: list[int], receives: list[int]) -> None:
@@ -107,30 +115,38 @@ def _a2a_pair(fwd_in: torch.Tensor, fwd_out: torch.Tensor, sends: list[int], rec
     dist.all_to_all_single(fwd_in, fwd_out, sends, receives)
 
 
-def _comm_worker(rank: int, world: int, store: str, dim_sums: list[list[int]], out: str) -> None:
+def _comm_worker(rank: int, world: int, store: str, dim_sums: list[list[int]], passes: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     b = BATCH // world
-    times = []
-    for dims in dim_sums:
-        fwd_in = torch.ones(world * b * dims[rank])  # this rank's pooled outputs, b examples per rank
-        fwd_out = torch.empty(b * sum(dims))
-        sends, receives = [b * dims[rank]] * world, [b * d for d in dims]
-        # forward: outputs to their examples' ranks; backward: their gradients back
-        step = partial(_a2a_pair, fwd_in, fwd_out, sends, receives)
-        t = torch.tensor([trimmed_mean_ms(step, time.perf_counter, warmup=2, reps=7)])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's view
-        times.append(float(t))
+    times = np.zeros((passes, len(dim_sums)))
+    for p in range(passes):  # every vector once per pass: drift of the shared machine hits all alike
+        for i, dims in enumerate(dim_sums):
+            fwd_in = torch.ones(world * b * dims[rank])  # this rank's pooled outputs, b examples per rank
+            fwd_out = torch.empty(b * sum(dims))
+            sends, receives = [b * dims[rank]] * world, [b * d for d in dims]
+            # forward: outputs to their examples' ranks; backward: their gradients back
+            step = partial(_a2a_pair, fwd_in, fwd_out, sends, receives)
+            t = torch.tensor(
+                [trimmed_mean_ms(step, time.perf_counter, warmup=1, reps=5, trim=0, fastest=True)]
+            )
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's view
+            times[p, i] = float(t)
     if rank == 0:
-        np.save(out, np.asarray(times))
+        np.save(out, np.median(times, axis=0))
     dist.destroy_process_group()
 
 
-def all_to_all_ms(dim_sums: list[list[int]]) -> list[float]:
+def all_to_all_ms(dim_sums: list[list[int]], passes: int = 3) -> list[float]:
     """Forward+backward pooled-embedding all-to-all time (ms) over gloo for each list of per-rank
-    output dims, ``len(dims)`` local processes, ``BATCH`` examples split evenly over them."""
+    output dims, ``len(dims)`` local processes, ``BATCH`` examples split evenly over them: the fastest
+    of 5 (after a warm-up), the median of that over ``passes`` interleaved passes. Wall time: it waits
+    on the other ranks; the fastest run is the one least disturbed by the machine's other load (4
+    processes share 2 cores with the other engineers' jobs here)."""
     world = len(dim_sums[0])
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "times.npy")
-        mp.start_processes(_comm_worker, (world, store, dim_sums, out), nprocs=world, start_method="spawn")
+        mp.start_processes(
+            _comm_worker, (world, store, dim_sums, passes, out), nprocs=world, start_method="spawn"
+        )
         return [float(x) for x in np.load(out)]

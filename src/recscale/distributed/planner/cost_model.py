@@ -153,6 +153,8 @@ def fit(
     for p in model.parameters():  # the same start for every run with this seed
         if p.dim() > 1:
             nn.init.kaiming_uniform_(p, a=5**0.5)
+        else:
+            nn.init.zeros_(p)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     for _ in range(epochs):
         opt.zero_grad()

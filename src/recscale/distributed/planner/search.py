@@ -63,15 +63,16 @@ class LearnedPlanner:
         self.beam, self.steps = beam, steps
 
     def plan(self, tables: list[TableFeatures]) -> Plan:
+        self.tables = tables
         self._check_fits(tables)
         self._emb: dict[tuple[int, int], np.ndarray] = {}
         for t, f in enumerate(tables):
             for k in self._splits(f):
                 self._emb[t, k] = self.models.table_embedding(f.columns(f.dim // k).vector())
-        self.tables = tables
         start = tuple(1 for _ in tables)
         best = self._best_placement(start)
         beam, seen = [(best.cost_ms, start, best)], {start}
+        state = start
         for _ in range(self.steps):
             children = []
             for _, state, _ in beam:
@@ -87,8 +88,58 @@ class LearnedPlanner:
             beam = sorted(beam + children, key=lambda c: c[0])[: self.beam]
             if not children or beam[0][2] is best:
                 break
-            best = beam[0][2]
-        return best
+            _, state, best = beam[0]
+        return self._refine(best, state)
+
+    def _refine(self, plan: Plan, state: tuple[int, ...], moves: int = 200) -> Plan:
+        """Hill-climb (recscale's addition to NeuroShard's search): move a shard off the costliest rank
+        while that lowers the predicted plan cost."""
+        R, shards = self.world, list(plan.shards)
+        sums = np.zeros((R, self._emb[0, 1].shape[-1]), dtype=np.float32)
+        dims, mem, count = np.zeros(R), np.array(plan.memory, dtype=np.int64), np.zeros(R, dtype=np.int64)
+        for sh in shards:
+            sums[sh.rank] += self._emb[sh.table, state[sh.table]]
+            dims[sh.rank] += sh.width
+            count[sh.rank] += 1
+        compute = np.where(count > 0, self.models.shard_cost(sums), 0.0)
+        cost = compute.max() + float(self.models.comm_cost(dims))
+        for _ in range(moves):
+            top, move = int(np.argmax(compute)), None
+            for i, sh in enumerate(shards):
+                if sh.rank != top:
+                    continue
+                e, m = self._emb[sh.table, state[sh.table]], self.tables[sh.table].columns(sh.width).memory()
+                held = {x.rank for x in shards if x.table == sh.table}
+                to = [r for r in range(R) if r not in held and (self.cap is None or mem[r] + m <= self.cap)]
+                if not to:
+                    continue
+                left = float(self.models.shard_cost(sums[top] - e)) if count[top] > 1 else 0.0
+                after = self.models.shard_cost(sums[to] + e)
+                for r, c_r in zip(to, after, strict=True):
+                    comp = compute.copy()
+                    comp[top], comp[r] = left, c_r
+                    d = dims.copy()
+                    d[top] -= sh.width
+                    d[r] += sh.width
+                    c = comp.max() + float(self.models.comm_cost(d))
+                    if c < cost - 1e-6:
+                        cost, move = c, (i, r, comp)
+            if move is None:
+                break
+            i, r, compute = move
+            sh = shards[i]
+            e, m = self._emb[sh.table, state[sh.table]], self.tables[sh.table].columns(sh.width).memory()
+            sums[sh.rank] -= e
+            sums[r] += e
+            dims[sh.rank] -= sh.width
+            dims[r] += sh.width
+            mem[sh.rank] -= m
+            mem[r] += m
+            count[sh.rank] -= 1
+            count[r] += 1
+            shards[i] = Shard(sh.table, sh.offset, sh.width, r)
+        comm = float(self.models.comm_cost(dims))
+        return Plan(shards, [float(c) for c in compute], comm, [int(x) for x in mem])
 
     def _splits(self, f: TableFeatures) -> list[int]:
         """Column-shard counts allowed for ``f``: powers of 2 up to the world, equal multiples of 4."""
@@ -105,11 +156,11 @@ class LearnedPlanner:
                 self._too_big(f)
 
     def _too_big(self, f: TableFeatures) -> None:
-        cap = (self.cap or 0) / 2**20
+        cap, total = (self.cap or 0) / 2**20, sum(t.memory() for t in self.tables) / 2**20
         raise ConfigError(
             f"distributed.learned.memory_cap_mb: table {f.name!r} ({f.memory() / 2**20:.3g} MB with its "
-            f"optimizer state) cannot be placed under the cap of {cap:.3g} MB per rank "
-            f"({self.world} ranks); raise the cap or use more ranks"
+            f"optimizer state) does not fit under the cap of {cap:.3g} MB per rank on {self.world} ranks "
+            f"(all tables: {total:.3g} MB); raise the cap or use more ranks"
         )
 
     def _split_candidates(self, state: tuple[int, ...], top: int = 3) -> list[int]:
@@ -120,11 +171,15 @@ class LearnedPlanner:
 
     def _best_placement(self, state: tuple[int, ...]) -> Plan:
         plans, failed = [], None
-        for theta in THRESHOLDS:
-            try:
-                plans.append(self._place(state, theta))
-            except _Unplaceable as e:
-                failed = e
+        # Shards by predicted cost (NeuroShard); when memory caps defeat that, largest first.
+        for by_memory in (False, True):
+            for theta in THRESHOLDS:
+                try:
+                    plans.append(self._place(state, theta, by_memory))
+                except _Unplaceable as e:
+                    failed = e
+            if plans:
+                break
         if not plans:
             assert failed is not None
             if all(k == 1 for k in state):
@@ -132,12 +187,15 @@ class LearnedPlanner:
             raise failed
         return min(plans, key=lambda p: p.cost_ms)
 
-    def _place(self, state: tuple[int, ...], theta: float) -> Plan:
-        """Greedy: shards by predicted cost, each to the rank it costs least on among those under the
-        dim bound ``theta`` x mean (any rank with memory left when none is)."""
+    def _place(self, state: tuple[int, ...], theta: float, by_memory: bool = False) -> Plan:
+        """Greedy: shards by predicted cost (or memory), each to the rank it costs least on among those
+        under the dim bound ``theta`` x mean (any rank with memory left when none is)."""
         R = self.world
         widths = [(t, f.dim // k, k) for t, (f, k) in enumerate(zip(self.tables, state, strict=True))]
-        order = sorted(widths, key=lambda w: -float(self.models.shard_cost(self._emb[w[0], w[2]])))
+        if by_memory:
+            order = sorted(widths, key=lambda w: -self.tables[w[0]].columns(w[1]).memory())
+        else:
+            order = sorted(widths, key=lambda w: -float(self.models.shard_cost(self._emb[w[0], w[2]])))
         bound = theta * sum(f.dim for f in self.tables) / R
         sums = np.zeros((R, self._emb[0, 1].shape[-1]), dtype=np.float32)
         dims, mem = np.zeros(R), np.zeros(R)
