@@ -131,6 +131,14 @@ def test_learned_sharding_gives_a_torchrec_plan():
         assert sum(m.shard_sizes[1] for m in ps.sharding_spec.shards) == 16
 
 
+def test_learned_sharding_with_every_table_explicit_plans_nothing():
+    env = DistEnv(0, 4, 0, 4, torch.device("cpu"), "gloo")
+    tables = {f"f{i}": {"type": "table_wise", "ranks": [i % 4]} for i in range(6)}
+    cfg = DistributedConfig.model_validate({"sharding": "learned", "tables": tables})
+    plan, prediction = predicted_plan(lr_model(), env, cfg)
+    assert prediction is None and plan.plan["embedding.ebc"]["t_f5"].ranks == [1]
+
+
 def test_learned_config_validates():
     with pytest.raises(ValueError, match="memory_cap_mb"):
         LearnedConfig.model_validate({"memory_cap_mb": 0})

@@ -127,10 +127,10 @@ def predicted_plan(
         )
     explicit = {by_feature[f]: spec for f, spec in cfg.tables.items()}
     prediction = None
-    if cfg.sharding == "learned":
+    planned = [c for c in configs if c.name not in explicit]
+    if cfg.sharding == "learned" and planned:
         from recscale.distributed.planner.learned import learned_specs
 
-        planned = [c for c in configs if c.name not in explicit]
         specs, predicted, features = learned_specs(planned, sample, env.world_size, cfg.learned)
         explicit = specs | explicit
         prediction = Prediction([c.name for c in planned], predicted, features)
