@@ -93,6 +93,9 @@ def main() -> None:
     p.add_argument("--tasks", type=int, default=100, help="evaluation tasks (NeuroShard: 100)")
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--out", default="docs/sharding")
+    p.add_argument(
+        "--plan-only", type=int, metavar="TABLES", help="only time planning, tasks of this many tables"
+    )
     a = p.parse_args()
     logging.getLogger("torchrec").setLevel(logging.ERROR)  # its planner warns on every data_parallel option
     learned = Learned()
@@ -104,6 +107,9 @@ def main() -> None:
         "lookup_greedy": greedy(lambda t: t.features.dim * t.features.pooling),
         "learned": learned,
     }
+    if a.plan_only:
+        plan_times(planners, a)
+        return
     rows, dims = [], []
     for i in range(a.tasks):
         task = random_task(rng(EVAL_STREAM, i))
@@ -129,6 +135,21 @@ def main() -> None:
     atomic_write_text(f"{a.out}/eval.csv", buf.getvalue())
     atomic_write_text(f"{a.out}/eval.md", summary(table, list(planners), a))
     print(summary(table, list(planners), a))
+
+
+def plan_times(planners: dict[str, Callable[[list[Table], int], Placement]], a: argparse.Namespace) -> None:
+    """Planning time alone, for ``a.tasks`` evaluation tasks of ``a.plan_only`` tables."""
+    times: dict[str, list[float]] = {name: [] for name in planners}
+    for i in range(a.tasks):
+        task = random_task(rng(EVAL_STREAM, i), a.plan_only)
+        for name, planner in planners.items():
+            start = time.perf_counter()
+            planner(task, a.world)
+            times[name].append(time.perf_counter() - start)
+    for name, t in times.items():
+        print(
+            f"{name}: median {np.median(t):.3f} s, max {max(t):.3f} s over {a.tasks} tasks of {a.plan_only} tables"
+        )
 
 
 def summary(table: list[list], planners: list[str], a: argparse.Namespace) -> str:
