@@ -5,9 +5,9 @@
 Evaluation tasks come from their own seed stream (``sharding_common.EVAL_STREAM``), never from the cost
 models' training tasks. Each planner places every task's tables on ``--world`` ranks; each plan is
 scored by measurement: every rank's shards timed alone (fused forward+backward, one thread, CPU time,
-mean of the middle 3 of 5 after 2 warm-ups, the batch drawn with the task), the slowest rank's time plus the plan's forward+backward all-to-all timed over gloo
-for its per-rank dim sums. Writes OUT/eval.csv (one row per task and planner) and OUT/eval.md (median
-and 90th percentile of each planner's cost relative to TorchRec's, planning time).
+mean of the middle 3 of 5 after 2 warm-ups, the batch drawn with the task), the slowest rank's time
+plus the plan's forward+backward all-to-all timed over gloo for its per-rank dim sums. Writes OUT/eval.csv (one row per task and planner) and OUT/eval.md (median
+and 90th percentile of each planner's cost relative to TorchRec's, planning time). ``--plan-only TABLES`` times planning alone on tasks of TABLES tables.
 """
 
 from __future__ import annotations
