@@ -54,6 +54,7 @@ ADAGRAD = ["train.sparse_optimizer.name=adagrad"]
 VARIANTS = {t: [f"distributed.sharding={t}", *(ADAGRAD if "column" in t else [])] for t in TYPES} | {
     "fsdp": ["distributed.sharding=row_wise", "distributed.dense=fsdp"],
     "planner": ["distributed.sharding=planner", *ADAGRAD],
+    "learned": ["distributed.sharding=learned", *ADAGRAD],  # it may split tables column-wise
 }
 # Single-id features only, each table on a known rank: all-to-all volumes follow from the batch.
 COMM = ["data.synthetic.num_multi=0", "distributed.sharding=table_wise", "distributed.count_bytes=true",

@@ -158,7 +158,25 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_inspect(args: argparse.Namespace) -> None:
     from recscale.data.inspect import inspect_file
 
-    print(json.dumps(inspect_file(args.path, args.format, max_rows=args.max_rows), indent=2))
+    print(
+        json.dumps(inspect_file(args.path, args.format, max_rows=args.max_rows, tables=args.tables), indent=2)
+    )
+
+
+def cmd_shard_plan(args: argparse.Namespace) -> None:
+    from recscale.config import load_config
+    from recscale.train.shard_plan import shard_plan
+
+    cfg = load_config(args.config, args.overrides)
+    local = args.local_world_size or args.nproc
+    if args.nproc < 1 or args.nproc % local:
+        raise RecscaleError(
+            f"shard plan: --nproc {args.nproc} is not a positive multiple of --local-world-size {local}"
+        )
+    doc = shard_plan(cfg, args.nproc, local, Path(args.out))
+    pred = doc["predicted"]
+    cost = f"; predicted max-rank cost {pred['cost_ms']} ms" if pred else ""
+    print(f"{len(doc['tables'])} tables over {args.nproc} ranks{cost}; plan written to {args.out}")
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -308,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path")
     i.add_argument("--format", help="csv, libsvm, criteo, movielens or parquet (default: guessed)")
     i.add_argument("--max-rows", type=int, help="read only this many rows")
+    i.add_argument("--tables", action="store_true",
+                   help="also each id column's pooling factor and 17-bin access histogram (learned sharding)")  # fmt: skip
     i.set_defaults(fn=cmd_inspect)
     dprep = dsub.add_parser("prepare", help="fit the vocabularies and materialise every split once, for many runs",
                          description="Prepare a config's data into DIR (vocabularies, memory-mapped columns); "
@@ -316,6 +336,18 @@ def build_parser() -> argparse.ArgumentParser:
     dprep.add_argument("overrides", nargs="*", help="key=value overrides of config keys")
     dprep.add_argument("--out", required=True, help="directory for the prepared data (created if missing)")
     dprep.set_defaults(fn=cmd_prepare)
+
+    sh = sub.add_parser("shard", help="embedding sharding tools (docs/SHARDING.md)")
+    shsub = sh.add_subparsers(dest="shard_command", required=True)
+    shp = shsub.add_parser("plan", help="write the sharding plan a run of CONFIG would train with, as JSON",
+                           description="Plan CONFIG's tables as training would (distributed.sharding), over --nproc "
+                                       "ranks; for sharding=learned with predicted per-rank cost and memory.")  # fmt: skip
+    shp.add_argument("config", help="YAML config")
+    shp.add_argument("overrides", nargs="*", help="key=value overrides of config keys")
+    shp.add_argument("--out", required=True, help="plan JSON to write")
+    shp.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
+    shp.add_argument("--local-world-size", type=int, help="ranks per host (default: all on one host)")
+    shp.set_defaults(fn=cmd_shard_plan)
 
     s = sub.add_parser("sweep", help="train a grid of model sizes, one pass each; results as CSV",
                        description="Train every size of every family in SWEEP (see configs/sweeps/); "

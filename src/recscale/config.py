@@ -201,12 +201,21 @@ class QComms(_Strict):
     dense: Literal["fp32", "fp16", "bf16"] = "fp32"  # DDP's gradient all-reduce
 
 
+class LearnedConfig(_Strict):
+    """``distributed.sharding: learned``: the learned planner's memory cap and cost models."""
+
+    memory_cap_mb: float | None = Field(None, gt=0)  # per rank: table weights and optimizer state
+    cost_models: str | None = None  # a file of bench/train_cost_models.py; None: the shipped models
+
+
 class DistributedConfig(_Strict):
     """How a multi-process run splits the model: tables sharded by TorchRec, the dense part data-parallel."""
 
     # Every table not listed in ``tables``: one sharding type, or "planner" for TorchRec's planner
-    # (restricted to fused kernels; on CPU it offers table_wise, column_wise and table_column_wise).
-    sharding: Literal["planner"] | ShardingTypeName = "table_wise"
+    # (restricted to fused kernels; on CPU it offers table_wise, column_wise and table_column_wise), or
+    # "learned" for recscale's learned planner (distributed/planner/, docs/SHARDING.md).
+    sharding: Literal["planner", "learned"] | ShardingTypeName = "table_wise"
+    learned: LearnedConfig = LearnedConfig()
     tables: dict[str, TablePlan] = {}  # sparse feature name -> its table's explicit plan
     dense: Literal["ddp", "fsdp"] = "ddp"  # fsdp: FSDP2 fully_shard, for dense networks too big to replicate
     # full: every rank builds the whole model, then keeps its shards (the same initial tables whatever

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from recscale.data.access import histogram_of_counts
 from recscale.data.readers import FORMATS, ReadStats, read_batches, validate_options
 from recscale.data.readers.base import (
     MAX_EXAMPLES,
@@ -93,23 +94,47 @@ class _Distinct:
         return len(self._merged()) if self.parts else 0
 
 
-class _Column:
-    """Running statistics of one column; ``kind`` None means: infer it from text cells."""
+class _Counts:
+    """Access count of every distinct non-null value of a stream of arrays (pyarrow group-by)."""
 
-    def __init__(self, name: str, kind: str | None) -> None:
+    def __init__(self) -> None:
+        self.parts: list[pa.Table] = []
+
+    def add(self, values: pa.Array) -> None:
+        counts = pc.value_counts(values.drop_null())
+        self.parts.append(pa.table({"v": counts.field("values"), "n": counts.field("counts")}))
+        if len(self.parts) >= MERGE_EVERY:
+            self.parts = [self._merged()]
+
+    def _merged(self) -> pa.Table:
+        summed = pa.concat_tables(self.parts).group_by("v").aggregate([("n", "sum")])
+        return pa.table({"v": summed.column("v"), "n": summed.column("n_sum")})
+
+    def counts(self) -> np.ndarray:
+        return self._merged().column("n").to_numpy() if self.parts else np.zeros(0, dtype=np.int64)
+
+
+class _Column:
+    """Running statistics of one column; ``kind`` None means: infer it from text cells. With
+    ``tables``, id columns also count each id's accesses (pooling factor, access histogram)."""
+
+    def __init__(self, name: str, kind: str | None, tables: bool = False) -> None:
         self.name, self.kind = name, kind
         self.missing = 0
+        self.rows = self.ids = 0
         self.distinct = _Distinct()
+        self.counts = _Counts() if tables and kind not in (LABEL, "dense") else None
         self.positives = self.labelled = 0
         # Rows whose label training rejects (to_label's rule), and the first few reasons.
         self.bad_labels, self.bad_label_examples = 0, list[str]()
         self.numeric, self.integral, self.has_sep = True, True, False
 
     def add(self, values: pa.Array) -> None:
+        self.rows += len(values)
         if is_list(values.type):  # missing = null or empty list
             filled = pc.sum(pc.greater(pc.list_value_length(values), 0)).as_py() or 0
             self.missing += len(values) - filled
-            self.distinct.add(values.flatten())
+            self._add_ids(values.flatten())
             return
         self.missing += values.null_count
         if self.kind == LABEL:
@@ -122,7 +147,13 @@ class _Column:
                 self.bad_label_examples.append(problem.reason(int(i)))  # type: ignore[union-attr]
         elif self.kind is None:
             values = self._observe(values)
+        self._add_ids(values)
+
+    def _add_ids(self, values: pa.Array) -> None:
         self.distinct.add(values)
+        if self.counts is not None:
+            self.ids += len(values) - values.null_count
+            self.counts.add(values)
 
     def _observe(self, cells: pa.Array) -> pa.Array:
         """Track whether text cells look numeric/integral/multi; return the ids to count."""
@@ -142,7 +173,11 @@ class _Column:
         if kind is None:
             kind = "multi" if self.has_sep else "dense" if self.numeric and not self.integral else "sparse"
         cardinality = self.distinct.count()
-        return {"name": self.name, "type": kind, "cardinality": cardinality, "missing": self.missing}
+        out = {"name": self.name, "type": kind, "cardinality": cardinality, "missing": self.missing}
+        if self.counts is not None and kind in ("sparse", "multi"):
+            out["pooling"] = round(self.ids / max(self.rows, 1), 4)
+            out["access_histogram"] = [round(h, 5) for h in histogram_of_counts(self.counts.counts())]
+        return out
 
 
 def _take(batches: Iterator[pa.RecordBatch], max_rows: int | None) -> Iterator[pa.RecordBatch]:
@@ -206,12 +241,19 @@ def _movielens_schema(path: Path) -> Schema:
 
 
 def inspect_file(
-    path: str | Path, fmt: str | None = None, options: dict | None = None, max_rows: int | None = None
+    path: str | Path,
+    fmt: str | None = None,
+    options: dict | None = None,
+    max_rows: int | None = None,
+    tables: bool = False,
 ) -> dict[str, Any]:
     """Summarise a data file: format, rows, bad rows, positive rate and per-column statistics.
 
     Streams the file; with ``max_rows`` the counts cover only its first ``max_rows`` rows. No
-    schema is needed (see the module doc for the inferred one).
+    schema is needed (see the module doc for the inferred one). With ``tables``, each id column also
+    reports the embedding-table features of the learned sharding planner: ``pooling`` (ids per row)
+    and ``access_histogram`` (``data.access``; over the rows read: ``max_rows`` 4096 gives the
+    histogram of one batch as the planner's cost models see it).
     """
     path = Path(path)
     fmt = fmt or guess_format(path)
@@ -220,7 +262,7 @@ def inspect_file(
     stats = ReadStats()
     if fmt == "csv":
         names, batches, stats = _csv_tables(path, options.get("delimiter", ","))
-        columns = [_Column(n, LABEL if n == LABEL else None) for n in names]
+        columns = [_Column(n, LABEL if n == LABEL else None, tables) for n in names]
     elif fmt == "parquet":
         check_file(path)
         try:
@@ -228,7 +270,8 @@ def inspect_file(
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{path} is not a readable parquet file: {e}") from None
         columns = [
-            _Column(f.name, LABEL if f.name == LABEL else _parquet_kind(f.type)) for f in file.schema_arrow
+            _Column(f.name, LABEL if f.name == LABEL else _parquet_kind(f.type), tables)
+            for f in file.schema_arrow
         ]
         batches = file.iter_batches()
     else:
@@ -245,7 +288,9 @@ def inspect_file(
         batches = read_batches(path, fmt, schema, options, on_bad_row="skip", stats=stats)
         kinds = {LABEL: LABEL} | dict.fromkeys(schema.dense_names, "dense")
         kinds |= {f.name: "multi" if f.multi else "sparse" for f in schema.sparse}
-        columns = [_Column(n, kinds[n]) for n in schema.column_names() if not n.endswith(WEIGHT_SUFFIX)]
+        columns = [
+            _Column(n, kinds[n], tables) for n in schema.column_names() if not n.endswith(WEIGHT_SUFFIX)
+        ]
     rows = 0
     for batch in _take(batches, max_rows):
         rows += batch.num_rows

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeAlias, cast
 
 import torch
@@ -50,16 +51,29 @@ from torchrec.distributed.types import (
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
-from torchrec.sparse.jagged_tensor import KeyedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recscale.config import DistributedConfig, TablePlan
 from recscale.distributed.codecs import RowwiseFP8Codec
 from recscale.distributed.dense import dense_wrapper
 from recscale.distributed.env import DistEnv
+from recscale.distributed.planner.features import TableFeatures
+from recscale.distributed.planner.search import Plan
 from recscale.distributed.topology import Topology
 from recscale.errors import ConfigError
 
 FUSED, DENSE = "fused", "dense"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the learned planner predicts for the tables it placed (``tables[i]`` is table i of ``plan``)."""
+
+    tables: list[str]
+    plan: Plan
+    features: list[TableFeatures]
+
+
 # fbgemm's kernels need every column shard to be a multiple of this many columns.
 _COLUMN_MULTIPLE = 4
 
@@ -98,10 +112,27 @@ def table_keys(model: nn.Module, plan: ShardingPlan) -> dict[str, str]:
 
 
 def plan_tables(
-    model: nn.Module, env: DistEnv, cfg: DistributedConfig, pg: dist.ProcessGroup | None = None
+    model: nn.Module,
+    env: DistEnv,
+    cfg: DistributedConfig,
+    pg: dist.ProcessGroup | None = None,
+    sample: KeyedJaggedTensor | None = None,
 ) -> ShardingPlan:
-    """The plan for every table of ``model`` over the ranks of ``pg`` (default: all): the planner's
-    or the configured type, then the per-feature entries of ``cfg.tables``."""
+    """The plan for every table of ``model`` over the ranks of ``pg`` (default: all): the planner's,
+    the learned planner's (its features from ``sample``, a batch of the data) or the configured type,
+    then the per-feature entries of ``cfg.tables``."""
+    return predicted_plan(model, env, cfg, pg, sample)[0]
+
+
+def predicted_plan(
+    model: nn.Module,
+    env: DistEnv,
+    cfg: DistributedConfig,
+    pg: dist.ProcessGroup | None = None,
+    sample: KeyedJaggedTensor | None = None,
+) -> tuple[ShardingPlan, Prediction | None]:
+    """``plan_tables``, with the learned planner's prediction for the tables it placed (None unless
+    ``cfg.sharding`` is learned)."""
     collections = embedding_collections(model)
     configs = [c for m in collections.values() for c in table_configs(m)]
     by_feature = {f: c.name for c in configs for f in c.feature_names}
@@ -111,6 +142,14 @@ def plan_tables(
             f"distributed.tables names unknown sparse features {unknown}; features: {sorted(by_feature)}"
         )
     explicit = {by_feature[f]: spec for f, spec in cfg.tables.items()}
+    prediction = None
+    planned = [c for c in configs if c.name not in explicit]
+    if cfg.sharding == "learned" and planned:
+        from recscale.distributed.planner.learned import learned_specs
+
+        specs, predicted, features = learned_specs(planned, sample, env.world_size, cfg.learned)
+        explicit = specs | explicit
+        prediction = Prediction([c.name for c in planned], predicted, features)
     plan = _planner_plan(model, env, pg) if cfg.sharding == "planner" else ShardingPlan({})
     builder = _ExplicitPlanner(env)
     for path, ebc in collections.items():
@@ -127,7 +166,7 @@ def plan_tables(
                 )
             if spec is not None:
                 module_plan[c.name] = builder.sharding(c, spec, i)
-    return plan
+    return plan, prediction
 
 
 def _planner_plan(model: nn.Module, env: DistEnv, pg: dist.ProcessGroup | None) -> ShardingPlan:
@@ -137,6 +176,8 @@ def _planner_plan(model: nn.Module, env: DistEnv, pg: dist.ProcessGroup | None) 
         world_size=env.world_size, compute_device=env.device.type, local_world_size=env.local_world_size
     )
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+    if not dist.is_initialized():  # planning without a job (``recscale shard plan``)
+        return planner.plan(model, [cast(ModuleSharder[nn.Module], EmbeddingBagCollectionSharder())])
     return planner.collective_plan(model, pg=pg or dist.GroupMember.WORLD)
 
 
@@ -296,12 +337,14 @@ def shard_model(
     table_optimizer: tuple[type[torch.optim.Optimizer], dict],
     pg: dist.ProcessGroup | None = None,
     dense_dtype: torch.dtype = torch.float32,
+    sample: KeyedJaggedTensor | None = None,
 ) -> tuple[DistributedModelParallel, KeyedOptimizer]:
     """``model`` under DMP over the ranks of ``pg`` (default: all; ``env`` then describes that
     group): tables sharded by ``plan_tables`` starting from the unsharded model's values, the dense
     part wrapped per ``cfg.dense`` (FSDP2 gathering it in ``dense_dtype``). Returns DMP and the tables' optimizer: the fused one, plus
-    ``table_optimizer`` (class, kwargs) over the data_parallel tables' replicas."""
-    plan = plan_tables(model, env, cfg, pg)
+    ``table_optimizer`` (class, kwargs) over the data_parallel tables' replicas. ``sample``: a batch of
+    the data, from which the learned planner reads its table features."""
+    plan = plan_tables(model, env, cfg, pg, sample)
     if pg is not None:
         _global_placements(plan, pg, env.device.type)
     kinds = table_keys(model, plan)

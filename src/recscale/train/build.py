@@ -15,6 +15,7 @@ import itertools
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -22,10 +23,13 @@ from torchrec.distributed.model_parallel import get_unwrapped_module
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.config import RunConfig
+from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
 from recscale.distributed.env import DistEnv
+from recscale.distributed.planner.features import BATCH
 from recscale.distributed.sharding import shard_model
 from recscale.errors import ConfigError, ResourceError
 from recscale.models.base import RecModel, TrainableModel, count_parameters
@@ -70,6 +74,14 @@ def feature_set(pre: Preprocessor) -> FeatureSet:
         for f in pre.schema.sparse
     )
     return FeatureSet(sparse=sparse, num_dense=len(pre.schema.dense))
+
+
+def planner_sample(cfg: RunConfig, ds: ArrayDataset) -> KeyedJaggedTensor | None:
+    """The ids of the first ``BATCH`` training rows, from which the learned planner reads its table
+    features (None unless it plans this run)."""
+    if cfg.distributed.sharding != "learned" or cfg.dmt is not None:
+        return None
+    return ds.gather(np.arange(min(len(ds), BATCH))).sparse
 
 
 def check_features(cfg: RunConfig, features: FeatureSet) -> None:
@@ -150,8 +162,11 @@ def _tables_do_not_fit(cfg: RunConfig, features: FeatureSet, env: DistEnv, e: Ru
     )
 
 
-def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
-    """The run's model on this rank, seeded by ``cfg.seed`` (every rank builds the same one first)."""
+def build(
+    cfg: RunConfig, features: FeatureSet, env: DistEnv, sample: KeyedJaggedTensor | None = None
+) -> Built:
+    """The run's model on this rank, seeded by ``cfg.seed`` (every rank builds the same one first).
+    ``sample``: a batch of training ids, from which the learned sharding planner reads table features."""
     check_features(cfg, features)
     opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer, env.device, cfg.dense_tables())
     if cfg.dmt is not None:
@@ -174,7 +189,7 @@ def build(cfg: RunConfig, features: FeatureSet, env: DistEnv) -> Built:
             apply_optimizer_in_backward(opt_cls, flat.embedding.table_parameters(), dict(opt_kw))
             dense_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
             module, tables = shard_model(
-                flat, env, cfg.distributed, (opt_cls, opt_kw), dense_dtype=dense_dtype
+                flat, env, cfg.distributed, (opt_cls, opt_kw), dense_dtype=dense_dtype, sample=sample
             )
         except RuntimeError as e:
             if "allocate" not in str(e):

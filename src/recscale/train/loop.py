@@ -41,7 +41,7 @@ from recscale.distributed.balance import partition, sample_costs
 from recscale.distributed.env import heartbeat, init_distributed
 from recscale.errors import CheckpointError, ConfigError, RecscaleError
 from recscale.io import atomic_write_text
-from recscale.train.build import build, feature_set
+from recscale.train.build import build, feature_set, planner_sample
 from recscale.train.checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -89,7 +89,7 @@ class Trainer:
         self._prepare_data(resume)
         if self.main:
             self._barrier()
-        self.built = build(cfg, feature_set(self.pre), self.env)
+        self.built = build(cfg, feature_set(self.pre), self.env, planner_sample(cfg, self.train_ds))
         self.module, self.opt = self.built.module, self.built.opt
         if self.main:
             warn_if_emulated(t.precision, self.env.device)

@@ -1,0 +1,86 @@
+"""Collect the cost data the learned sharding planner trains on (docs/SHARDING.md).
+
+    PYTHONPATH=src .venv/bin/python bench/sharding_costs.py --compute 400 --comm 160 --out docs/sharding
+
+compute.csv: random multi-table shards (1-30 tables of random training tasks, some split column-wise)
+and their fused forward+backward time (ms of the thread's CPU time, one thread, trimmed mean of 9
+after 3 warm-ups), one row per
+shard with its tables' features as JSON. comm.csv (wall time: it waits on the other ranks): per-rank output dim sums (random totals of the
+training tasks, split with random skew) and their forward+backward all-to-all time over gloo.
+On a machine with CUDA the same script would need fbgemm's CUDA TBE; it times the CPU kernels only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from sharding_common import TRAIN_STREAM, all_to_all_ms, random_task, rng, shard_ms
+
+from recscale.io import atomic_write_text
+
+SHARDS_PER_TASK = 8
+
+
+def compute_rows(n: int) -> Iterator[list]:
+    done, task_id = 0, 0
+    while done < n:
+        g = rng(TRAIN_STREAM, task_id)
+        task = random_task(g)
+        for _ in range(min(SHARDS_PER_TASK, n - done)):
+            size = int(g.integers(1, min(30, len(task)) + 1))
+            picked = g.choice(len(task), size, replace=False)
+            shard = []
+            for t in picked:
+                dim = task[t].features.dim
+                k = int(g.choice([1, 2, 4], p=[0.6, 0.25, 0.15]))
+                shard.append((task[t], dim // k if dim % (4 * k) == 0 else dim))
+            ms = shard_ms(shard)
+            feats = [[t.features.rows, w, round(t.features.pooling, 4), *(round(h, 5) for h in t.features.hist)]
+                     for t, w in shard]  # fmt: skip
+            done += 1
+            print(f"compute {done}/{n}: {size} tables {ms:.2f} ms", flush=True)
+            yield [task_id, round(ms, 4), json.dumps(feats)]
+        task_id += 1
+
+
+def comm_rows(n: int, world: int) -> list[list]:
+    dims = []
+    for i in range(n):
+        g = rng(TRAIN_STREAM, 10_000 + i)
+        total = int(g.integers(10, 61)) * 66  # a task's tables at the mean dim
+        share = g.dirichlet(np.full(world, float(np.exp(g.uniform(np.log(0.3), np.log(30))))))
+        dims.append([int(4 * round(total * s / 4)) for s in share])
+    times = all_to_all_ms(dims)
+    return [[world, " ".join(map(str, d)), round(t, 4)] for d, t in zip(dims, times, strict=True)]
+
+
+def write_csv(path: Path, header: list[str], rows: list[list]) -> None:
+    buf = io.StringIO()
+    csv.writer(buf).writerows([header, *rows])
+    atomic_write_text(path, buf.getvalue())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--compute", type=int, default=400, help="shards to time")
+    p.add_argument("--comm", type=int, default=160, help="dim-sum vectors to time")
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--out", type=Path, default=Path("docs/sharding"))
+    a = p.parse_args()
+    if a.comm:
+        write_csv(a.out / "comm.csv", ["world", "dims", "ms"], comm_rows(a.comm, a.world))
+    rows: list[list] = []
+    for row in compute_rows(a.compute):  # written every 40 rows: an interrupted run keeps its data
+        rows.append(row)
+        if len(rows) % 40 == 0 or len(rows) == a.compute:
+            write_csv(a.out / "compute.csv", ["task", "ms", "tables"], rows)
+
+
+if __name__ == "__main__":
+    main()

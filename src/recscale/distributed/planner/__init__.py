@@ -1,0 +1,1 @@
+"""The learned embedding sharding planner (NeuroShard): table features, measured cost models, search."""

@@ -1,0 +1,166 @@
+"""The learned sharding planner: table features, cost models, search, its plans and `recscale shard plan`
+(its 4-rank training parity: the ``learned`` variant of tests/test_distributed.py)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from recscale.cli import main
+from recscale.config import DistributedConfig, LearnedConfig
+from recscale.data.access import HIST_BINS, access_histogram
+from recscale.data.inspect import inspect_file
+from recscale.distributed.env import DistEnv
+from recscale.distributed.planner.cost_model import CostModels
+from recscale.distributed.planner.features import TableFeatures, synthetic_table
+from recscale.distributed.planner.search import LearnedPlanner
+from recscale.distributed.sharding import predicted_plan
+from recscale.errors import CheckpointError, ConfigError
+from recscale.models.embedding import EmbeddingConfig, FeatureSet, SparseInput
+from recscale.models.registry import build_model
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.fixture(scope="module")
+def models() -> CostModels:
+    return CostModels.load()
+
+
+def task(n: int, seed: int = 0) -> list[TableFeatures]:
+    g = np.random.default_rng(seed)
+    dims = [4, 8, 12, 16, 32, 64, 128]
+    return [
+        synthetic_table(
+            f"t{i}",
+            int(g.integers(1000, 50_000)),
+            int(g.choice(dims)),
+            float(g.uniform(1, 20)),
+            float(g.uniform(0, 1.4)),
+            g,
+        )[0]  # fmt: skip
+        for i in range(n)
+    ]
+
+
+def test_access_histogram_bins_by_powers_of_two():
+    # ids accessed 1, 2, 3 and 40,000 times: bins (0,1], (1,2], (2,4] and (2^15, inf)
+    ids = np.concatenate([[7], [8] * 2, [9] * 3, [10] * 40_000])
+    hist = access_histogram(ids)
+    assert len(hist) == HIST_BINS
+    assert hist[0] == hist[1] == hist[2] == hist[16] == 0.25 and sum(hist) == 1
+
+
+def test_inspect_reports_pooling_and_histogram(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("label,user,tags\n1,7,a|b\n0,7,a\n1,8,a|b|c\n")
+    cols = {c["name"]: c for c in inspect_file(path, tables=True)["columns"]}
+    assert cols["tags"]["pooling"] == 2.0 and cols["user"]["pooling"] == 1.0
+    # tags: a 3 times, b 2, c 1; user: 7 twice, 8 once
+    assert cols["tags"]["access_histogram"][:3] == pytest.approx([1 / 3, 1 / 3, 1 / 3], abs=1e-4)
+    assert cols["user"]["access_histogram"][:2] == pytest.approx([0.5, 0.5])
+    assert "access_histogram" not in cols["label"] and "pooling" not in inspect_file(path)["columns"][1]
+
+
+def test_synthetic_tables_follow_their_spec():
+    g = np.random.default_rng(0)
+    flat, lengths, ids = synthetic_table("a", 10_000, 16, 8.0, 0.0, g)
+    skewed = synthetic_table("b", 10_000, 16, 8.0, 1.4, g)[0]
+    assert len(lengths) == 4096 and len(ids) == lengths.sum() and ids.max() < 10_000
+    assert flat.pooling == pytest.approx(8.0, rel=0.05)
+    # Uniform access: ~3.3 accesses per id, nothing past (16, 32]; Zipf: a few ids taken > 1024 times.
+    top = lambda f: max(i for i, h in enumerate(f.hist) if h > 0)  # noqa: E731
+    assert top(flat) <= 5 < 10 <= top(skewed)
+
+
+def test_cost_models_round_trip_and_refuse_a_bad_file(models, tmp_path):
+    x = np.stack([f.vector() for f in task(5)])
+    emb = models.table_embedding(x).sum(0)
+    path = tmp_path / "m.safetensors"
+    models.save(path)
+    again = CostModels.load(path)
+    assert again.shard_cost(emb) == pytest.approx(models.shard_cost(emb))
+    assert again.comm_cost(np.array([64, 128, 0, 32])) == pytest.approx(
+        models.comm_cost(np.array([64, 128, 0, 32]))
+    )
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="not a cost-model file"):
+        CostModels.load(path)
+
+
+def test_plans_cover_every_column_once_on_distinct_ranks(models):
+    tables = task(60)
+    plan = LearnedPlanner(models, 4).plan(tables)
+    for t, f in enumerate(tables):
+        shards = sorted((s for s in plan.shards if s.table == t), key=lambda s: s.offset)
+        assert [s.offset for s in shards] == [i * shards[0].width for i in range(len(shards))]
+        assert sum(s.width for s in shards) == f.dim and len({s.rank for s in shards}) == len(shards)
+        assert len(shards) == 1 or shards[0].width % 4 == 0
+    assert len(plan.compute_ms) == 4 and plan.cost_ms == max(plan.compute_ms) + plan.comm_ms > 0
+
+
+def test_memory_caps_hold_and_an_impossible_cap_is_one_line(models):
+    tables = task(20)
+    total = sum(f.memory() for f in tables)
+    cap = int(total / 4 * 1.2)
+    plan = LearnedPlanner(models, 4, cap).plan(tables)
+    assert max(plan.memory) <= cap and sum(plan.memory) == total
+    with pytest.raises(ConfigError, match=r"table 't\d+' .* cap of 0\.5 MB per rank on 4 ranks") as e:
+        LearnedPlanner(models, 4, 2**19).plan(tables)
+    named = next(f for f in tables if f"table '{f.name}'" in str(e.value))
+    assert named.memory() / 4 > 2**19 and "\n" not in str(e.value)  # even split 4 ways it does not fit
+
+
+def lr_model(n: int = 6):
+    features = FeatureSet(sparse=tuple(SparseInput(f"f{i}", 100 * (i + 1)) for i in range(n)), num_dense=0)
+    return build_model("lr", features, EmbeddingConfig(dim=16), {})
+
+
+def test_learned_sharding_gives_a_torchrec_plan():
+    env = DistEnv(0, 4, 0, 2, torch.device("cpu"), "gloo")
+    cfg = DistributedConfig.model_validate({"sharding": "learned", "tables": {"f0": {"type": "row_wise"}}})
+    plan, prediction = predicted_plan(lr_model(), env, cfg)
+    module_plan = plan.plan["embedding.ebc"]
+    assert module_plan["t_f0"].sharding_type == "row_wise"  # explicit entries win
+    assert prediction is not None and sorted(prediction.tables) == [f"t_f{i}" for i in range(1, 6)]
+    for name in prediction.tables:
+        ps = module_plan[name]
+        assert ps.sharding_type in ("table_wise", "column_wise") and ps.compute_kernel == "fused"
+        assert sum(m.shard_sizes[1] for m in ps.sharding_spec.shards) == 16
+
+
+def test_learned_sharding_with_every_table_explicit_plans_nothing():
+    env = DistEnv(0, 4, 0, 4, torch.device("cpu"), "gloo")
+    tables = {f"f{i}": {"type": "table_wise", "ranks": [i % 4]} for i in range(6)}
+    cfg = DistributedConfig.model_validate({"sharding": "learned", "tables": tables})
+    plan, prediction = predicted_plan(lr_model(), env, cfg)
+    assert prediction is None and plan.plan["embedding.ebc"]["t_f5"].ranks == [1]
+
+
+def test_learned_config_validates():
+    with pytest.raises(ValueError, match="memory_cap_mb"):
+        LearnedConfig.model_validate({"memory_cap_mb": 0})
+
+
+def test_shard_plan_cli_writes_a_readable_plan(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    small = ["data.synthetic.rows.train=512", "data.synthetic.rows.valid=64", "data.synthetic.rows.test=64",
+             "data.synthetic.num_sparse=6", "data.num_workers=0", "distributed.sharding=learned"]  # fmt: skip
+    assert main(["shard", "plan", str(CONFIGS / "demo.yaml"), *small, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert "8 tables over 4 ranks; predicted max-rank cost" in capsys.readouterr().out
+    assert len(doc["tables"]) == 8 and len(doc["predicted"]["ranks"]) == 4
+    pooled = [t["features"]["pooling"] for t in doc["tables"].values()]
+    assert max(pooled) > 1.5 and min(pooled) == 1.0  # multi-id fields pool several ids
+    capped = ["distributed.learned.memory_cap_mb=0.001"]
+    assert (
+        main(
+            ["shard", "plan", str(CONFIGS / "demo.yaml"), *small, *capped, "--out", str(tmp_path / "x.json")]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "error: distributed.learned.memory_cap_mb: table" in err and "cap of 0.001 MB" in err
+    assert not (tmp_path / "x.json").exists()
