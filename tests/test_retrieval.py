@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
+from recscale.errors import CheckpointError
 from recscale.retrieval.bloom import BloomFilter
 from recscale.retrieval.index import ExactIndex, Int8Index, ItemIndex, IVFIndex
+from recscale.retrieval.pipeline import IndexKind, Ranker, RetrievalSpec, RetrieveRank, make_index
 from recscale.retrieval.synthetic import latent_data
 from recscale.retrieval.two_tower import Tower, TwoTower, embed, fit
+from recscale.serve.artifact import WEIGHTS
+from recscale.serve.retrieval_artifact import load_retrieval, save_retrieval
 
 
 def recall(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -64,7 +69,7 @@ def test_ivf_recall_grows_with_nprobe(data: tuple[torch.Tensor, torch.Tensor]) -
 
 def test_bloom_filter_no_false_negatives_bounded_false_positives() -> None:
     gen = torch.Generator().manual_seed(0)
-    bloom = BloomFilter(capacity=20_000, fp_rate=0.01)
+    bloom = BloomFilter.sized(capacity=20_000, fp_rate=0.01)
     users, items = (
         torch.randint(0, 1000, (20_000,), generator=gen),
         torch.randint(0, 50_000, (20_000,), generator=gen),
@@ -85,7 +90,7 @@ def test_seen_items_never_returned(
     index = make(items)
     users = torch.arange(queries.shape[0])
     _, first = index(queries, 10)
-    bloom = BloomFilter(capacity=first.numel(), fp_rate=0.01)
+    bloom = BloomFilter.sized(capacity=first.numel(), fp_rate=0.01)
     bloom.add(users[:, None].expand_as(first), first)
     _, ids = index(queries, 10, users=users, seen=bloom)
     assert not bloom.might_contain(users[:, None].expand_as(ids), ids).any()
@@ -102,3 +107,33 @@ def test_two_tower_trains_and_finds_true_top_items() -> None:
     _, true_top = ExactIndex(d.items)(d.users, 10)
     _, found = ExactIndex(embed(model.item, ids(300)))(embed(model.user, ids(200)), 10)
     assert recall(found, true_top) > 0.25  # chance: 10 / 300
+
+
+@pytest.mark.parametrize("kind", ["exact", "int8", "ivf", "ivf-int8"])
+def test_retrieve_rank_saved_and_reloaded(tmp_path: Path, kind: IndexKind) -> None:
+    torch.manual_seed(0)
+    n_users, n_items = 40, 500
+    spec = RetrievalSpec(
+        user_vocab=[n_users + 1], emb_dim=8, hidden=[16], dim=8, n_items=n_items, index=kind, nlist=16,
+        nprobe=4, ranker_dim=8, ranker_hidden=[16], candidates=50, k=10,
+    )  # fmt: skip
+    user_tower = Tower(spec.user_vocab, spec.emb_dim, spec.hidden, spec.dim)
+    users = torch.arange(n_users)
+    features = [users[:, None] + 1]
+    seen = BloomFilter.sized(capacity=n_users * 20, fp_rate=0.01)
+    seen.add(users.repeat_interleave(20), torch.randint(0, n_items, (n_users * 20,)))
+    spec = spec.model_copy(update={"bloom_bits": seen.n_bits, "bloom_hashes": seen.n_hashes})
+    index = make_index(kind, torch.randn(n_items, spec.dim), spec.nlist, spec.nprobe)
+    model = RetrieveRank(user_tower, index, Ranker(n_items, spec.dim, 8, [16]), 50, 10, seen).eval()
+    logits, ids = model(features, users)
+    assert ids.shape == (n_users, 10)
+    assert not seen.might_contain(users[:, None].expand_as(ids), ids).any()
+    assert torch.equal(logits, model.ranker(user_tower(features), ids))  # ranker scores, best first
+    assert (logits[:, :-1] >= logits[:, 1:]).all()
+    save_retrieval(tmp_path / "m", model, spec)
+    logits2, ids2 = load_retrieval(tmp_path / "m")(features, users)
+    assert torch.equal(ids2, ids) and torch.equal(logits2, logits)
+    weights = tmp_path / "m" / WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    with pytest.raises(CheckpointError, match="sha256 does not match"):
+        load_retrieval(tmp_path / "m")

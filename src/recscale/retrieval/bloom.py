@@ -1,8 +1,8 @@
 """A Bloom filter of (user, item) pairs as a module: the items a user has already seen.
 
 ``might_contain`` never misses an added pair (no false negatives) and says yes to a pair never added
-with probability about ``(1 - exp(-k n / m)) ** k`` (m bits, k hashes, n pairs added); the constructor
-sizes m and k for a ``capacity`` and a target ``fp_rate``. The bits are packed 8 to a byte in a uint8
+with probability about ``(1 - exp(-k n / m)) ** k`` (m bits, k hashes, n pairs added); ``sized``
+picks m and k for a ``capacity`` and a target ``fp_rate``. The bits are packed 8 to a byte in a uint8
 buffer. Hashes: two 31-bit mixes of (user, item) (multiply-mod-prime and xor-shift rounds, every product
 below 2**62 so int64 never overflows), combined as ``h1 + j * h2 mod m`` for j < k (double hashing).
 """
@@ -33,15 +33,24 @@ class BloomFilter(nn.Module):
 
     bits: Tensor
 
-    def __init__(self, capacity: int, fp_rate: float) -> None:
+    def __init__(self, n_bits: int, n_hashes: int) -> None:
         super().__init__()
+        if n_bits < 8 or n_hashes < 1 or n_bits >= 1 << 31:
+            raise ValueError(
+                f"a Bloom filter needs 8 <= n_bits < 2**31 and n_hashes >= 1, got {n_bits}, {n_hashes}"
+            )
+        self.n_bits, self.n_hashes = n_bits, n_hashes
+        self.register_buffer("bits", torch.zeros((n_bits + 7) // 8, dtype=torch.uint8))
+
+    @classmethod
+    def sized(cls, capacity: int, fp_rate: float) -> BloomFilter:
+        """The filter of fewest bits for ``capacity`` pairs at a false-positive rate ``fp_rate``."""
         if capacity < 1 or not 0 < fp_rate < 1:
             raise ValueError(
                 f"a Bloom filter needs capacity >= 1 and 0 < fp_rate < 1, got {capacity}, {fp_rate}"
             )
-        self.n_bits = max(8, math.ceil(-capacity * math.log(fp_rate) / math.log(2) ** 2))
-        self.n_hashes = max(1, round(self.n_bits / capacity * math.log(2)))
-        self.register_buffer("bits", torch.zeros((self.n_bits + 7) // 8, dtype=torch.uint8))
+        n_bits = max(8, math.ceil(-capacity * math.log(fp_rate) / math.log(2) ** 2))
+        return cls(n_bits, max(1, round(n_bits / capacity * math.log(2))))
 
     def _positions(self, users: Tensor, items: Tensor) -> Tensor:
         """(...,) pairs -> (..., n_hashes) bit positions in [0, n_bits)."""

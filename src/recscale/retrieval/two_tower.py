@@ -12,7 +12,7 @@ self-contained loop (Adam, shuffled pairs), not recscale's CTR trainer, whose ba
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,37 @@ def rows(table: Sequence[Tensor], index: Tensor) -> list[Tensor]:
     return [t[index] for t in table]
 
 
+def train_epochs(
+    model: nn.Module,
+    n: int,
+    loss_of: Callable[[Tensor], Tensor],
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    whole_batches: bool,
+) -> list[float]:
+    """Adam on ``loss_of(batch indices)`` over ``n`` shuffled examples; ``whole_batches`` drops a short
+    last batch. Leaves ``model`` in eval mode; returns each epoch's mean loss."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    losses = []
+    for _ in range(epochs):
+        order = torch.randperm(n, generator=gen)
+        last = n - batch_size + 1 if whole_batches else n
+        total = []
+        for start in range(0, last, batch_size):
+            loss = loss_of(order[start : start + batch_size])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total.append(loss.item())
+        losses.append(sum(total) / max(len(total), 1))
+    model.eval()
+    return losses
+
+
 def fit(
     model: TwoTower,
     users: Sequence[Tensor],
@@ -64,24 +95,10 @@ def fit(
     seed: int = 0,
 ) -> list[float]:
     """Train on ``pairs`` (P, 2) = (user row, item row) of the tables ``users`` and ``items`` (one
-    (N, L_f) id tensor per feature). Returns each epoch's mean loss."""
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    gen = torch.Generator().manual_seed(seed)
-    model.train()
-    losses = []
-    for _ in range(epochs):
-        order = torch.randperm(pairs.shape[0], generator=gen)
-        total, n = 0.0, 0
-        for start in range(0, order.shape[0] - batch_size + 1, batch_size):
-            batch = pairs[order[start : start + batch_size]]
-            loss = model(rows(users, batch[:, 0]), rows(items, batch[:, 1]))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            total, n = total + loss.item(), n + 1
-        losses.append(total / max(n, 1))
-    model.eval()
-    return losses
+    (N, L_f) id tensor per feature), whole batches only (the in-batch softmax wants B negatives).
+    Returns each epoch's mean loss."""
+    loss_of = lambda b: model(rows(users, pairs[b, 0]), rows(items, pairs[b, 1]))
+    return train_epochs(model, pairs.shape[0], loss_of, epochs, batch_size, lr, seed, whole_batches=True)
 
 
 @torch.no_grad()
