@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ from recscale.data.readers import read_batches
 from recscale.data.schema import Schema, SparseFeature
 from recscale.retrieval.bloom import BloomFilter
 from recscale.retrieval.index import ExactIndex, Int8Index, ItemIndex, IVFIndex
+from recscale.retrieval.pipeline import Ranker, RetrieveRank, fit_ranker
 from recscale.retrieval.synthetic import latent_data
 from recscale.retrieval.two_tower import Tower, TwoTower, embed, fit
 
@@ -44,23 +46,16 @@ def recall(approx: torch.Tensor, exact: torch.Tensor) -> float:
     )
 
 
-def latency_ms(
-    index: ItemIndex,
-    queries: torch.Tensor,
-    k: int,
-    args: argparse.Namespace,
-    users: torch.Tensor | None = None,
-    seen: BloomFilter | None = None,
-) -> float:
-    """Median ms per query of ``index`` on consecutive batches of ``args.batch`` queries (one warm-up)."""
+def latency_ms(run: Callable[[slice], object], n: int, batch: int, reps: int) -> float:
+    """Median ms per query of ``run(batch of query rows)`` over consecutive batches of ``batch`` of the ``n``
+    queries, after one warm-up call."""
     times = []
-    for r in range(args.reps + 1):
-        start = (r * args.batch) % (queries.shape[0] - args.batch + 1)
-        part = slice(start, start + args.batch)
+    for r in range(reps + 1):
+        start = (r * batch) % (n - batch + 1)
         t = time.perf_counter()
-        index(queries[part], k, users=None if users is None else users[part], seen=seen)
+        run(slice(start, start + batch))
         times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times[1:]) / args.batch
+    return 1000 * statistics.median(times[1:]) / batch
 
 
 def compare(
@@ -71,7 +66,7 @@ def compare(
     nprobes: list[int],
     args: argparse.Namespace,
 ) -> list[dict]:
-    exact = ExactIndex(items)
+    exact, n = ExactIndex(items), queries.shape[0]
     want = {k: exact(queries, k)[1] for k in (10, 100)}
     variants: list[tuple[str, ItemIndex, float]] = [("exact fp32", exact, 0.0)]
     for label, make in [("int8", lambda: Int8Index(items))] + [
@@ -93,7 +88,12 @@ def compare(
                 "index": label,
                 "recall@10": round(recall(index(queries, 10)[1], want[10]), 4),
                 "recall@100": round(recall(index(queries, 100)[1], want[100]), 4),
-                "ms/query": round(latency_ms(index, queries, 100, args), 4),
+                **{
+                    f"ms/query (batch {b})": round(
+                        latency_ms(lambda q, index=index: index(queries[q], 100), n, b, args.reps), 4
+                    )
+                    for b in (args.batch, 1)
+                },
                 "index bytes": index.index_bytes(),
                 "x smaller": round(exact.index_bytes() / index.index_bytes(), 2),
                 "build s": round(build_s, 2),
@@ -104,8 +104,8 @@ def compare(
 
 
 def movielens_tables(path: Path) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Per-user and per-item id tables (1-based, 0 = padding) and the (user, item) positive pairs of each
-    split, from recscale's MovieLens reader."""
+    """Per-user and per-item id tables (1-based, 0 = padding) and, from recscale's MovieLens reader,
+    (user row, item row, label) of each rating of the train and valid splits (label: rating >= 4)."""
     schema = Schema(label="rating", sparse=[SparseFeature(name=n, multi=n == "class") for n in USER + ITEM])
     splits = {
         s: pa.Table.from_batches(list(read_batches(path, "movielens", schema, {"split": s})))
@@ -136,62 +136,74 @@ def movielens_tables(path: Path) -> tuple[list[torch.Tensor], list[torch.Tensor]
 
     users, user_row = table(USER)
     items, item_row = table(ITEM)
-    pairs = {}
+    rated = {}
     for s in ("train", "valid"):
-        pos = splits[s].filter(pa.compute.equal(splits[s].column("label"), 1.0))
-        u = [user_row[str(x)] for x in pos.column("user_id").to_pylist()]
-        i = [item_row[str(x)] for x in pos.column("item_id").to_pylist()]
-        pairs[s] = torch.tensor([u, i]).T
-    return users, items, pairs
+        u = [user_row[str(x)] for x in splits[s].column("user_id").to_pylist()]
+        i = [item_row[str(x)] for x in splits[s].column("item_id").to_pylist()]
+        rated[s] = torch.tensor([u, i, [int(x) for x in splits[s].column("label").to_pylist()]]).T
+    return users, items, rated
 
 
 def movielens(path: Path, args: argparse.Namespace) -> list[dict]:
-    users, items, pairs = movielens_tables(path)
+    users, items, rated = movielens_tables(path)
+    pairs = {s: r[r[:, 2] == 1, :2] for s, r in rated.items()}  # the positives
     torch.manual_seed(0)
     user_tower = Tower([int(t.max()) + 1 for t in users], 16, [64], 32)
     item_tower = Tower([int(t.max()) + 1 for t in items], 16, [64], 32)
-    model = TwoTower(user_tower, item_tower, temperature=0.05)
     t = time.perf_counter()
-    losses = fit(model, users, items, pairs["train"], epochs=args.epochs, batch_size=256, lr=0.003)
-    print(
-        f"movielens two-tower: {len(pairs['train'])} train positives, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-        f"{time.perf_counter() - t:.1f} s",
-        flush=True,
+    losses = fit(
+        TwoTower(user_tower, item_tower, 0.05), users, items, pairs["train"], args.epochs, 256, 0.003
     )
+    print(f"two-tower: {len(pairs['train'])} train positives, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+          f"{time.perf_counter() - t:.1f} s", flush=True)  # fmt: skip
     item_vecs = embed(item_tower, items)
     valid_users = pairs["valid"][:, 0].unique()
     queries = embed(user_tower, [t[valid_users] for t in users])
     rows = compare("movielens two-tower", item_vecs, queries, nlist=32, nprobes=[4], args=args)
-    # The model's own recall of the valid positives, without and with the seen-item (train positive) filter.
-    seen = BloomFilter.sized(capacity=len(pairs["train"]), fp_rate=0.01)
-    seen.add(pairs["train"][:, 0], pairs["train"][:, 1])
-    truth = {int(u): set() for u in valid_users}
+
+    # What each way finds: the share of the valid positives in the top-K of each valid user.
+    truth: dict[int, set[int]] = {int(u): set() for u in valid_users}
     for u, i in pairs["valid"].tolist():
         truth[u].add(i)
-    exact = ExactIndex(item_vecs)
-    for label, kw in [
-        ("no filter", {}),
-        ("Bloom filter of train positives", {"users": valid_users, "seen": seen}),
-    ]:
-        row = {
-            "data": "movielens two-tower",
-            "index": f"exact fp32, share of valid positives found ({label})",
-        }
-        for k in (10, 100):
-            ids = exact(queries, k, **kw)[1]
+
+    def found(label: str, top: dict[int, torch.Tensor], **extra: object) -> None:
+        row: dict[str, object] = {"data": "movielens valid positives found", "index": label}
+        for k, ids in top.items():
             hit = sum(len(set(r.tolist()) & truth[int(u)]) for r, u in zip(ids, valid_users, strict=True))
             row[f"recall@{k}"] = round(hit / len(pairs["valid"]), 4)
-        print(row, flush=True)
-        rows.append(row)
-    ms = latency_ms(exact, queries, 100, args, users=valid_users, seen=seen)
-    rows.append(
-        {
-            "data": "movielens two-tower",
-            "index": "exact fp32 + Bloom filter",
-            "ms/query": round(ms, 4),
-            "index bytes": exact.index_bytes() + seen.index_bytes(),
-        }
-    )
+        rows.append({**row, **extra})
+        print(rows[-1], flush=True)
+
+    popular = torch.bincount(pairs["train"][:, 1], minlength=item_vecs.shape[0]).argsort(descending=True)
+    found("most popular train items", {k: popular[:k].expand(len(valid_users), k) for k in (10, 100)})
+    exact = ExactIndex(item_vecs)
+    found("two-tower, exact fp32", {k: exact(queries, k)[1] for k in (10, 100)})
+    seen = BloomFilter.sized(capacity=len(pairs["train"]), fp_rate=0.01)
+    seen.add(pairs["train"][:, 0], pairs["train"][:, 1])
+    filtered = lambda q: exact(queries[q], 100, users=valid_users[q], seen=seen)
+    found(
+        "two-tower, exact fp32, Bloom filter of train positives",
+        {k: exact(queries, k, users=valid_users, seen=seen)[1] for k in (10, 100)},
+        **{f"ms/query (batch {b})": round(latency_ms(filtered, len(valid_users), b, args.reps), 4) for b in (args.batch, 1)},
+        **{"index bytes": exact.index_bytes() + seen.index_bytes()},
+    )  # fmt: skip
+
+    # retrieve -> rank: the ranker learns every train rating's label from the user vector and the item.
+    train = rated["train"]
+    ranker = Ranker(item_vecs.shape[0], item_vecs.shape[1], 16, [64])
+    user_vecs = embed(user_tower, users)
+    t = time.perf_counter()
+    losses = fit_ranker(ranker, user_vecs[train[:, 0]], train[:, 1], train[:, 2].float(), 5, 1024, 0.003)
+    print(f"ranker: {len(train)} train ratings, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+          f"{time.perf_counter() - t:.1f} s", flush=True)  # fmt: skip
+    pipe = RetrieveRank(user_tower, Int8Index(item_vecs), ranker, candidates=100, k=10, seen=seen)
+    features = [t[valid_users] for t in users]
+    run = lambda q: pipe([f[q] for f in features], valid_users[q])
+    found(
+        "retrieve (int8 index, 100 candidates, Bloom filter) -> rank -> top 10",
+        {10: pipe(features, valid_users)[1]},
+        **{f"ms/query (batch {b})": round(latency_ms(run, len(valid_users), b, args.reps), 4) for b in (args.batch, 1)},
+    )  # fmt: skip
     return rows
 
 
@@ -202,7 +214,7 @@ def main() -> None:
     p.add_argument("--queries", type=int, default=1000)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--out", type=Path, help="write OUT.md and OUT.csv")
     args = p.parse_args()
     data = latent_data(n_users=args.queries, n_items=args.items, dim=64, per_user=1)

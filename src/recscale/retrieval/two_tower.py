@@ -37,14 +37,20 @@ class Tower(nn.Module):
 
 
 class TwoTower(nn.Module):
-    """(user features, item features) of B positive pairs -> in-batch softmax loss (scalar)."""
+    """(user features, item features, log_q (B,)) of B positive pairs -> in-batch softmax loss (scalar).
+
+    ``log_q``: the log of each batch item's chance of being in a batch (its share of the positives);
+    subtracted from the logits (the sampled-softmax "logQ correction"), so popular items are not
+    pushed down for being everyone's negative."""
 
     def __init__(self, user: Tower, item: Tower, temperature: float = 0.05) -> None:
         super().__init__()
         self.user, self.item, self.temperature = user, item, temperature
 
-    def forward(self, user_features: Sequence[Tensor], item_features: Sequence[Tensor]) -> Tensor:
-        logits = self.user(user_features) @ self.item(item_features).T / self.temperature
+    def forward(
+        self, user_features: Sequence[Tensor], item_features: Sequence[Tensor], log_q: Tensor
+    ) -> Tensor:
+        logits = self.user(user_features) @ self.item(item_features).T / self.temperature - log_q
         return F.cross_entropy(logits, torch.arange(logits.shape[0]))
 
 
@@ -95,9 +101,11 @@ def fit(
     seed: int = 0,
 ) -> list[float]:
     """Train on ``pairs`` (P, 2) = (user row, item row) of the tables ``users`` and ``items`` (one
-    (N, L_f) id tensor per feature), whole batches only (the in-batch softmax wants B negatives).
+    (N, L_f) id tensor per feature), whole batches only (the in-batch softmax wants B negatives),
+    with the logQ correction of each item's share of ``pairs``.
     Returns each epoch's mean loss."""
-    loss_of = lambda b: model(rows(users, pairs[b, 0]), rows(items, pairs[b, 1]))
+    log_q = torch.bincount(pairs[:, 1]).float().div(pairs.shape[0]).log()
+    loss_of = lambda b: model(rows(users, pairs[b, 0]), rows(items, pairs[b, 1]), log_q[pairs[b, 1]])
     return train_epochs(model, pairs.shape[0], loss_of, epochs, batch_size, lr, seed, whole_batches=True)
 
 
