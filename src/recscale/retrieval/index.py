@@ -5,7 +5,8 @@
   ``scale = max|row| / 127``); scores are ``(q @ codes^T) * scale``, dequantized chunk by chunk.
 - ``IVFIndex``: a coarse quantizer of ``nlist`` k-means centroids (Lloyd iterations in torch); items are
   stored grouped by their nearest centroid; a query scores the centroids, visits the ``nprobe`` best
-  lists and ranks their items exactly (fp32 or int8 rows). ``nprobe = nlist`` visits every item.
+  lists and ranks their items exactly (fp32 or int8 rows). A batch scores the union of its queries'
+  lists with one matmul and masks each query's unprobed lists. ``nprobe = nlist`` visits every item.
 
 Every index takes an optional ``BloomFilter`` and the queries' user ids: items the filter may have seen
 for that user are scored -inf before the top-k (an id of -1 with score -inf fills a row that has fewer
@@ -148,22 +149,16 @@ class IVFIndex(ItemIndex):
         self, queries: Tensor, k: int, users: Tensor | None = None, seen: BloomFilter | None = None
     ) -> tuple[Tensor, Tensor]:
         lists = (queries @ self.centroids.T).topk(self.nprobe, dim=1).indices  # (Q, nprobe)
-        starts, lengths = self.offsets[lists], self.offsets[lists + 1] - self.offsets[lists]
-        per_query = lengths.sum(dim=1)  # (Q,) candidates of each query
-        width = int(per_query.max())
-        # Flat candidate positions: each probed list's range, all queries' lists one after another.
-        flat_len = lengths.flatten()
-        first = torch.repeat_interleave(starts.flatten(), flat_len)
-        within = torch.arange(int(flat_len.sum())) - torch.repeat_interleave(
-            flat_len.cumsum(0) - flat_len, flat_len
+        probed = torch.zeros(queries.shape[0], self.centroids.shape[0], dtype=torch.bool)
+        probed[torch.arange(queries.shape[0])[:, None], lists] = True
+        # The rows of every list some query of the batch probes (U of them), scored by one matmul; a
+        # (query, row) pair whose list that query did not probe is masked.
+        union = probed.any(dim=0).nonzero()[:, 0]
+        lengths = self.offsets[union + 1] - self.offsets[union]
+        pos = torch.repeat_interleave(self.offsets[union] - (lengths.cumsum(0) - lengths), lengths)
+        pos += torch.arange(pos.shape[0])
+        scores = (queries @ self._rows(pos).T).masked_fill(
+            ~probed[:, torch.repeat_interleave(union, lengths)], float("-inf")
         )
-        pos = first + within
-        query = torch.repeat_interleave(torch.arange(queries.shape[0]), per_query)
-        column = torch.arange(pos.shape[0]) - torch.repeat_interleave(
-            per_query.cumsum(0) - per_query, per_query
-        )
-        scores = torch.full((queries.shape[0], width), float("-inf"))
-        ids = torch.full((queries.shape[0], width), -1, dtype=torch.long)
-        scores[query, column] = (self._rows(pos) * queries[query]).sum(dim=1)
-        ids[query, column] = self.ids[pos].long()
+        ids = self.ids[pos].long()
         return _top_k(scores, ids, k, users, seen)
