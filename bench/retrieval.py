@@ -31,19 +31,12 @@ from report_files import write_report
 from recscale.data.readers import read_batches
 from recscale.data.schema import Schema, SparseFeature
 from recscale.retrieval.bloom import BloomFilter
-from recscale.retrieval.index import ExactIndex, Int8Index, ItemIndex, IVFIndex
-from recscale.retrieval.pipeline import Ranker, RetrieveRank, fit_ranker
+from recscale.retrieval.index import ExactIndex, Int8Index, ItemIndex, recall
+from recscale.retrieval.pipeline import IndexKind, Ranker, RetrieveRank, fit_ranker, make_index
 from recscale.retrieval.synthetic import latent_data
 from recscale.retrieval.two_tower import Tower, TwoTower, embed, fit
 
 USER, ITEM = ["user_id", "age", "gender", "occupation"], ["item_id", "release_year", "class"]
-
-
-def recall(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    return (
-        sum(len(set(a.tolist()) & set(e.tolist())) for a, e in zip(approx, exact, strict=True))
-        / exact.numel()
-    )
 
 
 def latency_ms(run: Callable[[slice], object], n: int, batch: int, reps: int) -> float:
@@ -69,16 +62,13 @@ def compare(
     exact, n = ExactIndex(items), queries.shape[0]
     want = {k: exact(queries, k)[1] for k in (10, 100)}
     variants: list[tuple[str, ItemIndex, float]] = [("exact fp32", exact, 0.0)]
-    for label, make in [("int8", lambda: Int8Index(items))] + [
-        (
-            f"IVF{'-int8' if q else ''} nlist={nlist} nprobe={p}",
-            lambda p=p, q=q: IVFIndex(items, nlist, p, int8=q),
-        )
-        for q in (False, True)
-        for p in nprobes
-    ]:
+    kinds: list[tuple[IndexKind, int]] = [("int8", 1)] + [
+        (q, p) for q in ("ivf", "ivf-int8") for p in nprobes
+    ]
+    for kind, nprobe in kinds:
         t = time.perf_counter()
-        index = make()
+        index = make_index(kind, items, nlist, nprobe)
+        label = kind if kind == "int8" else f"IVF{kind[3:]} nlist={nlist} nprobe={nprobe}"
         variants.append((label, index, time.perf_counter() - t))
     rows = []
     for label, index, build_s in variants:

@@ -11,19 +11,12 @@ import torch
 
 from recscale.errors import CheckpointError
 from recscale.retrieval.bloom import BloomFilter
-from recscale.retrieval.index import ExactIndex, Int8Index, ItemIndex, IVFIndex
+from recscale.retrieval.index import ExactIndex, Int8Index, ItemIndex, IVFIndex, recall
 from recscale.retrieval.pipeline import IndexKind, Ranker, RetrievalSpec, RetrieveRank, make_index
 from recscale.retrieval.synthetic import latent_data
 from recscale.retrieval.two_tower import Tower, TwoTower, embed, fit
 from recscale.serve.artifact import WEIGHTS
 from recscale.serve.retrieval_artifact import load_retrieval, save_retrieval
-
-
-def recall(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    return (
-        sum(len(set(a.tolist()) & set(e.tolist())) for a, e in zip(approx, exact, strict=True))
-        / exact.numel()
-    )
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,12 @@ def _top_k(
     return top, torch.where(top.isneginf(), -1, ids.gather(1, pos))
 
 
+def recall(approx: Tensor, exact: Tensor) -> float:
+    """Ids (Q, K) of an approximate search and of the exact one -> the share of the exact ids found."""
+    found = sum(len(set(a.tolist()) & set(e.tolist())) for a, e in zip(approx, exact, strict=True))
+    return found / exact.numel()
+
+
 class ItemIndex(nn.Module):
     """Base: subclasses store the item rows as buffers and implement ``forward``."""
 
@@ -93,8 +99,8 @@ class Int8Index(ItemIndex):
 
 
 def kmeans(points: Tensor, n_clusters: int, iters: int, generator: torch.Generator) -> Tensor:
-    """Lloyd's k-means by inner-product-free squared distance: points (N, d) -> centroids (n_clusters, d).
-    Starts from distinct random points; a centroid that loses all its points keeps its place."""
+    """Lloyd's k-means (Euclidean): points (N, d) -> centroids (n_clusters, d). Starts from distinct
+    random points; a centroid that loses all its points keeps its place."""
     centroids = points[torch.randperm(points.shape[0], generator=generator)[:n_clusters]].clone()
     for _ in range(iters):
         assign = torch.cdist(points, centroids).argmin(dim=1)
