@@ -6,7 +6,7 @@ The score of (user, item) is the inner product of the towers' outputs, so the it
 the rows of an item index (``recscale.retrieval.index``) and the user tower's the queries.
 
 ``fit`` trains on positive (user, item) pairs: in a batch of B pairs every other batch item is a
-negative, loss = cross-entropy of (u @ i^T) / temperature (B, B) against the diagonal. It is a
+negative, loss = cross-entropy of (u @ i^T) / temperature - log_q (B, B) against the diagonal. It is a
 self-contained loop (Adam, shuffled pairs), not recscale's CTR trainer, whose batches are labelled rows.
 """
 
