@@ -63,10 +63,10 @@ def load_retrieval(model_dir: Path) -> RetrieveRank:
         raise CheckpointError(
             f"{path.parent / WEIGHTS}: is not a safetensors file ({one_line(e)}); {FIX}"
         ) from None
-    model = build(manifest.spec)
     try:
+        model = build(manifest.spec)
         model.load_state_dict(tensors, strict=True)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         raise CheckpointError(
             f"{path.parent / WEIGHTS}: does not fit its spec ({one_line(e)}); {FIX}"
         ) from None
