@@ -139,15 +139,20 @@ def read_artifact(model_dir: Path) -> Artifact:
 
 
 def _verified(path: Path, entry: FileEntry) -> bytes:
-    if entry.bytes > _CAPS[path.name]:
-        raise _bad(
-            path.parent / MANIFEST, f"gives {path.name} {entry.bytes:,} bytes, more than recscale writes"
+    return verified_bytes(path, entry, _CAPS[path.name], KIND, "export the model again (recscale export)")
+
+
+def verified_bytes(path: Path, entry: FileEntry, cap: int, kind: str, fix: str) -> bytes:
+    """The bytes of ``path``, checked against its manifest ``entry`` (size at most ``cap``, sha256);
+    a fault is one ``CheckpointError`` line ending in ``fix``."""
+    if entry.bytes > cap:
+        raise CheckpointError(
+            f"{path.parent / MANIFEST}: gives {path.name} {entry.bytes:,} bytes, more than recscale writes; {fix}"
         )
-    data = read_regular_file(path, entry.bytes, KIND)  # the size the manifest gives: a longer file is refused
+    data = read_regular_file(path, entry.bytes, kind)  # the size the manifest gives: a longer file is refused
     if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
         raise CheckpointError(
-            f"{path}: its sha256 does not match {MANIFEST}: the file was changed or damaged after export; "
-            "export the model again (recscale export)"
+            f"{path}: its sha256 does not match {MANIFEST}: the file was changed or damaged after export; {fix}"
         )
     return data
 

@@ -1,0 +1,170 @@
+"""Item indexes as modules: (queries (Q, d), k) -> (scores (Q, k), ids (Q, k)), by inner product.
+
+- ``ExactIndex``: fp32 rows, one matmul and a top-k over every item.
+- ``Int8Index``: each row stored as int8 codes with one fp32 scale (per-row symmetric quantization,
+  ``scale = max|row| / 127``); scores are ``(q @ codes^T) * scale``, dequantized chunk by chunk.
+- ``IVFIndex``: a coarse quantizer of ``nlist`` k-means centroids (Lloyd iterations in torch); items are
+  stored grouped by their nearest centroid; a query scores the centroids, visits the ``nprobe`` best
+  lists and ranks their items exactly (fp32 or int8 rows). A batch scores the union of its queries'
+  lists with one matmul and masks each query's unprobed lists. ``nprobe = nlist`` visits every item.
+
+Every index takes an optional ``BloomFilter`` and the queries' user ids: items the filter may have seen
+for that user are scored -inf before the top-k (an id of -1 with score -inf fills a row that has fewer
+than k candidates left). ``index_bytes()`` is the memory of the index's buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from recscale.retrieval.bloom import BloomFilter
+
+_CHUNK_ROWS = 1 << 15  # item rows dequantized at a time by Int8Index
+
+
+def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """(N, d) fp32 -> codes (N, d) int8, scales (N,) fp32 with rows ~= codes * scales[:, None]."""
+    scales = rows.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    codes = torch.round(rows / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scales.float()
+
+
+def _top_k(
+    scores: Tensor, ids: Tensor, k: int, users: Tensor | None, seen: BloomFilter | None
+) -> tuple[Tensor, Tensor]:
+    """scores (Q, C), ids (Q, C) or (C,) -> the k best (scores, ids) per row, seen items masked."""
+    ids = ids.expand_as(scores)
+    if seen is not None:
+        if users is None:
+            raise ValueError("a seen-item filter needs the queries' user ids")
+        scores = scores.masked_fill(seen.might_contain(users[:, None].expand_as(ids), ids), float("-inf"))
+    k = min(k, scores.shape[1])
+    top, pos = scores.topk(k, dim=1)
+    return top, torch.where(top.isneginf(), -1, ids.gather(1, pos))
+
+
+def recall(approx: Tensor, exact: Tensor) -> float:
+    """Ids (Q, K) of an approximate search and of the exact one -> the share of the exact ids found."""
+    found = sum(len(set(a.tolist()) & set(e.tolist())) for a, e in zip(approx, exact, strict=True))
+    return found / exact.numel()
+
+
+class ItemIndex(nn.Module):
+    """Base: subclasses store the item rows as buffers and implement ``forward``."""
+
+    def index_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+class ExactIndex(ItemIndex):
+    """Brute force over fp32 rows (N, d)."""
+
+    items: Tensor
+
+    def __init__(self, items: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("items", items.detach().float().contiguous())
+
+    def forward(
+        self, queries: Tensor, k: int, users: Tensor | None = None, seen: BloomFilter | None = None
+    ) -> tuple[Tensor, Tensor]:
+        scores = queries @ self.items.T
+        return _top_k(scores, torch.arange(scores.shape[1]), k, users, seen)
+
+
+class Int8Index(ItemIndex):
+    """Brute force over int8 rows: codes (N, d) int8 and scales (N,) fp32, 4d / (d + 4) x smaller."""
+
+    codes: Tensor
+    scales: Tensor
+
+    def __init__(self, items: Tensor) -> None:
+        super().__init__()
+        codes, scales = quantize_rows(items.detach().float())
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+
+    def forward(
+        self, queries: Tensor, k: int, users: Tensor | None = None, seen: BloomFilter | None = None
+    ) -> tuple[Tensor, Tensor]:
+        scores = torch.cat(
+            [
+                (queries @ self.codes[i : i + _CHUNK_ROWS].T.float()) * self.scales[i : i + _CHUNK_ROWS]
+                for i in range(0, self.codes.shape[0], _CHUNK_ROWS)
+            ],
+            dim=1,
+        )
+        return _top_k(scores, torch.arange(scores.shape[1]), k, users, seen)
+
+
+def kmeans(points: Tensor, n_clusters: int, iters: int, generator: torch.Generator) -> Tensor:
+    """Lloyd's k-means (Euclidean): points (N, d) -> centroids (n_clusters, d). Starts from distinct
+    random points; a centroid that loses all its points keeps its place."""
+    centroids = points[torch.randperm(points.shape[0], generator=generator)[:n_clusters]].clone()
+    for _ in range(iters):
+        assign = torch.cdist(points, centroids).argmin(dim=1)
+        sums = torch.zeros_like(centroids).index_add_(0, assign, points)
+        counts = torch.bincount(assign, minlength=n_clusters).float()
+        centroids = torch.where(counts[:, None] > 0, sums / counts.clamp_min(1)[:, None], centroids)
+    return centroids
+
+
+class IVFIndex(ItemIndex):
+    """Inverted lists: centroids (nlist, d); the items sorted by list, ``offsets`` (nlist + 1,) their
+    boundaries, ``ids`` (N,) int32 their item ids; rows fp32 (N, d) or, with ``int8``, codes + scales."""
+
+    centroids: Tensor
+    offsets: Tensor
+    ids: Tensor
+    rows: Tensor | None
+    codes: Tensor | None
+    scales: Tensor | None
+
+    def __init__(
+        self, items: Tensor, nlist: int, nprobe: int, int8: bool = False, iters: int = 10, seed: int = 0
+    ) -> None:
+        super().__init__()
+        if not 1 <= nprobe <= nlist <= items.shape[0]:
+            raise ValueError(
+                f"IVF needs 1 <= nprobe <= nlist <= items, got {nprobe}, {nlist}, {items.shape[0]}"
+            )
+        items = items.detach().float()
+        centroids = kmeans(items, nlist, iters, torch.Generator().manual_seed(seed))
+        assign = torch.cdist(items, centroids).argmin(dim=1)
+        order = assign.argsort(stable=True)
+        self.nprobe = nprobe
+        self.register_buffer("centroids", centroids)
+        self.register_buffer(
+            "offsets", torch.cat([torch.zeros(1), torch.bincount(assign, minlength=nlist).cumsum(0)]).long()
+        )
+        self.register_buffer("ids", order.int())
+        codes, scales = quantize_rows(items[order]) if int8 else (None, None)
+        self.register_buffer("rows", None if int8 else items[order].contiguous())
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+
+    def _rows(self, pos: Tensor) -> Tensor:
+        """Stored positions (...,) -> fp32 rows (..., d)."""
+        if self.rows is not None:
+            return self.rows[pos]
+        assert self.codes is not None and self.scales is not None
+        return self.codes[pos].float() * self.scales[pos, None]
+
+    def forward(
+        self, queries: Tensor, k: int, users: Tensor | None = None, seen: BloomFilter | None = None
+    ) -> tuple[Tensor, Tensor]:
+        lists = (queries @ self.centroids.T).topk(self.nprobe, dim=1).indices  # (Q, nprobe)
+        probed = torch.zeros(queries.shape[0], self.centroids.shape[0], dtype=torch.bool)
+        probed[torch.arange(queries.shape[0])[:, None], lists] = True
+        # The rows of every list some query of the batch probes (U of them), scored by one matmul; a
+        # (query, row) pair whose list that query did not probe is masked.
+        union = probed.any(dim=0).nonzero()[:, 0]
+        lengths = self.offsets[union + 1] - self.offsets[union]
+        pos = torch.repeat_interleave(self.offsets[union] - (lengths.cumsum(0) - lengths), lengths)
+        pos += torch.arange(pos.shape[0])
+        scores = (queries @ self._rows(pos).T).masked_fill(
+            ~probed[:, torch.repeat_interleave(union, lengths)], float("-inf")
+        )
+        ids = self.ids[pos].long()
+        return _top_k(scores, ids, k, users, seen)

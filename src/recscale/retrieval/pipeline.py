@@ -1,0 +1,119 @@
+"""``retrieve -> rank`` as one module: user features -> the top-k items ranked by a ranking model.
+
+``RetrieveRank``: the user tower embeds the users, the item index returns ``candidates`` items per user
+(the seen-item Bloom filter, when present, masks the user's seen items before that top-k), the
+``Ranker`` scores each (user, candidate) pair and the ``k`` best by ranker score are returned. The whole
+pipeline is described by a ``RetrievalSpec`` (sizes, index kind), so a saved state dict and the spec
+rebuild it (``build``) with no pickled code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor, nn
+
+from recscale.models.blocks.mlp import MLP
+from recscale.retrieval.bloom import BloomFilter
+from recscale.retrieval.index import ExactIndex, Int8Index, ItemIndex, IVFIndex
+from recscale.retrieval.two_tower import Tower, train_epochs
+
+IndexKind = Literal["exact", "int8", "ivf", "ivf-int8"]
+
+
+class Ranker(nn.Module):
+    """(user vectors (B, d), candidate item ids (B, C)) -> logits (B, C): its own item embedding
+    (n_items, item_dim) and an MLP over [user vector, item embedding]."""
+
+    def __init__(self, n_items: int, user_dim: int, item_dim: int, hidden: Sequence[int]) -> None:
+        super().__init__()
+        self.items = nn.Embedding(n_items, item_dim)
+        self.mlp = MLP(user_dim + item_dim, hidden, 1)
+
+    def forward(self, users: Tensor, items: Tensor) -> Tensor:
+        x = torch.cat([users[:, None, :].expand(-1, items.shape[1], -1), self.items(items)], dim=2)
+        return self.mlp(x.flatten(0, 1)).view(items.shape)
+
+
+def fit_ranker(
+    ranker: Ranker,
+    users: Tensor,
+    items: Tensor,
+    labels: Tensor,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    seed: int = 0,
+) -> list[float]:
+    """BCE on labelled pairs: user vectors (P, d), item ids (P,), labels (P,) in {0, 1}. Returns each
+    epoch's mean loss."""
+    loss_of = lambda b: F.binary_cross_entropy_with_logits(ranker(users[b], items[b, None])[:, 0], labels[b])
+    return train_epochs(ranker, labels.shape[0], loss_of, epochs, batch_size, lr, seed, whole_batches=False)
+
+
+class RetrievalSpec(BaseModel):
+    """Everything but the tensors: the towers', index's, filter's and ranker's sizes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    user_vocab: list[int] = Field(min_length=1)  # one vocabulary size per user feature (id 0 = padding)
+    emb_dim: int = Field(ge=1)
+    hidden: list[int]
+    dim: int = Field(ge=1)
+    n_items: int = Field(ge=1)
+    index: IndexKind
+    nlist: int = Field(1, ge=1)
+    nprobe: int = Field(1, ge=1)
+    bloom_bits: int | None = None  # no seen-item filter when None
+    bloom_hashes: int = Field(1, ge=1)
+    ranker_dim: int = Field(ge=1)
+    ranker_hidden: list[int]
+    candidates: int = Field(ge=1)
+    k: int = Field(ge=1)
+
+
+def make_index(kind: IndexKind, items: Tensor, nlist: int, nprobe: int, iters: int = 10) -> ItemIndex:
+    """An index of ``kind`` over item vectors (N, d)."""
+    if kind == "exact":
+        return ExactIndex(items)
+    if kind == "int8":
+        return Int8Index(items)
+    return IVFIndex(items, nlist, nprobe, int8=kind == "ivf-int8", iters=iters)
+
+
+class RetrieveRank(nn.Module):
+    """(user features: one (B, L_f) id tensor per feature, user ids (B,)) -> (ranker logits (B, k),
+    item ids (B, k)); an id of -1 (logit -inf) pads a row with fewer than k unseen candidates."""
+
+    def __init__(
+        self, user: Tower, index: ItemIndex, ranker: Ranker, candidates: int, k: int, seen: BloomFilter | None
+    ) -> None:
+        super().__init__()
+        self.user, self.index, self.ranker, self.seen = user, index, ranker, seen
+        self.candidates, self.k = candidates, k
+
+    @torch.no_grad()
+    def forward(self, user_features: Sequence[Tensor], users: Tensor) -> tuple[Tensor, Tensor]:
+        q = self.user(user_features)
+        _, cand = self.index(q, self.candidates, users=users, seen=self.seen)
+        logits = self.ranker(q, cand.clamp_min(0)).masked_fill(cand < 0, float("-inf"))
+        top, pos = logits.topk(min(self.k, cand.shape[1]), dim=1)
+        return top, cand.gather(1, pos)
+
+
+def build(spec: RetrievalSpec) -> RetrieveRank:
+    """The pipeline of ``spec`` with placeholder tensors of the right shapes: load a state dict into it."""
+    index = make_index(spec.index, torch.zeros(spec.n_items, spec.dim), spec.nlist, spec.nprobe, iters=0)
+    seen = None if spec.bloom_bits is None else BloomFilter(spec.bloom_bits, spec.bloom_hashes)
+    return RetrieveRank(
+        Tower(spec.user_vocab, spec.emb_dim, spec.hidden, spec.dim),
+        index,
+        Ranker(spec.n_items, spec.dim, spec.ranker_dim, spec.ranker_hidden),
+        spec.candidates,
+        spec.k,
+        seen,
+    )

@@ -1,0 +1,132 @@
+"""Model-based retrieval: item indexes, the seen-item Bloom filter, the two-tower model."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from recscale.errors import CheckpointError
+from recscale.retrieval.bloom import BloomFilter
+from recscale.retrieval.index import ExactIndex, Int8Index, ItemIndex, IVFIndex, recall
+from recscale.retrieval.pipeline import IndexKind, Ranker, RetrievalSpec, RetrieveRank, make_index
+from recscale.retrieval.synthetic import latent_data
+from recscale.retrieval.two_tower import Tower, TwoTower, embed, fit
+from recscale.serve.artifact import WEIGHTS
+from recscale.serve.retrieval_artifact import load_retrieval, save_retrieval
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    d = latent_data(n_users=64, n_items=5000, dim=32, per_user=1, n_clusters=64)
+    return d.items, d.users
+
+
+def test_exact_index_is_brute_force_argsort(data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    items, queries = data
+    scores, ids = ExactIndex(items)(queries, 20)
+    want = (queries @ items.T).argsort(dim=1, descending=True)[:, :20]
+    assert torch.equal(ids, want)
+    assert torch.allclose(scores, (queries @ items.T).gather(1, want))
+
+
+def test_int8_index_recall_and_memory(data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    items, queries = data
+    _, exact = ExactIndex(items)(queries, 100)
+    index = Int8Index(items)
+    _, ids = index(queries, 100)
+    assert recall(ids, exact) >= 0.95
+    assert index.index_bytes() == items.shape[0] * (items.shape[1] + 4)
+    assert ExactIndex(items).index_bytes() / index.index_bytes() >= 3
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_ivf_all_lists_equals_exact(data: tuple[torch.Tensor, torch.Tensor], int8: bool) -> None:
+    items, queries = data
+    reference = Int8Index(items) if int8 else ExactIndex(items)
+    want_scores, want = reference(queries, 50)
+    scores, ids = IVFIndex(items, nlist=32, nprobe=32, int8=int8)(queries, 50)
+    assert torch.equal(ids, want)
+    assert torch.allclose(scores, want_scores, atol=1e-5)
+
+
+def test_ivf_recall_grows_with_nprobe(data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    items, queries = data
+    _, exact = ExactIndex(items)(queries, 100)
+    recalls = [recall(IVFIndex(items, nlist=64, nprobe=p)(queries, 100)[1], exact) for p in (1, 8, 64)]
+    assert recalls[0] < recalls[1] < recalls[2] == 1.0
+
+
+def test_bloom_filter_no_false_negatives_bounded_false_positives() -> None:
+    gen = torch.Generator().manual_seed(0)
+    bloom = BloomFilter.sized(capacity=20_000, fp_rate=0.01)
+    users, items = (
+        torch.randint(0, 1000, (20_000,), generator=gen),
+        torch.randint(0, 50_000, (20_000,), generator=gen),
+    )
+    bloom.add(users, items)
+    assert bloom.might_contain(users, items).all()
+    others = bloom.might_contain(torch.randint(1000, 2000, (200_000,), generator=gen), items.repeat(10))
+    fill = 1 - math.exp(-bloom.n_hashes * 20_000 / bloom.n_bits)
+    assert others.float().mean().item() <= 2 * fill**bloom.n_hashes
+    assert bloom.index_bytes() == math.ceil(bloom.n_bits / 8)
+
+
+@pytest.mark.parametrize("make", [ExactIndex, Int8Index, lambda x: IVFIndex(x, nlist=16, nprobe=4)])
+def test_seen_items_never_returned(
+    data: tuple[torch.Tensor, torch.Tensor], make: Callable[[torch.Tensor], ItemIndex]
+) -> None:
+    items, queries = data
+    index = make(items)
+    users = torch.arange(queries.shape[0])
+    _, first = index(queries, 10)
+    bloom = BloomFilter.sized(capacity=first.numel(), fp_rate=0.01)
+    bloom.add(users[:, None].expand_as(first), first)
+    _, ids = index(queries, 10, users=users, seen=bloom)
+    assert not bloom.might_contain(users[:, None].expand_as(ids), ids).any()
+    assert all(not set(a.tolist()) & set(b.tolist()) for a, b in zip(ids, first, strict=True))
+
+
+def test_two_tower_trains_and_finds_true_top_items() -> None:
+    d = latent_data(n_users=200, n_items=300, dim=8, per_user=20, n_clusters=16, tau=0.05, seed=1)
+    ids = lambda n: [torch.arange(1, n + 1)[:, None]]  # one id feature, 0 is padding
+    torch.manual_seed(0)
+    model = TwoTower(Tower([201], 16, [32], 16), Tower([301], 16, [32], 16), temperature=0.1)
+    losses = fit(model, ids(200), ids(300), d.pairs, epochs=10, batch_size=128, lr=0.01)
+    assert losses[-1] < losses[0] - 0.5
+    _, true_top = ExactIndex(d.items)(d.users, 10)
+    _, found = ExactIndex(embed(model.item, ids(300)))(embed(model.user, ids(200)), 10)
+    assert recall(found, true_top) > 0.25  # chance: 10 / 300
+
+
+@pytest.mark.parametrize("kind", ["exact", "int8", "ivf", "ivf-int8"])
+def test_retrieve_rank_saved_and_reloaded(tmp_path: Path, kind: IndexKind) -> None:
+    torch.manual_seed(0)
+    n_users, n_items = 40, 500
+    spec = RetrievalSpec(
+        user_vocab=[n_users + 1], emb_dim=8, hidden=[16], dim=8, n_items=n_items, index=kind, nlist=16,
+        nprobe=4, ranker_dim=8, ranker_hidden=[16], candidates=50, k=10,
+    )  # fmt: skip
+    user_tower = Tower(spec.user_vocab, spec.emb_dim, spec.hidden, spec.dim)
+    users = torch.arange(n_users)
+    features = [users[:, None] + 1]
+    seen = BloomFilter.sized(capacity=n_users * 20, fp_rate=0.01)
+    seen.add(users.repeat_interleave(20), torch.randint(0, n_items, (n_users * 20,)))
+    spec = spec.model_copy(update={"bloom_bits": seen.n_bits, "bloom_hashes": seen.n_hashes})
+    index = make_index(kind, torch.randn(n_items, spec.dim), spec.nlist, spec.nprobe)
+    model = RetrieveRank(user_tower, index, Ranker(n_items, spec.dim, 8, [16]), 50, 10, seen).eval()
+    logits, ids = model(features, users)
+    assert ids.shape == (n_users, 10)
+    assert not seen.might_contain(users[:, None].expand_as(ids), ids).any()
+    assert torch.equal(logits, model.ranker(user_tower(features), ids))  # ranker scores, best first
+    assert (logits[:, :-1] >= logits[:, 1:]).all()
+    save_retrieval(tmp_path / "m", model, spec)
+    logits2, ids2 = load_retrieval(tmp_path / "m")(features, users)
+    assert torch.equal(ids2, ids) and torch.equal(logits2, logits)
+    weights = tmp_path / "m" / WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    with pytest.raises(CheckpointError, match="sha256 does not match"):
+        load_retrieval(tmp_path / "m")
