@@ -18,6 +18,7 @@ LAYERS: list[set[str]] = [
     {"distributed"},
     {"config"},
     {"config_files"},
+    {"retrieval"},  # two-tower models and in-model item indexes, built from models' blocks
     {"data", "models"},  # siblings: data knows nothing of models, models nothing of data
     {"errors", "io"},
 ]
