@@ -69,9 +69,10 @@ def fuxictr_rate(log: str, epoch: int = 2) -> float:
             if seen == epoch:
                 start = t
         elif start and end is None:
-            m = re.search(r"\s1/\d+ \[[^,]*,\s+([\d.]+)s/it\]", line)
+            # tqdm prints a fast first step as it/s, a slow one as s/it
+            m = re.search(r"\s1/\d+ \[[^,]*,\s+([\d.]+)(s/it|it/s)\]", line)
             if m and first is None:
-                first = float(m.group(1))
+                first = float(m.group(1)) if m.group(2) == "s/it" else 1 / float(m.group(1))
             if t and "Train loss" in line:
                 end = t
     if start is None or end is None or first is None:
