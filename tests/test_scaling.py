@@ -269,3 +269,14 @@ def test_bad_lengths_are_one_line_errors(tmp_path, capsys, lengths, message):
     assert main(["sweep", str(path)]) == 2
     err = capsys.readouterr().err
     assert message in err and "wukong" in err and len(err.strip().splitlines()) == 1
+
+
+def test_runs_are_seed_major(tmp_path):
+    """All runs of the first seed come before any of the second, so a study cut short covers every point."""
+    path = write_sweep(tmp_path, LENGTHS)
+    spec = yaml.safe_load(path.read_text())
+    spec["seeds"] = [5, 1]
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    _, runs = load_sweep(path)
+    assert [r.config.seed for r in runs] == [5] * (len(runs) // 2) + [1] * (len(runs) // 2)
+    assert [r.point for r in runs[: len(runs) // 2]] == [r.point for r in runs[len(runs) // 2 :]]

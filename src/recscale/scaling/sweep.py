@@ -176,6 +176,9 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
                     runs.append(
                         Run(family=family, name=name, point=point, knobs=knobs, length=length, config=run_cfg)
                     )
+    # Seed-major order: a study stopped part-way has every family and point at the seeds it reached.
+    order = {seed: i for i, seed in enumerate(seeds)}
+    runs.sort(key=lambda r: order[r.config.seed if sweep.seeds else None])
     if len({r.config.data.model_dump_json() for r in runs}) > 1:
         raise ConfigError(f"{path}: every run of a sweep must read the same data; families may not set it")
     return sweep, runs
