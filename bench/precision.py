@@ -43,6 +43,8 @@ SETTINGS: dict[str, list[str]] = {
     "qcomms_int8": [*TWO_RANKS, "distributed.qcomms={forward: int8, backward: fp16, dense: bf16}"],
     "qcomms_mx4": [*TWO_RANKS, "distributed.qcomms={forward: mx4, backward: fp16}"],
     "qcomms_fp8": [*TWO_RANKS, "distributed.qcomms={forward: fp8, backward: fp8}"],
+    "qcomms_int8_both": [*TWO_RANKS, "distributed.qcomms={forward: int8, backward: int8, dense: bf16}"],
+    "qcomms_mx4_both": [*TWO_RANKS, "distributed.qcomms={forward: mx4, backward: mx4}"],
 }
 MODELS = {"wukong": [], "dlrm": ["model.top_mlp=[256,128]"], "dcnv2": []}
 
