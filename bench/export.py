@@ -33,6 +33,7 @@ VARIANTS = [
     ("int4", "fp32"),
     ("fp32", "bf16"),
     ("int8", "bf16"),
+    ("int8", "int8"),
 ]
 
 

@@ -101,7 +101,8 @@ def test_exported_fp32_scores_equal_the_trained_model(trained):
 
 
 @pytest.mark.parametrize("tables, dense, tol", [("fp16", "fp32", 1e-3), ("int8", "fp32", 2e-2),
-                                                ("int4", "fp32", 5e-2), ("fp32", "bf16", 5e-2)])  # fmt: skip
+                                                ("int4", "fp32", 5e-2), ("fp32", "bf16", 5e-2),
+                                                ("int8", "int8", 2e-2)])  # fmt: skip
 def test_quantized_variants_score_close_and_store_small_tables(trained, tables, dense, tol):
     base = Scorer(_export(trained))
     model = _export(trained, tables, dense)
@@ -124,6 +125,11 @@ def test_quantized_variants_score_close_and_store_small_tables(trained, tables, 
     assert torch.equal(live.view(torch.uint8)[:, :row_bytes], table.view(torch.uint8))
     if dense == "bf16":
         assert all(t.dtype == torch.bfloat16 for k, t in w.items() if not k.startswith("embedding.ebc."))
+    if dense == "int8":
+        matrices = [k for k, t in w.items() if not k.startswith("embedding.ebc.") and t.ndim >= 2]
+        assert matrices and all(w[k].dtype == torch.int8 and w[k + ".int8_scale"].dtype == torch.float32
+                                for k in matrices)  # fmt: skip
+        assert (a - b).abs().max() > 0  # the weights were really rounded
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -309,3 +315,18 @@ def test_serve_command_finishes_in_flight_requests_on_sigterm(trained):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_int8_dense_rounds_each_row_to_half_a_step_and_needs_its_scale():
+    from recscale.serve.export import _dequantize_dense, _quantize_rows
+
+    w = torch.randn(8, 5, 3) * torch.logspace(-3, 2, 8)[:, None, None]
+    w[3] = 0  # an all-zero row keeps a finite scale
+    q, scale = _quantize_rows(w)
+    assert (
+        q.dtype == torch.int8 and scale.shape == (8,) and q.abs().amax(dim=(1, 2)).tolist()[:3] == [127] * 3
+    )
+    back = _dequantize_dense({"top.w": q, "top.w.int8_scale": scale}, "here")["top.w"]
+    assert ((back - w).abs() <= scale[:, None, None] / 2 + 1e-12).all() and torch.equal(back[3], w[3])
+    with pytest.raises(CheckpointError, match="top.w has no fp32 scale"):
+        _dequantize_dense({"top.w": q}, "here")

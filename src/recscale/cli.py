@@ -299,8 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     x.add_argument("--tables", choices=["fp32", "fp16", "int8", "int4"], default="fp32",
                    help="table storage: int8/int4 are fbgemm row-wise quantized (default fp32)")  # fmt: skip
-    x.add_argument("--dense", choices=["fp32", "bf16"], default="fp32",
-                   help="dense weights: bf16 stores them in bfloat16 and scores under bf16 autocast")  # fmt: skip
+    x.add_argument("--dense", choices=["fp32", "bf16", "int8"], default="fp32",
+                   help="dense weights: bf16 stores them in bfloat16 and scores under bf16 autocast; int8 "
+                        "stores each weight matrix row-wise int8 (fp32 scale per row) and scores in fp32")  # fmt: skip
     x.set_defaults(fn=cmd_export)
 
     sv = sub.add_parser("serve", help="serve an exported model over HTTP: POST /score, GET /healthz, /readyz",

@@ -45,7 +45,7 @@ KIND = "model artifact"
 _CAPS = {MANIFEST: 1 << 20, CONFIG: 16 << 20, PREPROCESS: MAX_ARTIFACT_BYTES, WEIGHTS: 64 << 30}
 
 TableFormat = Literal["fp32", "fp16", "int8", "int4"]
-DenseFormat = Literal["fp32", "bf16"]
+DenseFormat = Literal["fp32", "bf16", "int8"]
 
 
 class _Strict(BaseModel):

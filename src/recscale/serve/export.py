@@ -3,7 +3,9 @@
 The inference model is the run's own network, unsharded and in eval mode, rebuilt from the config by
 the model registry. Its tables can be stored quantized through TorchRec's quantized
 ``EmbeddingBagCollection`` (fbgemm's row-wise int8/int4 with a per-row fp16 scale and bias, or fp16),
-which runs on CPU; its dense weights can be stored as bf16 and then run under bf16 autocast.
+which runs on CPU; its dense weights can be stored as bf16 (and then run under bf16 autocast), or as int8:
+each weight matrix row-wise symmetric int8 with an fp32 scale per output row, dequantized to fp32 when
+the model loads (a smaller artifact; compute stays fp32). Vectors (biases, norms) stay fp32.
 """
 
 from __future__ import annotations
@@ -83,7 +85,39 @@ def weights(model: RecModel, tables: TableFormat, dense: DenseFormat) -> dict[st
             t = t[:, : widths[name]]
         elif dense == "bf16" and not name.startswith(_TABLES) and t.is_floating_point():
             t = t.to(torch.bfloat16)
+        elif dense == "int8" and _int8_dense(name, t):
+            t, out[name + _SCALE] = _quantize_rows(t.detach())
         out[name] = t.detach().contiguous()
+    return out
+
+
+_SCALE = ".int8_scale"  # the per-row fp32 scale saved beside an int8 dense weight
+
+
+def _int8_dense(name: str, t: torch.Tensor) -> bool:
+    """A dense weight matrix (2-D or more, float): stored int8 by ``--dense int8``."""
+    return not name.startswith(_TABLES) and t.is_floating_point() and t.ndim >= 2
+
+
+def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, ...) float -> (int8 of the same shape, (out,) fp32 scale): symmetric, amax of each row -> 127."""
+    rows = w.float().reshape(w.shape[0], -1)
+    scale = rows.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(w.shape), scale
+
+
+def _dequantize_dense(tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """The saved tensors with each int8 dense weight and its scale turned back into one fp32 tensor."""
+    out = {k: v for k, v in tensors.items() if not k.endswith(_SCALE)}
+    for name, q in out.items():
+        if q.dtype != torch.int8 or name.startswith(_TABLES):
+            continue
+        scale = tensors.get(name + _SCALE)
+        if scale is None or scale.dtype != torch.float32 or scale.shape != (q.shape[0],):
+            raise CheckpointError(f"{where}: int8 tensor {name} has no fp32 scale per row; export it again")
+        out[name] = (q.float().reshape(q.shape[0], -1) * scale[:, None]).reshape(q.shape)
     return out
 
 
@@ -92,6 +126,7 @@ def load_weights(model: RecModel, tensors: dict[str, torch.Tensor], tables: Tabl
     """Copy ``tensors`` (as ``weights`` saved them) into ``model``'s own storage (a quantized table's
     buffers are views of fbgemm's weights); every name, shape and dtype must match."""
     target, widths = model.state_dict(keep_vars=True), _row_widths(model, tables)
+    tensors = _dequantize_dense(tensors, where)
     if target.keys() != tensors.keys():
         missing, extra = sorted(target.keys() - tensors.keys()), sorted(tensors.keys() - target.keys())
         raise CheckpointError(
