@@ -4,6 +4,7 @@ HTTP service answers in row order, refuses bad requests with one line and keeps 
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -279,17 +280,23 @@ def test_batcher_merges_concurrent_requests_and_answers_each_its_own(scorer, tra
 
 
 def test_serve_command_finishes_in_flight_requests_on_sigterm(trained):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    # A long batching wait keeps the request in flight while the signal arrives.
-    argv = ["serve", str(_export(trained)), "--port", str(port), "--max-wait-ms", "1500"]
+    # A long batching wait keeps the request in flight while the signal arrives. --port 0: the OS picks a
+    # free port and the first line names it.
+    argv = ["serve", str(_export(trained)), "--port", "0", "--max-wait-ms", "1500"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "recscale.cli", *argv], env=env, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "recscale.cli", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    url = f"http://127.0.0.1:{port}"
     try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+) ", line).group(1))  # type: ignore[union-attr]
+        assert port > 0, line
+        url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 120
         while True:
             try:

@@ -138,9 +138,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
             )
     if args.max_wait_ms < 0:
         raise RecscaleError(f"serve: --max-wait-ms must be >= 0, got {args.max_wait_ms}")
-    try:  # before the model loads: a taken port is found at once, as one line
-        with socket.create_server((args.host, args.port)):
-            pass
+    try:  # bound before the model loads: a taken port is found at once, as one line; 0 picks a free one
+        sock = socket.create_server((args.host, args.port))
     except OSError as e:
         raise RecscaleError(
             f"serve: cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose another --port or --host"
@@ -148,11 +147,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     opts = ServeOptions(
         args.max_batch, args.max_wait_ms, not args.no_batching, args.threads, args.max_body_kb << 10
     )
-    scorer = Scorer(Path(args.model_dir), args.max_rows)
-    print(
-        f"serving {scorer.manifest.model} from {args.model_dir} on http://{args.host}:{args.port} (Ctrl-C stops)"
-    )
-    serve(scorer, args.host, args.port, opts)
+    with sock:
+        scorer = Scorer(Path(args.model_dir), args.max_rows)
+        port = sock.getsockname()[1]
+        print(
+            f"serving {scorer.manifest.model} from {args.model_dir} on http://{args.host}:{port} (Ctrl-C stops)",
+            flush=True,
+        )
+        serve(scorer, sock, opts)
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -188,10 +189,9 @@ def _example_body(scorer: Scorer) -> bytes:
     return json.dumps({"rows": [dict.fromkeys(scorer.parser.arrow_schema.names)]}).encode()
 
 
-def serve(scorer: Scorer, host: str, port: int, opts: ServeOptions) -> None:
-    """Serve until SIGINT / SIGTERM, then shut down gracefully."""
+def serve(scorer: Scorer, sock: socket.socket, opts: ServeOptions) -> None:
+    """Serve on the bound, listening ``sock`` until SIGINT / SIGTERM, then shut down gracefully."""
     import uvicorn
 
-    uvicorn.run(
-        create_app(scorer, opts), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30
-    )
+    config = uvicorn.Config(create_app(scorer, opts), log_level="warning", timeout_graceful_shutdown=30)
+    uvicorn.Server(config).run(sockets=[sock])
