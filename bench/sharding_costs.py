@@ -1,14 +1,16 @@
 """Collect the cost data the learned sharding planner trains on (docs/SHARDING.md).
 
     PYTHONPATH=src .venv/bin/python bench/sharding_costs.py --compute 400 --comm 160 --out docs/sharding
-    PYTHONPATH=src .venv/bin/python bench/sharding_costs.py --compute 0 --comm 0 --plan-tasks 80 --out docs/sharding
+    PYTHONPATH=src .venv/bin/python bench/sharding_costs.py --compute 0 --comm 0 --plan-tasks 200 --out docs/sharding
+    PYTHONPATH=src .venv/bin/python bench/sharding_costs.py --compute 0 --comm 0 --splits 24 --out docs/sharding
 
 compute.csv: random multi-table shards (1-30 tables of random training tasks, some split column-wise)
 and their fused forward+backward time (ms of the thread's CPU time, one thread, trimmed mean of 9
 after 3 warm-ups), one row per
 shard with its tables' features as JSON. compute_plans.csv, the same columns: the rank shards of
 plan-like placements (every table of a training task over ``--world`` ranks, near-balanced), the shards
-a planner scores; compute.csv's random shards hold fewer, smaller-pooled tables than those. comm.csv (wall time: it waits on the other ranks): per-rank output dim sums (random totals of the
+a planner scores; compute.csv's random shards hold fewer, smaller-pooled tables than those. splits.csv:
+single tables timed whole, as a column half and as each row half (table_row_wise on a host of 2). comm.csv (wall time: it waits on the other ranks): per-rank output dim sums (random totals of the
 training tasks, split with random skew) and their forward+backward all-to-all time over gloo.
 On a machine with CUDA the same script would need fbgemm's CUDA TBE; it times the CPU kernels only.
 """
@@ -81,6 +83,20 @@ def plan_rows(n_tasks: int, world: int) -> Iterator[list]:
                 yield row
 
 
+def split_rows(n: int) -> Iterator[list]:
+    """Tables of training tasks timed whole, as one of 2 column halves, and as each of 2 row halves
+    (table_row_wise over a host's 2 ranks): which split divides a table's compute better."""
+    g = rng(TRAIN_STREAM, 20_000)
+    task = random_task(g, n)
+    for t in task:
+        f, half = t.features, (t.features.rows + 1) // 2
+        column = shard_ms([(t, f.dim // 2)]) if f.dim % 8 == 0 else float("nan")
+        rows = [shard_ms([(t.row_block(lo, hi), f.dim)]) for lo, hi in ((0, half), (half, f.rows))]
+        row = [f.rows, f.dim, round(f.pooling, 3), round(shard_ms([(t, f.dim)]), 4), round(column, 4)]
+        print(f"split: {row}, row halves {rows}", flush=True)
+        yield row + [round(max(rows), 4), round(min(rows), 4)]
+
+
 def comm_rows(n: int, world: int) -> list[list]:
     dims = []
     for i in range(n):
@@ -105,9 +121,21 @@ def main() -> None:
     p.add_argument(
         "--plan-tasks", type=int, default=0, help="training tasks whose plan-like rank shards to time"
     )
+    p.add_argument("--splits", type=int, default=0, help="tables to time whole, column-split and row-split")
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--out", type=Path, default=Path("docs/sharding"))
     a = p.parse_args()
+    if a.splits:
+        header = [
+            "rows",
+            "dim",
+            "pooling",
+            "whole_ms",
+            "column_half_ms",
+            "row_half_max_ms",
+            "row_half_min_ms",
+        ]
+        write_csv(a.out / "splits.csv", header, list(split_rows(a.splits)))
     if a.comm:
         write_csv(a.out / "comm.csv", ["world", "dims", "ms"], comm_rows(a.comm, a.world))
     for name, source in (
