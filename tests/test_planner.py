@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.types import PlannerError
 
 from recscale.cli import main
 from recscale.config import DistributedConfig, LearnedConfig
@@ -214,6 +216,17 @@ def test_the_cheapest_predicted_candidate_is_kept(models):
     full = LearnedPlanner(models, 4)
     plan = full.plan(tables, candidates(tables, 4, 4))
     assert all(plan.cost_ms <= full.score(c).cost_ms + 1e-6 for c in candidates(tables, 4, 4))
+
+
+def test_candidates_go_without_torchrecs_plan_when_its_planner_refuses(monkeypatch):
+    tables = task(6, seed=5)
+    assert len(candidates(tables, 4, 4)) == 4
+
+    def refuse(*args, **kwargs):
+        raise PlannerError("no plan fits")
+
+    monkeypatch.setattr(EmbeddingShardingPlanner, "plan", refuse)
+    assert candidates(tables, 4, 4) == [greedy(tables, 4, key) for key in GREEDY_KEYS.values()]
 
 
 def test_torchrec_candidate_is_torchrecs_plan():

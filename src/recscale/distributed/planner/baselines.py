@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.types import PlannerError
 from torchrec.distributed.types import ModuleSharder
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -74,7 +75,11 @@ def torchrec_shards(tables: list[TableFeatures], world: int, local_world: int) -
 
 
 def candidates(tables: list[TableFeatures], world: int, local_world: int) -> list[list[Shard]]:
-    """The baselines' placements of ``tables``: TorchRec's planner's and each greedy one's."""
-    return [torchrec_shards(tables, world, local_world)] + [
-        greedy(tables, world, k) for k in GREEDY_KEYS.values()
-    ]
+    """The baselines' placements of ``tables``: each greedy one's, and TorchRec's planner's where it
+    finds one (it refuses tables beyond its own memory model; the learned planner then goes without)."""
+    out = [greedy(tables, world, k) for k in GREEDY_KEYS.values()]
+    try:
+        out.append(torchrec_shards(tables, world, local_world))
+    except PlannerError:
+        pass
+    return out
