@@ -6,6 +6,7 @@ Reads DIR/compute.csv, DIR/compute_plans.csv (where present) and DIR/comm.csv
 (bench/sharding_costs.py), holds out every 5th task (compute) and every 5th row (comm), trains on the
 rest, prints the MAPE on both parts (and on the plan-like shards alone), writes them to
 DIR/cost_models.json and the models to recscale's shipped file (``planner.cost_model.SHIPPED``).
+``--score MODELS`` only scores an existing cost-model file on DIR's compute data.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("data", type=Path)
     p.add_argument("--out", type=Path, default=SHIPPED)
+    p.add_argument(
+        "--score", type=Path, metavar="MODELS", help="only print MODELS' compute MAPE on DIR's shards"
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     report = {}
@@ -69,6 +73,13 @@ def main() -> None:
     held = np.array([int(r["task"]) % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1 for r in rows])
     x, mask = shard_inputs([json.loads(r["tables"]) for r in rows])
     ms = np.array([float(r["ms"]) for r in rows])
+    if a.score:
+        with torch.no_grad():
+            pred = CostModels.load(a.score).compute(x, mask).exp().numpy()
+        for name, part in (("compute.csv", ~from_plans), ("compute_plans.csv", from_plans)):
+            print(f"{a.score} on {name}: MAPE {mape(pred[part], ms[part]):.1f}%, "
+                  f"mean predicted / measured {np.mean(pred[part] / ms[part]):.3f}")  # fmt: skip
+        return
     compute = ComputeModel()
     fit(compute, (x[~held], mask[~held]), torch.log(torch.from_numpy(ms[~held]).float()), epochs=3000)
     with torch.no_grad():
