@@ -29,6 +29,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
+from recscale.data.access import access_histogram
 from recscale.distributed.planner.features import BATCH, TableFeatures, synthetic_table
 
 TRAIN_STREAM, EVAL_STREAM = 0, 1
@@ -40,6 +41,16 @@ class Table:
     features: TableFeatures
     lengths: np.ndarray  # (BATCH,) ids per example
     ids: np.ndarray  # (lengths.sum(),)
+
+    def row_block(self, lo: int, hi: int) -> Table:
+        """Rows ``lo`` to ``hi`` of this table as a table of their own (a row-wise shard), with the
+        batch's ids that fall in them."""
+        example = np.repeat(np.arange(len(self.lengths)), self.lengths)
+        keep = (self.ids >= lo) & (self.ids < hi)
+        lengths = np.bincount(example[keep], minlength=len(self.lengths))
+        f = self.features
+        block = TableFeatures(f.name, hi - lo, f.dim, float(lengths.mean()), access_histogram(self.ids[keep]))
+        return Table(block, lengths, self.ids[keep] - lo)
 
 
 def rng(stream: int, i: int) -> np.random.Generator:

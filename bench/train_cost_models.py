@@ -2,9 +2,11 @@
 
     PYTHONPATH=src .venv/bin/python bench/train_cost_models.py docs/sharding
 
-Reads DIR/compute.csv and DIR/comm.csv (bench/sharding_costs.py), holds out every 5th task (compute)
-and every 5th row (comm), trains on the rest, prints the MAPE on both parts, writes them to
+Reads DIR/compute.csv, DIR/compute_plans.csv (where present) and DIR/comm.csv
+(bench/sharding_costs.py), holds out every 5th task (compute) and every 5th row (comm), trains on the
+rest, prints the MAPE on both parts (and on the plan-like shards alone), writes them to
 DIR/cost_models.json and the models to recscale's shipped file (``planner.cost_model.SHIPPED``).
+``--score MODELS`` only scores an existing cost-model file on DIR's compute data.
 """
 
 from __future__ import annotations
@@ -48,24 +50,43 @@ def read(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def errors(pred: np.ndarray, ms: np.ndarray, held: np.ndarray) -> dict[str, float]:
+    return {"train_rows": int((~held).sum()), "held_out_rows": int(held.sum()),
+            "train_mape": mape(pred[~held], ms[~held]), "held_out_mape": mape(pred[held], ms[held])}  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("data", type=Path)
     p.add_argument("--out", type=Path, default=SHIPPED)
+    p.add_argument(
+        "--score", type=Path, metavar="MODELS", help="only print MODELS' compute MAPE on DIR's shards"
+    )
     a = p.parse_args()
     torch.set_num_threads(1)
     report = {}
 
-    rows = read(a.data / "compute.csv")
+    plans = a.data / "compute_plans.csv"
+    plan_rows = read(plans) if plans.exists() else []
+    rows = read(a.data / "compute.csv") + plan_rows
+    from_plans = np.arange(len(rows)) >= len(rows) - len(plan_rows)
     held = np.array([int(r["task"]) % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1 for r in rows])
     x, mask = shard_inputs([json.loads(r["tables"]) for r in rows])
     ms = np.array([float(r["ms"]) for r in rows])
+    if a.score:
+        with torch.no_grad():
+            pred = CostModels.load(a.score).compute(x, mask).exp().numpy()
+        for name, part in (("compute.csv", ~from_plans), ("compute_plans.csv", from_plans)):
+            print(f"{a.score} on {name}: MAPE {mape(pred[part], ms[part]):.1f}%, "
+                  f"mean predicted / measured {np.mean(pred[part] / ms[part]):.3f}")  # fmt: skip
+        return
     compute = ComputeModel()
     fit(compute, (x[~held], mask[~held]), torch.log(torch.from_numpy(ms[~held]).float()), epochs=3000)
     with torch.no_grad():
         pred = compute(x, mask).exp().numpy()
-    report["compute"] = {"train_rows": int((~held).sum()), "held_out_rows": int(held.sum()),
-                         "train_mape": mape(pred[~held], ms[~held]), "held_out_mape": mape(pred[held], ms[held])}  # fmt: skip
+    report["compute"] = errors(pred, ms, held)
+    if plan_rows:
+        report["compute_plan_shards"] = errors(pred[from_plans], ms[from_plans], held[from_plans])
 
     rows = read(a.data / "comm.csv")
     held = np.arange(len(rows)) % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1
@@ -75,8 +96,7 @@ def main() -> None:
     fit(comm, (feats[~held],), torch.log(torch.from_numpy(ms[~held]).float()), epochs=3000)
     with torch.no_grad():
         pred = comm(feats).exp().numpy()
-    report["comm"] = {"train_rows": int((~held).sum()), "held_out_rows": int(held.sum()),
-                      "train_mape": mape(pred[~held], ms[~held]), "held_out_mape": mape(pred[held], ms[held])}  # fmt: skip
+    report["comm"] = errors(pred, ms, held)
 
     CostModels(compute, comm).save(a.out)
     atomic_write_text(a.data / "cost_models.json", json.dumps(report, indent=2) + "\n")

@@ -304,6 +304,13 @@ def test_explicit_plans_place_shards_by_host():
     assert [r for r, _, _ in _shards(twrw["t_f0"])] == [0, 1]  # unplaced tables alternate hosts
     twcw = _plan("table_column_wise", {"f0": {"type": "table_column_wise", "host": 1}})["t_f0"]
     assert _shards(twcw) == [(2, [0, 0], [10, 8]), (3, [0, 8], [10, 8])]
+    placed = _plan("table_wise", {"f0": {"type": "table_column_wise", "ranks": [3, 2]}})[
+        "t_f0"
+    ]  # the learned planner's
+    assert (placed.sharding_type, _shards(placed)) == (
+        "table_column_wise",
+        [(3, [0, 0], [10, 8]), (2, [0, 8], [10, 8])],
+    )
     cw = _plan("column_wise", {"f2": {"type": "column_wise", "ranks": [3, 1, 0, 2]}})["t_f2"]
     assert _shards(cw) == [
         (3, [0, 0], [10, 4]),
@@ -324,6 +331,10 @@ def test_explicit_plans_place_shards_by_host():
         ({"f0": {"type": "table_wise", "ranks": [4]}}, "ranks [4] do not exist in a world of 4 ranks"),
         ({"f0": {"type": "table_row_wise", "host": 2}}, "host 2 does not exist; the job has 2"),
         ({"f0": {"type": "column_wise", "ranks": [0, 1, 2]}}, "16 columns do not split into 3 shards"),
+        (
+            {"f0": {"type": "table_column_wise", "ranks": [1, 2]}},
+            "ranks [1, 2] are not all on host 0 (ranks [0, 1])",
+        ),
     ],
 )
 def test_impossible_plans_are_one_clear_line(tables, words):

@@ -7,16 +7,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.types import PlannerError
 
 from recscale.cli import main
 from recscale.config import DistributedConfig, LearnedConfig
 from recscale.data.access import HIST_BINS, access_histogram
 from recscale.data.inspect import inspect_file
 from recscale.distributed.env import DistEnv
+from recscale.distributed.planner.baselines import GREEDY_KEYS, candidates, greedy, torchrec_shards
 from recscale.distributed.planner.cost_model import CostModels
 from recscale.distributed.planner.features import TableFeatures, synthetic_table
-from recscale.distributed.planner.search import LearnedPlanner
+from recscale.distributed.planner.learned import table_plan
+from recscale.distributed.planner.search import LearnedPlanner, Plan, Shard, inter_host_ms, traffic
 from recscale.distributed.sharding import predicted_plan
+from recscale.distributed.topology import Topology
 from recscale.errors import CheckpointError, ConfigError
 from recscale.models.embedding import EmbeddingConfig, FeatureSet, SparseInput
 from recscale.models.registry import build_model
@@ -106,7 +111,9 @@ def test_memory_caps_hold_and_an_impossible_cap_is_one_line(models):
     total = sum(f.memory() for f in tables)
     cap = int(total / 4 * 1.2)
     plan = LearnedPlanner(models, 4, cap).plan(tables)
-    assert max(plan.memory) <= cap and sum(plan.memory) == total
+    # every column shard keeps its own row-wise optimizer state
+    shards = sum(tables[s.table].columns(s.width).memory() for s in plan.shards)
+    assert max(plan.memory) <= cap and sum(plan.memory) == shards >= total
     with pytest.raises(ConfigError, match=r"table 't\d+' .* cap of 0\.5 MB per rank on 4 ranks") as e:
         LearnedPlanner(models, 4, 2**19).plan(tables)
     named = next(f for f in tables if f"table '{f.name}'" in str(e.value))
@@ -127,8 +134,10 @@ def test_learned_sharding_gives_a_torchrec_plan():
     assert prediction is not None and sorted(prediction.tables) == [f"t_f{i}" for i in range(1, 6)]
     for name in prediction.tables:
         ps = module_plan[name]
-        assert ps.sharding_type in ("table_wise", "column_wise") and ps.compute_kernel == "fused"
-        assert sum(m.shard_sizes[1] for m in ps.sharding_spec.shards) == 16
+        assert ps.sharding_type in ("table_wise", "column_wise", "table_column_wise")
+        assert ps.compute_kernel == "fused" and sum(m.shard_sizes[1] for m in ps.sharding_spec.shards) == 16
+        if ps.sharding_type == "table_column_wise":  # 2 hosts x 2 ranks: its shards share one host
+            assert len({m.placement.rank() // 2 for m in ps.sharding_spec.shards}) == 1
 
 
 def test_learned_sharding_with_every_table_explicit_plans_nothing():
@@ -164,3 +173,107 @@ def test_shard_plan_cli_writes_a_readable_plan(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "error: distributed.learned.memory_cap_mb: table" in err and "cap of 0.001 MB" in err
     assert not (tmp_path / "x.json").exists()
+
+
+def covers_each_column_once(shards: list[Shard], tables: list[TableFeatures]) -> bool:
+    cols = {(s.table, c) for s in shards for c in range(s.offset, s.offset + s.width)}
+    return cols == {(t, c) for t, f in enumerate(tables) for c in range(f.dim)} and len(cols) == sum(
+        s.width for s in shards
+    )
+
+
+def test_baselines_place_every_column_once():
+    tables = task(12, seed=1)
+    for shards in candidates(tables, 4, 2):
+        assert covers_each_column_once(shards, tables) and {s.rank for s in shards} <= set(range(4))
+    dims = [0] * 4
+    for s in greedy(tables, 4, GREEDY_KEYS["dim"]):
+        dims[s.rank] += s.width
+    assert max(dims) - min(dims) <= max(f.dim for f in tables)  # largest first: within one table
+
+
+class _PoorSearch(LearnedPlanner):
+    """A planner whose own search returns everything on rank 0: what it keeps must come from its candidates."""
+
+    def _search(self) -> Plan:
+        return self.score([Shard(t, 0, f.dim, 0) for t, f in enumerate(self.tables)])
+
+    def _refine(self, plan: Plan, moves: int = 200) -> Plan:
+        return plan
+
+
+def test_the_cheapest_predicted_candidate_is_kept(models):
+    tables = task(16, seed=2)
+    poor = _PoorSearch(models, 4)
+    balanced = greedy(tables, 4, GREEDY_KEYS["lookup"])
+    assert poor.plan(tables, [balanced]).shards == balanced
+    assert poor.plan(tables).shards != balanced  # without it, the poor search's own plan
+    # a candidate over the memory cap is passed over, though cheaper than everything on one rank
+    capped = _PoorSearch(models, 4, memory_cap=max(poor.score(balanced).memory))
+    over = [Shard(s.table, s.offset, s.width, 0 if s.rank == 1 else s.rank) for s in balanced]
+    assert capped.plan(tables, [over]).shards != over and capped.plan(tables, [balanced]).shards == balanced
+    # the full planner is never predicted worse than a candidate it was given
+    full = LearnedPlanner(models, 4)
+    plan = full.plan(tables, candidates(tables, 4, 4))
+    assert all(plan.cost_ms <= full.score(c).cost_ms + 1e-6 for c in candidates(tables, 4, 4))
+
+
+def test_candidates_go_without_torchrecs_plan_when_its_planner_refuses(monkeypatch):
+    tables = task(6, seed=5)
+    assert len(candidates(tables, 4, 4)) == 4
+
+    def refuse(*args, **kwargs):
+        raise PlannerError("no plan fits")
+
+    monkeypatch.setattr(EmbeddingShardingPlanner, "plan", refuse)
+    assert candidates(tables, 4, 4) == [greedy(tables, 4, key) for key in GREEDY_KEYS.values()]
+
+
+def test_torchrec_candidate_is_torchrecs_plan():
+    tables = task(8, seed=3)
+    shards = torchrec_shards(tables, 4, 2)
+    assert covers_each_column_once(shards, tables)
+    # TorchRec's planner balances: no rank is left without a shard on 8 tables
+    assert {s.rank for s in shards} == {0, 1, 2, 3}
+
+
+def test_inter_host_traffic_counts_the_busiest_host():
+    flat, hosts = Topology(4, 4), Topology(4, 2)
+    dims, ids = np.array([64.0, 64, 0, 0]), np.array([2.0, 2, 0, 0])
+    per_host, intra = traffic(hosts, dims, ids)
+    # each rank's 1024 examples' outputs to the other host's 2 ranks, gradients back, ids in
+    one = 1024 * (2 * 4 * 64 + 8 * 2)
+    assert per_host.tolist() == [2 * 2 * one, 0] and intra == 2 * one
+    assert inter_host_ms(flat, dims, ids) == 0.0
+    balanced = inter_host_ms(hosts, np.array([64.0, 0, 64, 0]), np.array([2.0, 0, 2, 0]))
+    assert inter_host_ms(hosts, dims, ids) == pytest.approx(2 * balanced)
+
+
+def test_hierarchical_plans_keep_column_splits_inside_a_host(models):
+    tables = task(24, seed=4)
+    planner = LearnedPlanner(models, 4, local_world=2)
+    planner.plan(tables)  # sets up the tables the hierarchical search places
+    plans = planner._hierarchical()
+    assert plans
+    for p in plans:
+        assert covers_each_column_once(p.shards, tables)
+        for t in range(len(tables)):
+            assert len({r // 2 for r in p.ranks_of(t)}) == 1  # every table's shards on one host
+    # the inter-host term makes host balance part of the objective
+    lopsided = [Shard(t, 0, f.dim, t % 2) for t, f in enumerate(tables)]  # all on host 0
+    spread = [Shard(t, 0, f.dim, (t % 2) * 2) for t, f in enumerate(tables)]  # ranks 0 and 2
+    assert planner.score(lopsided).comm_ms > planner.score(spread).comm_ms
+
+
+@pytest.mark.parametrize(
+    "ranks, topology, expected",
+    [
+        ([3], Topology(4, 2), ("table_wise", [3], None)),
+        ([2, 3], Topology(4, 2), ("table_column_wise", [2, 3], 1)),
+        ([1, 2], Topology(4, 2), ("column_wise", [1, 2], None)),
+        ([0, 1], Topology(4, 4), ("column_wise", [0, 1], None)),
+    ],
+)
+def test_learned_shards_become_the_matching_sharding_type(ranks, topology, expected):
+    p = table_plan(ranks, topology)
+    assert (p.type, p.ranks, p.host) == expected

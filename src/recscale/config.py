@@ -174,13 +174,16 @@ class TablePlan(_Strict):
     """Where one feature's table goes. Unset placements are chosen to balance the ranks."""
 
     type: ShardingTypeName
-    ranks: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)  # column_wise: one per shard
+    # table_column_wise / column_wise: one per shard (table_column_wise: of its host)
+    ranks: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
     host: int | None = Field(None, ge=0)  # table_row_wise / table_column_wise: the host holding the table
 
     @model_validator(mode="after")
     def _placement(self) -> TablePlan:
-        if self.ranks is not None and self.type not in ("table_wise", "column_wise"):
-            raise ValueError(f"ranks applies to table_wise and column_wise tables, not {self.type}")
+        if self.ranks is not None and self.type not in ("table_wise", "column_wise", "table_column_wise"):
+            raise ValueError(
+                f"ranks applies to table_wise, column_wise and table_column_wise tables, not {self.type}"
+            )
         if self.ranks is not None and self.type == "table_wise" and len(self.ranks) != 1:
             raise ValueError(f"a table_wise table lives on one rank; got ranks {self.ranks}")
         if self.host is not None and self.type not in ("table_row_wise", "table_column_wise"):

@@ -147,7 +147,7 @@ def predicted_plan(
     if cfg.sharding == "learned" and planned:
         from recscale.distributed.planner.learned import learned_specs
 
-        specs, predicted, features = learned_specs(planned, sample, env.world_size, cfg.learned)
+        specs, predicted, features = learned_specs(planned, sample, env.topology, cfg.learned)
         explicit = specs | explicit
         prediction = Prediction([c.name for c in planned], predicted, features)
     plan = _planner_plan(model, env, pg) if cfg.sharding == "planner" else ShardingPlan({})
@@ -200,7 +200,10 @@ class _ExplicitPlanner:
             raise ConfigError(f"{where}: ranks {spec.ranks} do not exist in a world of {self.world} ranks")
         if spec.host is not None and spec.host >= self.hosts.num_hosts:
             raise ConfigError(f"{where}: host {spec.host} does not exist; the job has {self.hosts.num_hosts}")
-        host = spec.host if spec.host is not None else index % self.hosts.num_hosts
+        if spec.host is not None:
+            host = spec.host
+        else:  # the host of the given ranks, else round-robin
+            host = self.hosts.host_of(spec.ranks[0]) if spec.ranks else index % self.hosts.num_hosts
         if kind == ShardingType.TABLE_WISE.value:
             rank = spec.ranks[0] if spec.ranks else min(range(self.world), key=lambda r: self.load[r])
             return self._build(kind, [([rows, cols], [0, 0], rank)])
@@ -210,6 +213,8 @@ class _ExplicitPlanner:
                 if kind == ShardingType.COLUMN_WISE.value
                 else self.hosts.ranks_of_host(host)
             )
+            if spec.ranks is not None and not set(spec.ranks) <= set(pool):
+                raise ConfigError(f"{where}: ranks {spec.ranks} are not all on host {host} (ranks {pool})")
             ranks = spec.ranks or self._column_ranks(cols, pool)
             width, rest = divmod(cols, len(ranks))
             if rest or width % _COLUMN_MULTIPLE:

@@ -11,9 +11,11 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.config import LearnedConfig, TablePlan
+from recscale.distributed.planner.baselines import candidates
 from recscale.distributed.planner.cost_model import SHIPPED, CostModels
 from recscale.distributed.planner.features import TableFeatures, from_batch, synthetic_table
 from recscale.distributed.planner.search import LearnedPlanner, Plan
+from recscale.distributed.topology import Topology
 
 
 def table_features(tables: list[EmbeddingBagConfig], sample: KeyedJaggedTensor | None) -> list[TableFeatures]:
@@ -34,16 +36,30 @@ def table_features(tables: list[EmbeddingBagConfig], sample: KeyedJaggedTensor |
 
 
 def learned_specs(
-    tables: list[EmbeddingBagConfig], sample: KeyedJaggedTensor | None, world: int, cfg: LearnedConfig
+    tables: list[EmbeddingBagConfig],
+    sample: KeyedJaggedTensor | None,
+    topology: Topology,
+    cfg: LearnedConfig,
 ) -> tuple[dict[str, TablePlan], Plan, list[TableFeatures]]:
-    """Table name -> its plan (table_wise on one rank, or column_wise over distinct ranks), the
-    planner's prediction, and the features it planned with (in ``tables`` order)."""
+    """Table name -> its plan (table_wise on one rank; column shards on distinct ranks: table_column_wise
+    where they share a host of several, else column_wise), the planner's prediction, and the features
+    it planned with (in ``tables`` order). The planner also scores its baselines' placements
+    (``baselines.candidates``, TorchRec's planner's among them) and keeps the cheapest predicted."""
     features = table_features(tables, sample)
     models = CostModels.load(Path(cfg.cost_models) if cfg.cost_models else SHIPPED)
     cap = math.ceil(cfg.memory_cap_mb * 2**20) if cfg.memory_cap_mb is not None else None
-    plan = LearnedPlanner(models, world, cap).plan(features)
-    specs = {}
-    for t, c in enumerate(tables):
-        ranks = plan.ranks_of(t)
-        specs[c.name] = TablePlan(type="table_wise" if len(ranks) == 1 else "column_wise", ranks=ranks)
-    return specs, plan, features
+    world, local = topology.world_size, topology.local_world_size
+    plan = LearnedPlanner(models, world, cap, local_world=local).plan(
+        features, candidates(features, world, local)
+    )
+    return {c.name: table_plan(plan.ranks_of(t), topology) for t, c in enumerate(tables)}, plan, features
+
+
+def table_plan(ranks: list[int], topology: Topology) -> TablePlan:
+    """The explicit plan of a table whose column shards lie on ``ranks``."""
+    if len(ranks) == 1:
+        return TablePlan(type="table_wise", ranks=ranks)
+    hosts = {topology.host_of(r) for r in ranks}
+    if topology.num_hosts > 1 and len(hosts) == 1:
+        return TablePlan(type="table_column_wise", ranks=ranks, host=hosts.pop())
+    return TablePlan(type="column_wise", ranks=ranks)

@@ -2,24 +2,33 @@
 dim-balance thresholds, scored by the learned cost models.
 
 A plan's cost is max over ranks of the predicted shard compute (forward + backward) plus the predicted
-all-to-all (forward + backward) for the ranks' output dim sums. Column shards are equal, a multiple of
-4 columns wide (fbgemm's kernels), on distinct ranks, as recscale's column-wise plans build them.
+all-to-all (forward + backward) for the ranks' output dim sums; over several hosts, plus the time the
+busiest host's inter-host traffic takes at TorchRec's cross-node bandwidth (``inter_host_ms``). Column
+shards are equal, a multiple of 4 columns wide (fbgemm's kernels), on distinct ranks, as recscale's
+column-wise plans build them. The plan kept is the cheapest predicted of the search's, the
+hierarchical search's (several hosts) and the caller's candidates (other planners' placements), then
+hill-climbed.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from torchrec.distributed.planner.constants import CROSS_NODE_BANDWIDTH
 
 from recscale.distributed.planner.cost_model import CostModels
-from recscale.distributed.planner.features import TableFeatures
+from recscale.distributed.planner.features import BATCH, TableFeatures
+from recscale.distributed.topology import Topology
 from recscale.errors import ConfigError
 
-# Upper bounds on a rank's dim sum, as multiples of the mean; inf: no bound (pure cost greedy).
+# Upper bounds on a rank's (or host's) dim sum, as multiples of the mean; inf: no bound (pure cost greedy).
 THRESHOLDS = (1.0, 1.1, 1.25, 1.5, 2.0, math.inf)
 _COLUMN_MULTIPLE = 4
+# Bytes per pooled output value (fp32) and per id (int64) of the all-to-alls.
+_VALUE_BYTES, _ID_BYTES = 4, 8
 
 
 @dataclass(frozen=True)
@@ -48,31 +57,100 @@ class Plan:
         return [s.rank for s in sorted(self.shards, key=lambda s: s.offset) if s.table == table]
 
 
+def traffic(topology: Topology, dims: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, float]:
+    """Bytes of one step's all-to-alls: per host, to and from the other hosts; and in all, between
+    ranks of one host. Each rank sends its pooled outputs (``dims`` per rank) for every other rank's
+    examples and gets their gradients back, and receives their ids (``ids``: ids per example its shards
+    read)."""
+    W, L = topology.world_size, topology.local_world_size
+    to_one = BATCH / W * (2 * _VALUE_BYTES * dims + _ID_BYTES * ids)  # with each other rank
+    per_host = (to_one * (W - L)).reshape(topology.num_hosts, L).sum(1)
+    return per_host, float((to_one * (L - 1)).sum())
+
+
+def inter_host_ms(topology: Topology, dims: np.ndarray, ids: np.ndarray) -> float:
+    """Time of the busiest host's inter-host traffic at TorchRec's cross-node bandwidth; zero on one
+    host, where all ranks share the all-to-all the comm model measured."""
+    if topology.num_hosts == 1:
+        return 0.0
+    return float(traffic(topology, dims, ids)[0].max() / CROSS_NODE_BANDWIDTH)
+
+
 class _Unplaceable(Exception):
     def __init__(self, table: int) -> None:
         self.table = table
 
 
 class LearnedPlanner:
-    """Plans ``tables`` over ``world`` ranks holding at most ``memory_cap`` bytes each (None: no cap)."""
+    """Plans tables over ``world`` ranks, ``local_world`` per host (None: one host), holding at most
+    ``memory_cap`` bytes each (None: no cap)."""
 
     def __init__(
-        self, models: CostModels, world: int, memory_cap: int | None = None, beam: int = 3, steps: int = 8
+        self,
+        models: CostModels,
+        world: int,
+        memory_cap: int | None = None,
+        beam: int = 3,
+        steps: int = 8,
+        local_world: int | None = None,
     ) -> None:
         self.models, self.world, self.cap = models, world, memory_cap
         self.beam, self.steps = beam, steps
+        self.topology = Topology(world, local_world or world)
 
-    def plan(self, tables: list[TableFeatures]) -> Plan:
+    def plan(self, tables: list[TableFeatures], candidates: Sequence[list[Shard]] = ()) -> Plan:
+        """The cheapest predicted plan of the search's and ``candidates`` (placements of ``tables``, e.g.
+        other planners'; those over the memory cap are passed over), hill-climbed."""
         self.tables = tables
-        self._check_fits(tables)
         self._emb: dict[tuple[int, int], np.ndarray] = {}
-        for t, f in enumerate(tables):
-            for k in self._splits(f):
-                self._emb[t, k] = self.models.table_embedding(f.columns(f.dim // k).vector())
-        start = tuple(1 for _ in tables)
+        self._check_fits(tables)
+        plans = [self._search()]
+        if self.topology.num_hosts > 1:
+            plans += self._hierarchical()
+        for shards in candidates:
+            p = self.score(shards)
+            if self.cap is None or max(p.memory) <= self.cap:
+                plans.append(p)
+        return self._refine(min(plans, key=lambda p: p.cost_ms))
+
+    def score(self, shards: list[Shard]) -> Plan:
+        """What the cost models predict for ``shards`` (of the tables being planned)."""
+        sums, dims, ids, mem, count = self._loads(shards)
+        compute = np.where(count > 0, self.models.shard_cost(sums), 0.0)
+        return Plan(shards, [float(c) for c in compute], self._comm(dims, ids), [int(x) for x in mem])
+
+    def _emb_of(self, table: int, width: int) -> np.ndarray:
+        """The compute model's embedding of ``width`` columns of ``table`` (cached)."""
+        e = self._emb.get((table, width))
+        if e is None:
+            e = self._emb[table, width] = self.models.table_embedding(
+                self.tables[table].columns(width).vector()
+            )
+        return e
+
+    def _loads(self, shards: list[Shard]) -> tuple[np.ndarray, ...]:
+        """Per rank: summed table embeddings, output dims, ids per example, memory, shard count."""
+        R = self.world
+        sums = np.zeros((R, self._emb_of(0, self.tables[0].dim).shape[-1]), dtype=np.float32)
+        dims, ids = np.zeros(R), np.zeros(R)
+        mem, count = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
+        for sh in shards:
+            f = self.tables[sh.table]
+            sums[sh.rank] += self._emb_of(sh.table, sh.width)
+            dims[sh.rank] += sh.width
+            ids[sh.rank] += f.pooling
+            mem[sh.rank] += f.columns(sh.width).memory()
+            count[sh.rank] += 1
+        return sums, dims, ids, mem, count
+
+    def _comm(self, dims: np.ndarray, ids: np.ndarray) -> float:
+        return float(self.models.comm_cost(dims)) + inter_host_ms(self.topology, dims, ids)
+
+    def _search(self) -> Plan:
+        """NeuroShard's beam search over column splits, each state placed by the greedy grid."""
+        start = tuple(1 for _ in self.tables)
         best = self._best_placement(start)
         beam, seen = [(best.cost_ms, start, best)], {start}
-        state = start
         for _ in range(self.steps):
             children = []
             for _, state, _ in beam:
@@ -88,27 +166,62 @@ class LearnedPlanner:
             beam = sorted(beam + children, key=lambda c: c[0])[: self.beam]
             if not children or beam[0][2] is best:
                 break
-            _, state, best = beam[0]
-        return self._refine(best, state)
+            best = beam[0][2]
+        return best
 
-    def _refine(self, plan: Plan, state: tuple[int, ...], moves: int = 200) -> Plan:
+    def _hierarchical(self) -> list[Plan]:
+        """Hierarchical placement for several hosts: whole tables to hosts (largest predicted cost first,
+        each to the host of least summed cost under a host dim-sum bound, NeuroShard's grid one level
+        up: the bound keeps the busiest host's inter-host all-to-all small), then each host's tables
+        over its ranks by the flat search, so column splits stay inside a host (table_column_wise)."""
+        H, L = self.topology.num_hosts, self.topology.local_world_size
+        cost = [float(self.models.shard_cost(self._emb_of(t, f.dim))) for t, f in enumerate(self.tables)]
+        order = sorted(range(len(self.tables)), key=lambda t: -cost[t])
+        total_dim = sum(f.dim for f in self.tables)
+        assignments: set[tuple[int, ...]] = set()
+        for theta in THRESHOLDS:
+            load, dims, mem, host = np.zeros(H), np.zeros(H), np.zeros(H), [0] * len(self.tables)
+            for t in order:
+                f = self.tables[t]
+                free = [h for h in range(H) if self.cap is None or mem[h] + f.memory() <= self.cap * L]
+                under = (
+                    [h for h in free if dims[h] + f.dim <= theta * total_dim / H] or free or list(range(H))
+                )
+                h = min(under, key=lambda h: load[h])
+                host[t] = h
+                load[h], dims[h], mem[h] = load[h] + cost[t], dims[h] + f.dim, mem[h] + f.memory()
+            assignments.add(tuple(host))
+        plans = []
+        for assigned in sorted(assignments):
+            shards = []
+            try:
+                for h in range(H):
+                    held = [t for t in range(len(self.tables)) if assigned[t] == h]
+                    if held:
+                        sub = LearnedPlanner(self.models, L, self.cap, self.beam, self.steps)
+                        part = sub.plan([self.tables[t] for t in held])
+                        shards += [
+                            Shard(held[s.table], s.offset, s.width, h * L + s.rank) for s in part.shards
+                        ]
+            except ConfigError:  # a host's tables do not fit its ranks' caps: no hierarchical plan this way
+                continue
+            plans.append(self.score(shards))
+        return plans
+
+    def _refine(self, plan: Plan, moves: int = 200) -> Plan:
         """Hill-climb (recscale's addition to NeuroShard's search): move a shard off the costliest rank
         while that lowers the predicted plan cost."""
         R, shards = self.world, list(plan.shards)
-        sums = np.zeros((R, self._emb[0, 1].shape[-1]), dtype=np.float32)
-        dims, mem, count = np.zeros(R), np.array(plan.memory, dtype=np.int64), np.zeros(R, dtype=np.int64)
-        for sh in shards:
-            sums[sh.rank] += self._emb[sh.table, state[sh.table]]
-            dims[sh.rank] += sh.width
-            count[sh.rank] += 1
+        sums, dims, ids, mem, count = self._loads(shards)
         compute = np.where(count > 0, self.models.shard_cost(sums), 0.0)
-        cost = compute.max() + float(self.models.comm_cost(dims))
+        cost = compute.max() + self._comm(dims, ids)
         for _ in range(moves):
             top, move = int(np.argmax(compute)), None
             for i, sh in enumerate(shards):
                 if sh.rank != top:
                     continue
-                e, m = self._emb[sh.table, state[sh.table]], self.tables[sh.table].columns(sh.width).memory()
+                f = self.tables[sh.table]
+                e, m = self._emb_of(sh.table, sh.width), f.columns(sh.width).memory()
                 held = {x.rank for x in shards if x.table == sh.table}
                 to = [r for r in range(R) if r not in held and (self.cap is None or mem[r] + m <= self.cap)]
                 if not to:
@@ -118,28 +231,18 @@ class LearnedPlanner:
                 for r, c_r in zip(to, after, strict=True):
                     comp = compute.copy()
                     comp[top], comp[r] = left, c_r
-                    d = dims.copy()
-                    d[top] -= sh.width
-                    d[r] += sh.width
-                    c = comp.max() + float(self.models.comm_cost(d))
+                    d, n = dims.copy(), ids.copy()
+                    d[top], d[r] = d[top] - sh.width, d[r] + sh.width
+                    n[top], n[r] = n[top] - f.pooling, n[r] + f.pooling
+                    c = comp.max() + self._comm(d, n)
                     if c < cost - 1e-6:
                         cost, move = c, (i, r, comp)
             if move is None:
                 break
             i, r, compute = move
-            sh = shards[i]
-            e, m = self._emb[sh.table, state[sh.table]], self.tables[sh.table].columns(sh.width).memory()
-            sums[sh.rank] -= e
-            sums[r] += e
-            dims[sh.rank] -= sh.width
-            dims[r] += sh.width
-            mem[sh.rank] -= m
-            mem[r] += m
-            count[sh.rank] -= 1
-            count[r] += 1
-            shards[i] = Shard(sh.table, sh.offset, sh.width, r)
-        comm = float(self.models.comm_cost(dims))
-        return Plan(shards, [float(c) for c in compute], comm, [int(x) for x in mem])
+            shards[i] = Shard(shards[i].table, shards[i].offset, shards[i].width, r)
+            sums, dims, ids, mem, count = self._loads(shards)
+        return Plan(shards, [float(c) for c in compute], self._comm(dims, ids), [int(x) for x in mem])
 
     def _splits(self, f: TableFeatures) -> list[int]:
         """Column-shard counts allowed for ``f``: powers of 2 up to the world, equal multiples of 4."""
@@ -165,8 +268,11 @@ class LearnedPlanner:
 
     def _split_candidates(self, state: tuple[int, ...], top: int = 3) -> list[int]:
         """The ``top`` tables of highest predicted single-shard cost that can split further."""
-        cost = {t: float(self.models.shard_cost(self._emb[t, k])) for t, k in enumerate(state)}
-        ok = [t for t, k in enumerate(state) if (t, 2 * k) in self._emb]
+        cost = {
+            t: float(self.models.shard_cost(self._emb_of(t, self.tables[t].dim // k)))
+            for t, k in enumerate(state)
+        }
+        ok = [t for t, k in enumerate(state) if 2 * k in self._splits(self.tables[t])]
         return sorted(ok, key=lambda t: -cost[t])[:top]
 
     def _best_placement(self, state: tuple[int, ...]) -> Plan:
@@ -195,14 +301,14 @@ class LearnedPlanner:
         if by_memory:
             order = sorted(widths, key=lambda w: -self.tables[w[0]].columns(w[1]).memory())
         else:
-            order = sorted(widths, key=lambda w: -float(self.models.shard_cost(self._emb[w[0], w[2]])))
+            order = sorted(widths, key=lambda w: -float(self.models.shard_cost(self._emb_of(w[0], w[1]))))
         bound = theta * sum(f.dim for f in self.tables) / R
-        sums = np.zeros((R, self._emb[0, 1].shape[-1]), dtype=np.float32)
+        sums = np.zeros((R, self._emb_of(0, self.tables[0].dim).shape[-1]), dtype=np.float32)
         dims, mem = np.zeros(R), np.zeros(R)
         holds: list[set[int]] = [set() for _ in range(R)]
         shards = []
         for t, width, k in order:
-            e = self._emb[t, k]
+            e = self._emb_of(t, width)
             m = self.tables[t].columns(width).memory()
             for j in range(k):
                 free = [
@@ -218,6 +324,4 @@ class LearnedPlanner:
                 mem[r] += m
                 holds[r].add(t)
                 shards.append(Shard(t, j * width, width, r))
-        compute = [float(self.models.shard_cost(sums[r])) if holds[r] else 0.0 for r in range(R)]
-        comm = float(self.models.comm_cost(dims))
-        return Plan(shards, compute, comm, [int(x) for x in mem])
+        return self.score(shards)
