@@ -325,11 +325,12 @@ def test_serve_command_finishes_in_flight_requests_on_sigterm(trained):
 
 
 def test_int8_dense_rounds_each_row_to_half_a_step_and_needs_its_scale():
-    from recscale.serve.export import _dequantize_dense, _quantize_rows
+    from recscale.models.quant import quantize_rows
+    from recscale.serve.export import _dequantize_dense
 
     w = torch.randn(8, 5, 3) * torch.logspace(-3, 2, 8)[:, None, None]
     w[3] = 0  # an all-zero row keeps a finite scale
-    q, scale = _quantize_rows(w)
+    q, scale = quantize_rows(w)
     assert (
         q.dtype == torch.int8 and scale.shape == (8,) and q.abs().amax(dim=(1, 2)).tolist()[:3] == [127] * 3
     )

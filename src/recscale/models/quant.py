@@ -261,3 +261,12 @@ def dequantize_model(model: nn.Module) -> list[str]:
     for name in names:
         model.set_submodule(name, cast(QuantLinear, model.get_submodule(name)).to_linear())
     return names
+
+
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, ...) float -> codes int8 of the same shape, scales (N,) fp32, rows ~= codes * scales: symmetric
+    per-row int8, each row's largest magnitude -> 127 (retrieval's int8 index, exported int8 weights)."""
+    flat = rows.float().reshape(rows.shape[0], -1)
+    scales = flat.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    codes = torch.round(flat / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes.reshape(rows.shape), scales

@@ -18,16 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from recscale.models.quant import quantize_rows
 from recscale.retrieval.bloom import BloomFilter
 
 _CHUNK_ROWS = 1 << 15  # item rows dequantized at a time by Int8Index
-
-
-def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
-    """(N, d) fp32 -> codes (N, d) int8, scales (N,) fp32 with rows ~= codes * scales[:, None]."""
-    scales = rows.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-    codes = torch.round(rows / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return codes, scales.float()
 
 
 def _top_k(

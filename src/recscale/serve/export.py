@@ -21,7 +21,7 @@ from recscale.config import RunConfig
 from recscale.data.preprocess import Preprocessor
 from recscale.errors import CheckpointError
 from recscale.models.base import RecModel
-from recscale.models.quant import quantize_model
+from recscale.models.quant import quantize_model, quantize_rows
 from recscale.models.registry import build_model
 from recscale.serve.artifact import DenseFormat, Manifest, TableFormat, write_artifact
 from recscale.train.build import feature_set
@@ -86,7 +86,7 @@ def weights(model: RecModel, tables: TableFormat, dense: DenseFormat) -> dict[st
         elif dense == "bf16" and not name.startswith(_TABLES) and t.is_floating_point():
             t = t.to(torch.bfloat16)
         elif dense == "int8" and _int8_dense(name, t):
-            t, out[name + _SCALE] = _quantize_rows(t.detach())
+            t, out[name + _SCALE] = quantize_rows(t.detach())
         out[name] = t.detach().contiguous()
     return out
 
@@ -97,15 +97,6 @@ _SCALE = ".int8_scale"  # the per-row fp32 scale saved beside an int8 dense weig
 def _int8_dense(name: str, t: torch.Tensor) -> bool:
     """A dense weight matrix (2-D or more, float): stored int8 by ``--dense int8``."""
     return not name.startswith(_TABLES) and t.is_floating_point() and t.ndim >= 2
-
-
-def _quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, ...) float -> (int8 of the same shape, (out,) fp32 scale): symmetric, amax of each row -> 127."""
-    rows = w.float().reshape(w.shape[0], -1)
-    scale = rows.abs().amax(dim=1) / 127
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.reshape(w.shape), scale
 
 
 def _dequantize_dense(tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
