@@ -43,15 +43,21 @@ DATA = {
 }
 
 
-def matmul_peak(threads_note: dict, repeats: int = 3, dtype: torch.dtype = torch.float32) -> float:
-    """Best GFLOP/s of torch.mm on square matrices of ``dtype`` (the machine's practical matmul peak)."""
+def matmul_peak(
+    threads_note: dict, repeats: int = 3, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> float:
+    """Best GFLOP/s of torch.mm on square matrices of ``dtype`` (the machine's practical matmul peak).
+    On CUDA the sizes go up to 8192 (smaller products do not fill a GPU) and each product is synchronised."""
     best = 0.0
-    for n in (512, 1024, 2048):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for n in (512, 1024, 2048, *((4096, 8192) if device != "cpu" else ())):
+        a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
         torch.mm(a, b)
+        sync()
         for _ in range(repeats):
             t0 = time.perf_counter()
             torch.mm(a, b)
+            sync()
             best = max(best, 2 * n**3 / (time.perf_counter() - t0) / 1e9)
     threads_note["threads"] = torch.get_num_threads()
     return best
