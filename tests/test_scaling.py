@@ -280,3 +280,49 @@ def test_runs_are_seed_major(tmp_path):
     _, runs = load_sweep(path)
     assert [r.config.seed for r in runs] == [5] * (len(runs) // 2) + [1] * (len(runs) // 2)
     assert [r.point for r in runs[: len(runs) // 2]] == [r.point for r in runs[len(runs) // 2 :]]
+
+
+def test_family_overrides_apply_to_that_family_alone(tmp_path):
+    """Two families of one model, fp32 and bf16, in one study over one data set."""
+    wukong = FAMILIES["wukong"]
+    path = write_sweep(
+        tmp_path,
+        {
+            "wukong_fp32": {**wukong, "overrides": ["train.precision=fp32"]},
+            "wukong_bf16": {**wukong, "overrides": ["train.precision=bf16", "train.grad_clip=1.0"]},
+        },
+    )
+    _, runs = load_sweep(path)
+    by_family = {r.family: r.config for r in runs}
+    assert by_family["wukong_fp32"].train.precision == "fp32"
+    assert by_family["wukong_fp32"].train.grad_clip is None
+    bf16 = by_family["wukong_bf16"].train
+    assert (bf16.precision, bf16.grad_clip) == ("bf16", 1.0)
+    assert by_family["wukong_fp32"].model == by_family["wukong_bf16"].model
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.synthetic.vocab_sizes=20"], "every run of a sweep must read the same data"),
+        (["train.precision=fp8"], "family dlrm"),
+        (["train"], "write overrides as key=value"),
+    ],
+)
+def test_bad_family_overrides_are_one_line_errors(tmp_path, capsys, overrides, message):
+    path = write_sweep(tmp_path, {**FAMILIES, "dlrm": {**FAMILIES["dlrm"], "overrides": overrides}})
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_precision_preset_trains_twin_families():
+    """configs/sweeps/medium_precision.yaml: each fp32 run has a bf16 twin that differs in precision alone."""
+    _, runs = load_sweep(CONFIGS / "sweeps" / "medium_precision.yaml")
+    by_name = {r.name: r.config for r in runs}
+    twins = [(n, n.replace("_fp32-", "_bf16-")) for n in by_name if "_fp32-" in n]
+    assert len(twins) == 6 and len(by_name) == 12
+    for fp32, bf16 in twins:
+        a, b = by_name[fp32], by_name[bf16]
+        assert (a.train.precision, b.train.precision) == ("fp32", "bf16")
+        assert a.model_copy(update={"train": b.train}) == b

@@ -22,7 +22,8 @@ fresh rows and the fit can take the compute-optimal frontier over sizes and leng
 first rows of its seed's shuffle of the training split, so the lengths of one seed nest: a shorter run's
 rows are the first rows of a longer one's. ``seeds: [0, 1, 2]`` (top level) trains every (size,
 length) point once per seed (``seed``), the point's name then suffixed ``-seed<s>``. The data is read and materialised once, under ``OUT/data/<hash>``,
-and linked into each run directory. A run is finished when its ``result.json`` exists; a restarted
+and linked into each run directory. A family's own ``overrides`` (e.g. ``[train.precision=fp32]``) apply
+after the sweep's to its runs alone; every family must still read the same data. A run is finished when its ``result.json`` exists; a restarted
 sweep skips finished runs (after checking their config is the one the sweep asks for) and starts
 unfinished ones afresh. After each run ``OUT/results.csv`` is rewritten atomically from all results.
 """
@@ -65,6 +66,9 @@ class Family(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: dict[str, Any]
+    # The family's own overrides of everything but the data, after the sweep's (e.g. train.precision=fp32
+    # beside a bf16 family of the same model: one study, one data set, the two precisions side by side).
+    overrides: list[str] = []
     sizes: list[dict[str, Any]] = []
     grid: dict[str, list[Any]] = {}
     # Training rows per run (each size once per length); empty: one epoch over the training split.
@@ -150,11 +154,11 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
     seeds: list[int | None] = [*sweep.seeds] or [None]
     for family, spec in sweep.families.items():
         for i, knobs in enumerate(spec.points()):
-            raw = json.loads(json.dumps(base))  # a deep copy
-            raw["model"] = {**raw.get("model", {}), **spec.model}
-            for key, value in knobs.items():
-                _set(raw["model"], key, value)
             try:
+                raw = apply_overrides(json.loads(json.dumps(base)), spec.overrides)  # on a deep copy
+                raw["model"] = {**raw.get("model", {}), **spec.model}
+                for key, value in knobs.items():
+                    _set(raw["model"], key, value)
                 cfg = validate_config(raw)
             except ConfigError as e:
                 raise ConfigError(f"{path}: family {family}, size {i + 1} {knobs}: {e}") from None
