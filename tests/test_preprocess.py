@@ -8,7 +8,7 @@ import pytest
 import recscale.data.materialize as materialize_module
 from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
 from recscale.data.materialize import materialize
-from recscale.data.preprocess import OOV, Preprocessor, stable_hash
+from recscale.data.preprocess import OOV, Preprocessor, ascending, stable_hash, vocabulary_order
 from recscale.data.readers import read_batches
 from recscale.data.schema import DenseFeature, Schema, SparseFeature
 from recscale.errors import CheckpointError, DataError
@@ -210,6 +210,69 @@ def test_one_pass_matches_the_reference_on_multi_chunk_criteo_files(tmp_path, mo
     valid = list(read_batches(other, "criteo", CRITEO, chunk_rows=chunk_rows))
     expected = reference_columns(valid, CRITEO, reference_fit(batches, CRITEO))
     arrays = ArrayDataset(tmp_path / "valid")._open()
+    for name, want in expected.items():
+        np.testing.assert_array_equal(np.asarray(arrays[name]), want.astype(arrays[name].dtype), err_msg=name)
+
+
+# Text the numpy sort must order exactly as pyarrow does: bytes above 0x7f, NUL bytes, the empty
+# string, prefixes of one another, and long ids sharing their first 8 bytes (the key's ties).
+TRICKY = ["", "a", "a\0", "a\0\0", "ab", "abcdefgh", "abcdefgh\0", "abcdefghi", "abcdefghh", "abcdefgh\xff",
+          "\xe9t\xe9", "\u00ff", "\u0100", "Z", "user_00000017", "user_00000003", "user_0000001", "\U0001f600"]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", [pa.string(), pa.large_string(), pa.binary(), pa.large_binary(), pa.int64()])
+def test_numpy_vocabulary_order_is_pyarrows(kind):
+    rng = np.random.default_rng(0)
+    if kind == pa.int64():
+        values = pa.array(np.unique(rng.integers(-(2**62), 2**62, 500)))
+    else:
+        words = TRICKY + [f"{x:x}" * int(rng.integers(1, 4)) for x in rng.integers(0, 5000, 500)]
+        values = pa.array(list(dict.fromkeys(words)), pa.string()).cast(kind)
+    values = values.take(pa.array(rng.permutation(len(values)))).slice(3)  # an offset into its buffers
+    assert ascending(values).tolist() == pc.sort_indices(values).to_numpy().tolist()
+    counts = rng.integers(1, 4, len(values))  # many ties
+    table = pa.table({"values": values, "counts": counts, "i": np.arange(len(values))})
+    want = table.sort_by([("counts", "descending"), ("values", "ascending")])["i"].to_numpy()
+    assert vocabulary_order(values, counts).tolist() == want.tolist()
+
+
+def test_tricky_ids_over_many_blocks_match_the_reference(tmp_path, monkeypatch):
+    """Fitting numbers ids block by block (each block after every id seen so far): with tiny blocks,
+    min_count, max_vocab, nulls, empty lists and text the numpy sort must tie-break like pyarrow."""
+    monkeypatch.setattr(materialize_module, "BLOCK_IDS", 7)
+    schema = Schema(
+        sparse=[
+            SparseFeature(name="a", min_count=2),
+            SparseFeature(name="b", max_vocab=5),
+            SparseFeature(name="m", multi=True),
+            SparseFeature(name="h", hash_buckets=4),
+        ]
+    )
+    rng = np.random.default_rng(1)
+
+    def ids(n: int) -> list:
+        return [None if r < 0.1 else TRICKY[int(r * 100) % len(TRICKY)] for r in rng.random(n)]
+
+    batches = [
+        pa.record_batch(
+            {
+                "label": pa.array(rng.integers(0, 2, n).astype(np.float32)),
+                "a": pa.array(ids(n), pa.string()),
+                "b": pa.array(ids(n), pa.string()),
+                "m": pa.array(
+                    [[x for x in ids(int(k)) if x is not None] for k in rng.integers(0, 4, n)],
+                    pa.list_(pa.string()),
+                ),
+                "h": pa.array(ids(n), pa.string()),
+            }
+        )
+        for n in (1, 40, 13, 0, 55, 9)
+    ]
+    pre = fit(batches, tmp_path, schema)
+    assert_matches_reference(tmp_path / "split", batches, schema, pre)
+    materialize(batches[::-1], schema, tmp_path / "mapped", pre=pre)
+    expected = reference_columns(batches[::-1], schema, reference_fit(batches, schema))
+    arrays = ArrayDataset(tmp_path / "mapped")._open()
     for name, want in expected.items():
         np.testing.assert_array_equal(np.asarray(arrays[name]), want.astype(arrays[name].dtype), err_msg=name)
 

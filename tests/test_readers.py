@@ -180,6 +180,61 @@ def test_criteo_unknown_feature_is_an_error(tmp_path):
         read_batches(path, "criteo", make_schema(dense=["I14"]))
 
 
+# Dense cells a float parse accepts only oddly (spaces, signs, no digits before or after the point,
+# exponents, long mantissas, underflow) and cells that are bad (not numbers, NaN, infinite, overflow).
+ODD_NUMBERS = [" 1.5", "2.5 ", "+.5", "1e-3", "5.", "-0", "1E+05", "00012", "3.14159265358979323846264338",
+               "1e-400", "4.9e-324", "-7", '"8"', '" 9"']  # fmt: skip
+BAD_NUMBERS = ["abc", "nan", "-inf", "Infinity", "1e400", "0x10", "--1", "1.2.3", "1e", "\u00a01", "nan(1)"]
+
+
+@pytest.mark.parametrize("fmt", ["criteo", "csv"])
+@pytest.mark.parametrize("on_bad_row", ["skip", "error"])
+def test_numbers_parsed_by_the_csv_reader_read_as_text_casts_do(tmp_path, monkeypatch, fmt, on_bad_row):
+    """Label and dense columns are parsed as float64 while reading, a chunk with a bad row is parsed
+    again as text: rows, values, dropped rows and messages are those of the text-only parse."""
+    import recscale.data.readers.text as text
+
+    rng = np.random.default_rng(3)
+    cells = (
+        ODD_NUMBERS + BAD_NUMBERS if fmt == "csv" else [c for c in ODD_NUMBERS + BAD_NUMBERS if '"' not in c]
+    )
+    sep = "," if fmt == "csv" else "\t"
+    lines = ["label," + ",".join(f"I{i}" for i in range(1, 14)) + ",C1"] if fmt == "csv" else []
+    for i in range(3000):
+        ints = [str(int(v)) for v in rng.integers(-5, 100, 13)]
+        if rng.random() < 0.3:
+            ints[int(rng.integers(13))] = (
+                ODD_NUMBERS[int(rng.integers(len(ODD_NUMBERS)))] if fmt == "csv" else ""
+            )
+        label = "1" if rng.random() < 0.5 else "0"
+        if rng.random() < 0.004:  # a bad row: in about one chunk in three
+            if rng.random() < 0.2:
+                label = ("2", "", "x")[int(rng.integers(3))]
+            else:
+                ints[int(rng.integers(13))] = cells[int(rng.integers(len(cells)))]
+        cats = [f"{i % 7:x}"] + ([f"{j}" for j in range(25)] if fmt == "criteo" else [])
+        lines.append(sep.join([label, *ints, *cats]))
+    path = write(tmp_path / f"t.{fmt}", lines)
+    schema = make_schema(dense=[f"I{i}" for i in range(1, 14)], sparse=["C1"])
+    monkeypatch.setattr(text, "BLOCK_BYTES", 4000)
+
+    def read() -> tuple[pa.Table | str, ReadStats]:
+        stats = ReadStats()
+        try:
+            return read_all(path, fmt, schema, chunk_rows=500, on_bad_row=on_bad_row, stats=stats), stats
+        except DataError as e:
+            return str(e), stats
+
+    got = read()
+    as_text = text._convert_options
+    monkeypatch.setattr(text, "_convert_options", lambda include, numbers=(): as_text(include))
+    want = read()
+    assert got[1] == want[1]
+    assert got[0] == want[0] if isinstance(want[0], str) else got[0].equals(want[0])
+    if on_bad_row == "skip":
+        assert 0 < want[1].skipped < 100
+
+
 # ---------------------------------------------------------------- parquet
 
 

@@ -25,18 +25,21 @@ def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int = THREADS
     if workers <= 1:
         yield from map(fn, items)
         return
-    with ThreadPoolExecutor(workers, thread_name_prefix="recscale-data") as pool:
-        pending: deque[Future[R]] = deque()
-        try:
-            for item in items:
-                pending.append(pool.submit(fn, item))
-                if len(pending) >= 2 * workers:
-                    yield pending.popleft().result()
-            while pending:
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="recscale-data")
+    pending: deque[Future[R]] = deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= 2 * workers:
                 yield pending.popleft().result()
-        finally:  # the consumer stopped early or an item failed: drop the work not yet started
-            for future in pending:
-                future.cancel()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        # The consumer stopped early or an item failed: drop the work not yet started, and do not
+        # wait for the items running. A generator left suspended (e.g. by an error its consumer
+        # raised) is closed by the garbage collector, which can run inside threading's shutdown-lock
+        # bookkeeping: joining the workers there deadlocks the process.
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def rechunk(pieces: Iterator[Rows], rows: int, concat: Callable[[list[Rows]], Rows]) -> Iterator[Rows]:

@@ -2,12 +2,15 @@
 over the source, fitting the vocabularies on the way for the training split.
 
 Whatever does not depend on a vocabulary (label, dense values, offsets, weights, hashed ids) is
-written to its file as each batch arrives. A vocabulary field's ids are dictionary-encoded per batch,
-their one hash pass: the codes go to a scratch file, the batch's distinct ids to an Arrow IPC scratch
-file and, when fitting, their counts (a bincount of the codes) to a ``VocabCounter``. Once the source
-is read, each field's codes are mapped block by block: one ``index_in`` of the block's distinct ids
-against the vocabulary (its hash set is built once per block, not once per batch), then a numpy take.
-The source is parsed once, and memory holds a few batches and one block, whatever the file's size.
+written to its file as each batch arrives. A vocabulary field's ids are dictionary-encoded per batch
+(in worker threads): the codes go to a scratch file, the batch's distinct ids are kept until a block
+of them is pending. A block is then numbered in one hash pass: when fitting, against every id seen so
+far (``dictionary_encode`` of them followed by the block, so earlier ids keep their numbers), the
+counts summed with a bincount; when mapping, looked up in the vocabulary with one ``index_in``. That
+number of each batch's distinct ids goes to a second scratch file. Once the source is read, the
+vocabulary is sorted in numpy from the counts, and each field's codes become vocabulary ids with
+two numpy takes: no id is hashed again. Memory holds a few batches, one block and (when fitting) the
+distinct ids with their counts, whatever the file's size.
 """
 
 from __future__ import annotations
@@ -29,17 +32,17 @@ from recscale.data.dataset import FORMAT_VERSION
 from recscale.data.preprocess import (
     OOV,
     Preprocessor,
-    VocabCounter,
     dense_matrix,
     hashed_ids,
     values_and_lengths,
+    vocabulary_order,
 )
-from recscale.data.schema import LABEL, WEIGHT_SUFFIX, Schema
+from recscale.data.schema import LABEL, WEIGHT_SUFFIX, Schema, SparseFeature
 from recscale.errors import DataError
 from recscale.io import atomic_dir
 
-# Ids mapped per index_in call: big enough that building the vocabulary's hash set is amortised,
-# small enough to bound memory (int32 codes + int64 positions and ids: ~80 MB).
+# Distinct ids numbered per block: big enough to amortise a block's fixed costs (when mapping, building
+# the vocabulary's hash set), small enough to bound memory (~80 MB of ids and numbers).
 BLOCK_IDS = 1 << 22
 
 
@@ -53,49 +56,93 @@ def progress_bar(enabled: bool, desc: str, unit: str = " rows", total: int | Non
 
 
 class _Spill:
-    """One vocabulary field's codes and per-batch dictionaries, on disk until its vocabulary is known.
+    """One vocabulary field's per-batch codes and the numbers of each batch's distinct ids, on disk
+    until its vocabulary is known.
 
-    A null id has the code ``len(distinct)``: one past the batch's distinct ids, which maps to OOV."""
+    A null id has the code ``len(distinct)``: one past the batch's distinct ids, which maps to OOV.
+    Fitting (``pre`` None), a distinct id is numbered by its first appearance in the split
+    (``seen[number]``), its sightings summed in ``counts``; mapping, it is numbered by its
+    vocabulary id."""
 
-    def __init__(self, scratch: Path, name: str, stack: ExitStack) -> None:
-        self.codes_path, self.dicts_path = scratch / f"{name}.codes", scratch / f"{name}.dicts"
+    def __init__(self, scratch: Path, name: str, stack: ExitStack, pre: Preprocessor | None) -> None:
+        self.name, self.pre = name, pre
+        self.codes_path, self.numbers_path = scratch / f"{name}.codes", scratch / f"{name}.numbers"
         self.codes = stack.enter_context(open(self.codes_path, "wb"))
-        self.sink = stack.enter_context(pa.OSFile(str(self.dicts_path), "wb"))
-        self.writer: pa.ipc.RecordBatchFileWriter | None = None
+        self.numbers = stack.enter_context(open(self.numbers_path, "wb"))
         self.sizes: list[int] = []  # ids per batch
+        self.lens: list[int] = []  # distinct ids per batch
+        self.pending: list[tuple[pa.Array, np.ndarray]] = []  # (distinct, counts) not yet numbered
+        self.pending_ids = 0
+        self.seen: pa.Array | None = None
+        self.counts = np.zeros(0, np.int64)
 
-    def add(self, codes: np.ndarray, distinct: pa.Array) -> None:
+    def add(self, codes: np.ndarray, distinct: pa.Array, counts: np.ndarray) -> None:
         self.codes.write(codes.tobytes())
-        if self.writer is None:
-            self.writer = pa.ipc.new_file(self.sink, pa.schema([("ids", distinct.type)]))
-        self.writer.write_batch(pa.record_batch([distinct], names=["ids"]))
         self.sizes.append(len(codes))
+        self.lens.append(len(distinct))
+        if self.seen is None:
+            self.seen = distinct.slice(0, 0)  # its type is the vocabulary's
+        self.pending.append((distinct, counts))
+        self.pending_ids += len(distinct)
+        # Fitting renumbers ``seen`` with each block: blocks at least its size keep that linear overall.
+        if self.pending_ids >= max(BLOCK_IDS, len(self.seen) if self.pre is None else 0):
+            self.flush()
 
-    def map_to(self, pre: Preprocessor, name: str, out: IO[bytes]) -> None:
-        """Write the field's vocabulary ids (int64), in row order, to ``out``."""
-        if self.writer is None:
+    def flush(self) -> None:
+        """Number the pending distinct ids."""
+        if not self.pending:
             return
-        self.writer.close()
-        self.sink.close()
+        block = pa.concat_arrays([d for d, _ in self.pending])
+        if self.pre is not None:
+            numbers = self.pre.lookup(self.name, block)
+        else:
+            assert self.seen is not None
+            known = len(self.seen)
+            enc = pc.dictionary_encode(pa.concat_arrays([self.seen, block]))
+            numbers = enc.indices.to_numpy()[known:].astype(np.int64)
+            self.seen = enc.dictionary
+            # Float weights are exact: a count stays far below 2**53.
+            added = np.bincount(numbers, np.concatenate([c for _, c in self.pending]), len(self.seen))
+            self.counts = added.astype(np.int64) + np.pad(self.counts, (0, len(self.seen) - known))
+        self.numbers.write(numbers.tobytes())
+        self.pending, self.pending_ids = [], 0
+
+    def fit(self, f: SparseFeature) -> tuple[pa.Array, np.ndarray]:
+        """The field's vocabulary, and the vocabulary id (OOV if not kept) of each number."""
+        self.flush()
+        assert self.seen is not None
+        kept = np.flatnonzero(self.counts >= f.min_count)
+        order = kept[vocabulary_order(self.seen.take(pa.array(kept)), self.counts[kept])]
+        if f.max_vocab is not None:
+            order = order[: f.max_vocab]
+        ids = np.full(len(self.seen), OOV, np.int64)
+        ids[order] = np.arange(1, len(order) + 1)
+        return self.seen.take(pa.array(order)), ids
+
+    def map_to(self, out: IO[bytes], ids: np.ndarray | None = None) -> None:
+        """Write the field's vocabulary ids (int64), in row order, to ``out``; ``ids`` (fitting) maps
+        numbers to them."""
+        self.flush()
         self.codes.close()
+        self.numbers.close()
+        if not self.sizes:
+            return
         codes = np.memmap(self.codes_path, np.int32, "r") if sum(self.sizes) else np.zeros(0, np.int32)
-        with pa.memory_map(str(self.dicts_path)) as source:
-            reader = pa.ipc.open_file(source)
-            first, start = 0, 0
-            while first < len(self.sizes):
-                last, n = first + 1, self.sizes[first]
-                while last < len(self.sizes) and n + self.sizes[last] <= BLOCK_IDS:
-                    n += self.sizes[last]
-                    last += 1
-                dicts = [reader.get_batch(i).column(0) for i in range(first, last)]
-                lens = np.array([len(d) for d in dicts], dtype=np.int64)
-                ids = pre.lookup(name, pa.concat_arrays(dicts))
-                # Each batch's slice of ``ids`` followed by its null slot (OOV).
-                ends = np.cumsum(lens)
-                table = np.insert(ids, ends, OOV)
-                base = np.repeat(ends - lens + np.arange(len(lens)), self.sizes[first:last])
-                out.write(table[codes[start : start + n].astype(np.int64) + base].tobytes())
-                first, start = last, start + n
+        numbers = np.memmap(self.numbers_path, np.int64, "r") if sum(self.lens) else np.zeros(0, np.int64)
+        first, start, at = 0, 0, 0
+        while first < len(self.sizes):
+            last, n = first + 1, self.sizes[first]
+            while last < len(self.sizes) and n + self.sizes[last] <= BLOCK_IDS:
+                n += self.sizes[last]
+                last += 1
+            lens = np.array(self.lens[first:last], dtype=np.int64)
+            ends = np.cumsum(lens)
+            block = numbers[at : at + int(ends[-1])]
+            # Each batch's vocabulary ids followed by its null slot (OOV).
+            table = np.insert(block if ids is None else ids[block], ends, OOV)
+            base = np.repeat(ends - lens + np.arange(len(lens)), self.sizes[first:last])
+            out.write(table[codes[start : start + n] + base].tobytes())
+            first, start, at = last, start + n, at + int(ends[-1])
 
 
 @dataclass
@@ -147,7 +194,6 @@ def materialize(
     batches (the training split) and the fitted ``Preprocessor`` is returned; else ``pre`` maps them.
     ``fingerprint(pre)`` is stored in meta.json."""
     vocab_fields = [f for f in schema.sparse if f.hash_buckets is None]
-    counter = VocabCounter(schema) if pre is None else None
     rows = 0
     with atomic_dir(out_dir) as tmp:
         scratch = tmp / ".scratch"
@@ -164,7 +210,7 @@ def materialize(
                 if wanted
             }
             files |= {k: stack.enter_context(open(tmp / f"{k}.bin", "wb")) for k in ("label", "dense")}
-            spills = {f.name: _Spill(scratch, f.name, stack) for f in vocab_fields}
+            spills = {f.name: _Spill(scratch, f.name, stack, pre) for f in vocab_fields}
             offsets_end = {f.name: 0 for f in schema.sparse if f.multi}
             for f in schema.sparse:
                 if f.multi:
@@ -180,23 +226,24 @@ def materialize(
                         offsets_end[field] = int(array[-1]) if len(array) else offsets_end[field]
                     files[name].write(array.tobytes())
                 for name, (codes, distinct, counts) in enc.codes.items():
-                    spills[name].add(codes, distinct)
-                    if counter is not None:
-                        counter.add(name, distinct, counts)
+                    spills[name].add(codes, distinct, counts)
                 rows += enc.rows
                 if bar is not None:
                     bar.update(enc.rows)
             if rows == 0:
                 raise DataError(f"{out_dir.name}: the data source produced no rows")
+            numbers: dict[str, np.ndarray] = {}
             if pre is None:
-                assert counter is not None
-                pre = counter.fit()
+                vocabs = {}
+                for f in vocab_fields:
+                    vocabs[f.name], numbers[f.name] = spills[f.name].fit(f)
+                pre = Preprocessor(schema, vocabs)
             map_bar = progress_bar(progress, f"mapping ids {out_dir.name}", " fields", len(vocab_fields))
             if map_bar is not None:
                 stack.callback(map_bar.close)
             for f in vocab_fields:
                 with open(tmp / f"{f.name}.values.bin", "wb") as out:
-                    spills[f.name].map_to(pre, f.name, out)
+                    spills[f.name].map_to(out, numbers.get(f.name))
                 if map_bar is not None:
                     map_bar.update(1)
         shutil.rmtree(scratch)

@@ -132,7 +132,8 @@ def iter_text_tables(
     ``names`` are all the file's columns in order. Empty lines are skipped. Chunks are parsed in
     threads, each single-threaded (see ``_parse_chunk``), and come back in order.
     """
-    return _parsed(path, names, include, (delimiter, quote), skip_header, lambda chunk: chunk)
+    text = _convert_options(include)
+    return _parsed(path, names, (delimiter, quote), skip_header, lambda parse: parse(text))
 
 
 def iter_converted(
@@ -146,33 +147,53 @@ def iter_converted(
     skip_header: bool,
 ) -> Iterator[tuple[TextChunk, list[pa.Array], list[Problem | None]]]:
     """``iter_text_tables``, each chunk also converted to the raw layout (``base.convert``) in its
-    parsing thread: the casts and checks run in parallel too."""
+    parsing thread: the casts and checks run in parallel too.
 
-    def then(chunk: TextChunk) -> tuple[TextChunk, list[pa.Array], list[Problem | None]]:
+    The label and dense columns are parsed as float64 by the CSV reader itself (the parse a cast from
+    text does, without building string columns first); a chunk holding any bad row is parsed again
+    as text, which finds and words its problems exactly as before."""
+    text = _convert_options(include)
+    numbers = _convert_options(include, [schema.label, *schema.dense_names])
+
+    def then(
+        parse: Callable[[pacsv.ConvertOptions], TextChunk],
+    ) -> tuple[TextChunk, list[pa.Array], list[Problem | None]]:
+        try:
+            chunk = parse(numbers)
+            arrays, problems = convert(column_of(chunk.table), schema)
+            if all(p is None for p in problems):
+                return chunk, arrays, problems
+        except DataError:  # e.g. a cell that is not a number
+            pass
+        chunk = parse(text)
         arrays, problems = convert(column_of(chunk.table), schema)
         return chunk, arrays, problems
 
-    return _parsed(path, names, include, (delimiter, quote), skip_header, then)
+    return _parsed(path, names, (delimiter, quote), skip_header, then)
+
+
+def _convert_options(include: Sequence[str], numbers: Sequence[str] = ()) -> pacsv.ConvertOptions:
+    """Read the ``include`` columns as text (empty = null), ``numbers`` among them as float64."""
+    types = dict.fromkeys(include, pa.string()) | dict.fromkeys(numbers, pa.float64())
+    return pacsv.ConvertOptions(
+        include_columns=list(include), column_types=types, strings_can_be_null=True, null_values=[""]
+    )
 
 
 def _parsed(
     path: Path,
     names: Sequence[str],
-    include: Sequence[str],
     dialect: tuple[str, bool],
     skip_header: bool,
-    then: Callable[[TextChunk], R],
+    then: Callable[[Callable[[pacsv.ConvertOptions], TextChunk]], R],
 ) -> Iterator[R]:
-    convert_options = pacsv.ConvertOptions(
-        include_columns=list(include),
-        column_types=dict.fromkeys(include, pa.string()),
-        strings_can_be_null=True,
-        null_values=[""],
-    )
-    return ordered_map(
-        lambda item: then(_parse_chunk(path, item[0], item[1], names, dialect, convert_options)),
-        iter_chunks(path, skip_first_line=skip_header),
-    )
+    """``then(parse)`` for each chunk, in threads; ``parse(options)`` parses the chunk."""
+
+    def work(item: tuple[int, bytes]) -> R:
+        first, chunk = item
+        return then(lambda options: _parse_chunk(path, first, chunk, names, dialect, options))
+
+    return ordered_map(work, iter_chunks(path, skip_first_line=skip_header))
 
 
 def _parse_chunk(
@@ -222,5 +243,10 @@ def _parse_chunk(
 
 
 def column_of(table: pa.Table) -> Callable[[str], pa.Array]:
-    """Fetch a table column as one contiguous array."""
-    return lambda name: table.column(name).combine_chunks()
+    """Fetch a table column as one contiguous array (copied only if it has several chunks)."""
+
+    def column(name: str) -> pa.Array:
+        col = table.column(name)
+        return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+
+    return column
