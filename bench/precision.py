@@ -9,9 +9,10 @@ setting's own (printed as it starts, so any row reproduces by hand). ``--data fr
 suite recipe ``configs/frappe/<model>.yaml`` instead, for a fixed ``--epochs`` without early stopping, so
 that a setting and its fp32 twin train the same steps (an early stop would compare different checkpoints:
 the stopping step moves with tiny numerical differences); the qcomms settings need table-wise tables, which
-the Frappe recipes of DCNv2 and Wukong (replicated tables, Adam) do not take. A setting and the fp32 run of the same seed see the same data
-and the same initial weights, so the AUC and LogLoss *differences* are paired: their mean ± std over seeds is
-what the precision costs, free of seed-to-seed noise. The qcomms settings train on 2 ranks (table-wise
+the Frappe recipes of DCNv2 and Wukong (replicated tables, Adam) do not take. A setting and the fp32
+run of the same seed see the same data and the same initial weights, so the AUC and LogLoss
+*differences* are paired: their mean ± std over seeds is what the precision costs, free of seed-to-seed
+noise. The qcomms settings train on 2 ranks (table-wise
 tables, bytes counted) against ``fp32_2ranks``; bytes per step are the all-to-all and all-reduce bytes of
 the run's logged train windows. Writes docs/precision.csv (one row per run) and docs/precision.md.
 """
