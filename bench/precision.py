@@ -51,6 +51,7 @@ SETTINGS: dict[str, list[str]] = {
     "qcomms_fp8": [*TWO_RANKS, "distributed.qcomms={forward: fp8, backward: fp8}"],
     "qcomms_int8_both": [*TWO_RANKS, "distributed.qcomms={forward: int8, backward: int8, dense: bf16}"],
     "qcomms_mx4_both": [*TWO_RANKS, "distributed.qcomms={forward: mx4, backward: mx4}"],
+    "qcomms_mxint8_both": [*TWO_RANKS, "distributed.qcomms={forward: mxint8, backward: mxint8, dense: bf16}"],
 }
 MODELS = {"wukong": [], "dlrm": ["model.top_mlp=[256,128]"], "dcnv2": []}
 

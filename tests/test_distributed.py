@@ -120,6 +120,7 @@ def _jobs(root: Path, world: int) -> list[dict]:
         jobs += [{"dir": str(root / name), "overrides": o, "resume": False, "scores": str(root / f"{name}.npy")}
                  for name, o in (("qcomms_fp32", QCOMMS), ("qcomms_low", [*QCOMMS, QCOMMS_LOW]),
                                  ("qcomms_fp8", [*QCOMMS, "distributed.qcomms={forward: fp8, backward: fp8, dense: bf16}"]),
+                                 ("qcomms_mxint8", [*QCOMMS, "distributed.qcomms={forward: mxint8, backward: mxint8}"]),
                                  ("fsdp_fp32", FSDP), ("fsdp_bf16", [*FSDP, "train.precision=bf16"]),
                                  ("ddp_bf16", [*VARIANTS["table_wise"], "train.precision=bf16"]))]  # fmt: skip
     return jobs
@@ -236,7 +237,8 @@ def test_table_row_wise_inter_host_bytes_match_closed_form(runs):
 def test_quantized_all_to_all_and_all_reduce_send_fewer_bytes_and_train_alike(runs):
     """Two ranks, table-wise, single-id features: the all-to-alls carry ids (not quantized) and the pooled
     embeddings and their gradients (quantized); DDP's all-reduce carries the dense gradients."""
-    full, low, fp8 = (train_records(runs / name) for name in ("qcomms_fp32", "qcomms_low", "qcomms_fp8"))
+    full, low, fp8, mx = (train_records(runs / name)
+                          for name in ("qcomms_fp32", "qcomms_low", "qcomms_fp8", "qcomms_mxint8"))  # fmt: skip
 
     # DDP's gradient buffers in fp16: exactly half the bytes.
     assert _sent(low, "all_reduce") * 2 == _sent(full, "all_reduce")
@@ -248,8 +250,13 @@ def test_quantized_all_to_all_and_all_reduce_send_fewer_bytes_and_train_alike(ru
     # int8 forward + fp16 backward; DDP's gradients in bf16 (recscale's hook on gloo): half the bytes.
     assert _sent(fp8, "all_to_all") < _sent(low, "all_to_all")
     assert _sent(fp8, "all_reduce") * 2 == _sent(full, "all_reduce")
+    # MXINT8 both ways: 33 bytes per 32 values where FP8 takes 40, ids as they were. The embedding bytes E
+    # follow from the fp32 and FP8 runs (E - 40/128 E); the MXINT8 run must send exactly E * 33/128 + ids.
+    emb = (_sent(full, "all_to_all") - _sent(fp8, "all_to_all")) * 128 // (128 - 40)
+    assert _sent(mx, "all_to_all") == _sent(full, "all_to_all") - emb * (128 - 33) // 128
+    assert _sent(mx, "all_reduce") == _sent(full, "all_reduce")
     # The training is nearly the same: the losses follow the fp32 run's.
-    for run in (low, fp8):
+    for run in (low, fp8, mx):
         assert [r["step"] for r in run] == [r["step"] for r in full] == [3, 6]
         assert max(abs(a["loss"] - b["loss"]) for a, b in zip(run, full, strict=True)) < 5e-3
 

@@ -1,4 +1,4 @@
-"""Quantized collectives (``distributed.qcomms``): recscale's row-wise FP8 codec, unit by unit. The bytes
+"""Quantized collectives (``distributed.qcomms``): recscale's row-wise FP8 and MXINT8 codecs, unit by unit. The bytes
 and training of two ranks with and without qcomms (fbgemm's codecs and this one) are checked in
 tests/test_distributed.py, whose 2-rank launch trains them
 (``test_quantized_all_to_all_and_all_reduce_send_fewer_bytes_and_train_alike``)."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recscale.distributed.codecs import RowwiseFP8Codec
+from recscale.distributed.codecs import MXInt8Codec, RowwiseFP8Codec
 
 
-def _roundtrip(codec: RowwiseFP8Codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _roundtrip(codec: RowwiseFP8Codec | MXInt8Codec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ctx = codec.create_context()
     q = codec.encode(x, ctx)
     assert q.dtype == codec.quantized_dtype == torch.uint8
@@ -60,3 +60,51 @@ def test_padding_makes_each_ranks_width_a_whole_number_of_rows():
     assert codec.padded_size(torch.zeros(3, 40), [40, 24], 0, ctx) == (64, 24)
     assert ctx.padded_dim_sum_per_rank == [64, 32]
     assert codec.padded_size(torch.zeros(3, 24), [40, 24], 1, ctx) == (32, 8)
+
+
+def test_mxint8_layout_is_32_int8_codes_then_the_e8m0_scale():
+    """OCP MX v1.0 by hand. Row 1: amax 1.0 -> shared scale 2^(floor(log2 1) - 0) = 1, E8M0 byte 127;
+    codes are x * 64 rounded half to even: 1 -> 64, -0.5 -> -32, 1/128 -> 0.5 -> 0, 3/128 -> 1.5 -> 2,
+    127.9/64 -> 127.9 -> 128, saturated to 127. Row 2: amax 3 -> scale 2^1, byte 128; 3 -> 1.5 * 64 = 96."""
+    row1 = torch.tensor([1.0, -0.5, 1 / 128, 3 / 128, 127.9 / 64] + [0.0] * 27)
+    row2 = torch.tensor([3.0, -1.0] + [0.0] * 30)
+    q, back = _roundtrip(MXInt8Codec(is_fwd=True), torch.cat([row1, row2]))
+    q = q.view(2, 33)
+    assert q[0, :5].view(torch.int8).tolist() == [64, -32, 0, 2, 127]
+    assert q[1, :2].view(torch.int8).tolist() == [96, -32]
+    assert q[:, 32].tolist() == [127, 128]
+    assert back[:5].tolist() == [1.0, -0.5, 0.0, 2 / 64, 127 / 64]
+    assert back[32:34].tolist() == [3.0, -1.0]
+
+
+def test_mxint8_handles_zero_tiny_and_nan_rows():
+    """An all-zero row gets the smallest scale 2^-127 (byte 0) and decodes to zeros; a row far below
+    fp32's normal range keeps its relative precision; a row with NaN decodes to all NaN (scale byte 0xFF)."""
+    x = torch.cat([torch.zeros(32), torch.full((32,), 3e-39), torch.tensor([float("nan")] + [1.0] * 31)])
+    q, back = _roundtrip(MXInt8Codec(is_fwd=False), x)
+    assert q.view(3, 33)[:, 32].tolist() == [0, 0, 255]
+    assert torch.equal(back[:32], torch.zeros(32))
+    assert ((back[32:64] - 3e-39).abs() <= 3e-39 / 64).all()
+    assert back[64:].isnan().all()
+
+
+def test_mxint8_matches_the_gemm_emulation_and_sends_33_bytes_per_32_values():
+    """The wire format decodes to exactly what ``model.quant``'s MXINT8 fake-quantization gives."""
+    from recscale.models.quant import fake_quant
+
+    torch.manual_seed(0)
+    x = torch.randn(64 * 32) * torch.logspace(-6, 2, 64).repeat_interleave(32)
+    q, back = _roundtrip(MXInt8Codec(is_fwd=True), x)
+    assert q.numel() == 64 * 33
+    assert torch.equal(back, fake_quant(x.view(64, 32), "mxint8").view(-1))
+
+
+def test_mxint8_forward_rows_shrink_to_a_block_dividing_every_width_instead_of_padding():
+    codec = MXInt8Codec(is_fwd=True)
+    ctx = codec.create_context()
+    assert codec.padded_size(torch.zeros(3, 80), [80, 48], 0, ctx) == (80, 0)  # d = 16 tables: blocks of 16
+    assert ctx.row_dim == 16 and ctx.padded_dim_sum_per_rank == [80, 48]
+    assert codec.calc_quantized_size(3 * 80, ctx) == 15 * 17
+    ctx = codec.create_context()
+    assert codec.padded_size(torch.zeros(3, 36), [36, 64], 0, ctx) == (64, 28)  # gcd 4: pad to 32 instead
+    assert ctx.row_dim == 32

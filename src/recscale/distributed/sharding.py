@@ -54,7 +54,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimiz
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recscale.config import DistributedConfig, TablePlan
-from recscale.distributed.codecs import RowwiseFP8Codec
+from recscale.distributed.codecs import MXInt8Codec, RowwiseFP8Codec
 from recscale.distributed.dense import dense_wrapper
 from recscale.distributed.env import DistEnv
 from recscale.distributed.planner.features import TableFeatures
@@ -305,16 +305,16 @@ def load_full_tables(sharded: dict[str, Tensor], full: dict[str, Tensor]) -> Non
 
 def qcomm_sharders(cfg: DistributedConfig, device: torch.device) -> list[ModuleSharder[nn.Module]] | None:
     """Sharders whose all-to-all / reduce-scatter encode with ``cfg.qcomms`` (None: TorchRec's defaults):
-    fbgemm's codecs, and recscale's row-wise FP8 (``codecs.RowwiseFP8Codec``) where fp8 is asked for."""
+    fbgemm's codecs, and recscale's own (``distributed/codecs.py``) where fp8 or mxint8 is asked for."""
     q = cfg.qcomms
     if q.forward == q.backward == "fp32":
         return None
-    # fbgemm's codecs for everything but fp8 (built as fp16, then swapped for the FP8 codec below).
-    fbgemm = {"fp8": "fp16"}
+    # fbgemm's codecs for everything but recscale's own (built as fp16, then swapped for them below).
+    own = {"fp8": RowwiseFP8Codec, "mxint8": MXInt8Codec}
     codecs = get_qcomm_codecs_registry(
         QCommsConfig(
-            forward_precision=CommType(fbgemm.get(q.forward, q.forward)),
-            backward_precision=CommType(fbgemm.get(q.backward, q.backward)),
+            forward_precision=CommType("fp16" if q.forward in own else q.forward),
+            backward_precision=CommType("fp16" if q.backward in own else q.backward),
         ),
         device=device,  # its default is cuda
     )
@@ -325,8 +325,8 @@ def qcomm_sharders(cfg: DistributedConfig, device: torch.device) -> list[ModuleS
         if op == CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name:
             continue
         codecs[op] = QuantizedCommCodecs(
-            forward=RowwiseFP8Codec(is_fwd=True) if q.forward == "fp8" else pair.forward,
-            backward=RowwiseFP8Codec(is_fwd=False) if q.backward == "fp8" else pair.backward,
+            forward=own[q.forward](is_fwd=True) if q.forward in own else pair.forward,
+            backward=own[q.backward](is_fwd=False) if q.backward in own else pair.backward,
         )
     # Sequence tables (an EC) keep fp32 collectives: the codecs above are for pooled embeddings.
     return [
