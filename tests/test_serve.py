@@ -63,8 +63,10 @@ def trained(tmp_path_factory) -> dict[str, Path]:
     train, valid = _csv(d / "train.csv", 400, 0, 30), _csv(d / "valid.csv", 120, 1, 40)  # valid: unseen ids
     argv = ["train", str(CONFIGS / "frappe.yaml"), "--out", str(d / "run"), f"data.train={train}",
             f"data.valid={valid}", SCHEMA, "train.max_steps=6", "train.batch_size=64", "train.progress=false",
-            "model.num_layers=1", "model.dropout=0.5"]  # fmt: skip
+            "model.num_layers=1", "model.dropout=0.5", "train.calibrate=true"]  # fmt: skip
     assert main(argv) == 0
+    # Calibrated (not the identity), so the export tests also check the artifact carries the calibration.
+    assert json.loads((d / "run" / "report.json").read_text())["calibration"]["scale"] != 1.0
     return {"run": d / "run", "valid": valid, "root": d}
 
 

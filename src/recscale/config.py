@@ -137,6 +137,10 @@ class TrainConfig(_Strict):
     # Evaluate, keep as best and report an exponential moving average of the dense weights (per-step
     # decay; the tables are not averaged: the fused kernels own them). None trains and reports the raw weights.
     ema_decay: float | None = Field(None, gt=0, lt=1)
+    # After training, fit Platt scaling (sigmoid(a·logit + b)) of the kept model on the valid split (the
+    # selection rows under data.report_fraction) by LogLoss; stored in the model, so eval, export and serve
+    # apply it. Fixes over-confidence without moving AUC.
+    calibrate: bool = False
     eval_every: int | None = Field(None, ge=1)  # steps; None = once per epoch
     early_stopping: EarlyStopping | None = EarlyStopping()
     keep_checkpoints: int = Field(2, ge=1)
@@ -293,6 +297,8 @@ class RunConfig(_Strict):
                 "a data_parallel table would be stepped by a torch optimizer on fp16 weights; choose "
                 "another distributed.sharding (e.g. table_wise) or storage fp32"
             )
+        if self.train.calibrate and self.data.format != "synthetic" and self.data.valid is None:
+            raise ValueError("train.calibrate fits on the valid split, and data.valid is not set: give one")
         return self
 
     def dense_tables(self) -> bool:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict
 from torch import Tensor, nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recscale.models.blocks.calibration import Calibration
 from recscale.models.embedding import EmbeddingConfig, EmbeddingLayer, FeatureSet
 from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER, module_flops
 
@@ -21,19 +22,21 @@ class ModelParams(BaseModel):
 
 
 class RecModel(nn.Module, ABC):
-    """(dense (B, n_dense), sparse KJT) -> logits (B,): the embedding layer gives X0 (B, n, d), then
-    ``interact`` does the model's own work."""
+    """(dense (B, n_dense), sparse KJT) -> logits (B,) float32: the embedding layer gives X0 (B, n, d),
+    ``interact`` does the model's own work, and ``calibration`` (the identity unless fit after training,
+    ``train.calibrate``) rescales its logits."""
 
     def __init__(self, features: FeatureSet, embedding: EmbeddingConfig, device: torch.device | None) -> None:
         super().__init__()
         self.embedding = EmbeddingLayer(features, embedding, device)
+        self.calibration = Calibration()
 
     @abstractmethod
     def interact(self, x0: Tensor) -> Tensor:
         """(B, n, d) -> logits (B,)."""
 
     def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
-        return self.interact(self.embedding(dense, sparse))
+        return self.calibration(self.interact(self.embedding(dense, sparse)))
 
     def flops_per_example(self) -> int:
         """Analytic forward FLOPs per example of the dense computation, summed over the submodules

@@ -41,6 +41,7 @@ from recscale.distributed.balance import partition, sample_costs
 from recscale.distributed.env import heartbeat, init_distributed
 from recscale.errors import CheckpointError, ConfigError, RecscaleError
 from recscale.io import atomic_write_text
+from recscale.models.blocks import Calibration
 from recscale.train.build import build, feature_set, planner_sample
 from recscale.train.checkpoint import (
     list_checkpoints,
@@ -50,7 +51,7 @@ from recscale.train.checkpoint import (
     save_checkpoint,
 )
 from recscale.train.data import prepare_run_data
-from recscale.train.evaluate import bayes_floor, eval_batch_size, evaluate
+from recscale.train.evaluate import bayes_floor, eval_batch_size, evaluate, predict
 from recscale.train.optim import lr_factor
 from recscale.train.precision import autocast, warn_if_emulated
 from recscale.train.regularizers import DenseEMA, EmbeddingL2, TableDecay
@@ -344,10 +345,26 @@ class Trainer:
             self.module, ds, eval_batch_size(t.batch_size), self.cfg.data.num_workers, t.precision
         )
 
+    def _calibrate(self) -> dict[str, float]:
+        """Fit the kept model's Platt scaling on the valid split and keep it in best/ (``train.calibrate``)."""
+        assert self.valid_ds is not None  # the config requires data.valid (synthetic data always has one)
+        layers = [m for m in self.module.modules() if isinstance(m, Calibration)]
+        for c in layers:  # from the identity, also when a finished run is finished again
+            c.set(1.0, 0.0)
+        t = self.cfg.train
+        logits = predict(self.module, self.valid_ds, eval_batch_size(t.batch_size), self.cfg.data.num_workers,
+                         t.precision)  # fmt: skip
+        a, b = layers[0].fit(logits, torch.from_numpy(self.valid_ds.labels().copy()))
+        for c in layers[1:]:
+            c.set(a, b)
+        save_checkpoint(self.dir / "best", {"model": self.module.state_dict()}, rank=self.env.rank)
+        return {"scale": a, "bias": b, "rows": len(self.valid_ds)}
+
     def finish(self) -> dict[str, Any]:
         p = self.progress
         if not self.load_best() and self.ema:  # no best kept: report the average, as evaluated
             self.ema.apply()
+        calibration = self._calibrate() if self.cfg.train.calibrate else None
         report: dict[str, Any] = {
             "run_dir": str(self.dir.resolve()),
             "model": self.cfg.model.name,
@@ -367,6 +384,8 @@ class Trainer:
             # order can move the step early stopping keeps.
             "torch_threads": torch.get_num_threads(),
         }
+        if calibration is not None:
+            report["calibration"] = calibration
         if self.valid_ds is not None:
             report["valid"] = self._evaluate(self.valid_ds)
         if self.report_ds is not None:  # valid rows no selection decision saw

@@ -132,7 +132,7 @@ class Top(nn.Module):
     def forward(self, dense: Tensor, sparse_vectors: Tensor) -> Tensor:
         emb = self.model.embedding
         parts = [] if emb.dense_mlp is None else [emb.dense_mlp(dense).view(dense.shape[0], -1, emb.dim)]
-        return self.model.interact(torch.cat([*parts, sparse_vectors], dim=1))
+        return self.model.calibration(self.model.interact(torch.cat([*parts, sparse_vectors], dim=1)))
 
 
 def data_parallel(

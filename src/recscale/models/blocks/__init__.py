@@ -1,6 +1,7 @@
 """Shared building blocks of the models; each has ``flops_per_example()``."""
 
 from recscale.models.blocks.attention import MultiHeadSelfAttention
+from recscale.models.blocks.calibration import Calibration
 from recscale.models.blocks.cast import as_compute
 from recscale.models.blocks.cin import CIN
 from recscale.models.blocks.cross import CrossNet
@@ -17,6 +18,7 @@ __all__ = [
     "CIN",
     "MLP",
     "BilinearFusion",
+    "Calibration",
     "CrossNet",
     "DotInteraction",
     "Dropout",

@@ -1,0 +1,56 @@
+"""Platt scaling of a model's logits: p = sigmoid(a * logit + b), fit after training (``train.calibrate``).
+
+A model kept at its best validation AUC or LogLoss can still be over-confident (Wukong on Frappe: the
+fitted a is ~0.7). Two numbers, fit on held-out rows by LogLoss, fix that without moving the ranking
+(a > 0 keeps the order, so AUC is unchanged), and live in the model as buffers, so checkpoints,
+``recscale eval``, exports and the server all apply them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class Calibration(nn.Module):
+    """logits (B,) -> a * logits + b (B,) in float32; a = 1, b = 0 (the identity) until ``fit``."""
+
+    scale: Tensor
+    bias: Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(()))
+        self.register_buffer("bias", torch.zeros(()))
+
+    def forward(self, logits: Tensor) -> Tensor:
+        return logits.float() * self.scale + self.bias
+
+    @torch.no_grad()
+    def fit(self, logits: Tensor, labels: Tensor) -> tuple[float, float]:
+        """Set (a, b) to minimise the LogLoss of sigmoid(a * logits + b) on (logits (N,), labels (N,)),
+        where ``logits`` are this model's uncalibrated outputs; returns them. Deterministic (float64
+        L-BFGS from the identity), so every rank fitting the same gathered logits gets the same numbers."""
+        z, y = logits.double().cpu(), labels.double().cpu()
+        ab = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
+        opt = torch.optim.LBFGS([ab], max_iter=100, tolerance_change=1e-12, line_search_fn="strong_wolfe")
+
+        def closure() -> Tensor:
+            opt.zero_grad()
+            with torch.enable_grad():
+                loss = F.binary_cross_entropy_with_logits(ab[0] * z + ab[1], y)
+                loss.backward()
+            return loss
+
+        opt.step(closure)
+        a, b = ab.detach().tolist()
+        if not a > 0:  # a ranking reversed or flat is no calibration: keep the identity
+            a, b = 1.0, 0.0
+        self.set(a, b)
+        return a, b
+
+    @torch.no_grad()
+    def set(self, scale: float, bias: float) -> None:
+        self.scale.fill_(scale)
+        self.bias.fill_(bias)

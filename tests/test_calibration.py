@@ -1,0 +1,62 @@
+"""train.calibrate: Platt scaling of the kept model, fit on the valid split, carried by the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from recscale.config import load_config
+from recscale.errors import ConfigError
+from recscale.models.blocks import Calibration
+from recscale.train.checkpoint import load_checkpoint
+from recscale.train.loop import Trainer
+from recscale.train.metrics import ctr_metrics
+from recscale.train.runs import eval_run
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SMALL = ["data.synthetic.rows={train: 4000, valid: 2000, test: 1000}", "data.synthetic.num_sparse=6",
+         "data.synthetic.vocab_sizes=200", "data.num_workers=0", "train.batch_size=256", "train.progress=false",
+         "model.embedding.dim=8", "train.max_steps=8", "train.eval_every=4"]  # fmt: skip
+
+
+def test_fit_recovers_the_scale_and_bias_that_generated_the_labels():
+    torch.manual_seed(0)
+    z = torch.randn(200_000) * 2
+    y = torch.bernoulli(torch.sigmoid(0.5 * z + 0.3))
+    cal = Calibration()
+    a, b = cal.fit(z, y)
+    assert a == pytest.approx(0.5, abs=0.02) and b == pytest.approx(0.3, abs=0.02)
+    assert (cal.scale.item(), cal.bias.item()) == pytest.approx((a, b))
+    before, after = ctr_metrics(z, y), ctr_metrics(cal(z), y)
+    assert after["auc"] == pytest.approx(before["auc"], abs=1e-6)  # a > 0: the ranking is the same
+    assert after["logloss"] < before["logloss"] - 0.05  # z was over-confident by 2x
+
+
+def test_a_reversed_ranking_keeps_the_identity():
+    z = torch.linspace(-3, 3, 1000)
+    a, b = Calibration().fit(z, (z < 0).double())
+    assert (a, b) == (1.0, 0.0)
+
+
+def test_trainer_calibrates_the_kept_model_and_eval_applies_it(tmp_path):
+    tr = Trainer(load_config(CONFIGS / "demo.yaml", [*SMALL, "train.calibrate=true"]), tmp_path / "r")
+    report = tr.fit()
+    cal = report["calibration"]
+    assert cal["rows"] == 2000 and cal["scale"] != 1.0
+    # Fit by LogLoss with a free bias: the mean probability on valid equals the click rate there.
+    assert report["valid"]["calibration"] == pytest.approx(1.0, abs=2e-3)
+    # best/ holds the fitted numbers, and a fresh load (recscale eval) scores the calibrated model.
+    state = {"calibration.scale": torch.zeros(()), "calibration.bias": torch.zeros(())}
+    load_checkpoint(tmp_path / "r" / "best", {"model": state})
+    assert (state["calibration.scale"].item(), state["calibration.bias"].item()) == pytest.approx(
+        (cal["scale"], cal["bias"])
+    )
+    again = eval_run(tmp_path / "r", None, split="valid")
+    assert again["logloss"] == pytest.approx(report["valid"]["logloss"], rel=1e-6)
+
+
+def test_calibrate_without_a_valid_split_is_a_config_error():
+    with pytest.raises(ConfigError, match="train.calibrate fits on the valid split"):
+        load_config(CONFIGS / "frappe.yaml", ["train.calibrate=true", "data.valid=null"])
