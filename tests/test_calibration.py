@@ -60,3 +60,18 @@ def test_trainer_calibrates_the_kept_model_and_eval_applies_it(tmp_path):
 def test_calibrate_without_a_valid_split_is_a_config_error():
     with pytest.raises(ConfigError, match="train.calibrate fits on the valid split"):
         load_config(CONFIGS / "frappe.yaml", ["train.calibrate=true", "data.valid=null"])
+
+
+def test_a_checkpoint_from_before_calibration_loads_with_the_identity(tmp_path):
+    """Checkpoints written before models had calibration buffers still load (resume, eval, export): the
+    buffers keep the model's identity; any other missing entry is still an error."""
+    from recscale.errors import CheckpointError
+    from recscale.train.checkpoint import save_checkpoint
+
+    old = {"w": torch.arange(4.0), "calibration.scale": torch.ones(()), "calibration.bias": torch.zeros(())}
+    save_checkpoint(tmp_path / "old", {"model": {"w": old["w"]}}, rank=0)
+    now = {"w": torch.zeros(4), "calibration.scale": torch.ones(()), "calibration.bias": torch.zeros(())}
+    load_checkpoint(tmp_path / "old", {"model": now})
+    assert torch.equal(now["w"], old["w"]) and now["calibration.scale"].item() == 1.0
+    with pytest.raises(CheckpointError, match="could not be read"):
+        load_checkpoint(tmp_path / "old", {"model": {**now, "v": torch.zeros(2)}})

@@ -139,6 +139,11 @@ def save_checkpoint(path: Path, state: dict[str, Any], rank: int = 0) -> None:
         dist.barrier()
 
 
+# Model buffers added after checkpoints were first written, whose initial value is what an older model
+# computed: a checkpoint without them loads, and they keep the template's value (the identity calibration).
+OPTIONAL_ENTRIES = ("calibration.scale", "calibration.bias")
+
+
 def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     """Load into ``template`` (a state of the same structure, with tensors of the right shapes/sharding).
 
@@ -157,10 +162,12 @@ def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not a complete recscale checkpoint")
     plain = _read_state_json(state_file)
     reader = SafeReader(str(path))
-    reader.read_metadata()  # every check, before DCP reads anything; dcp.load reuses this metadata
+    saved_keys = reader.read_metadata().state_dict_metadata  # every check first; dcp.load reuses it
     tensors, _ = split_state(template)
+    # Entries newer than the checkpoint keep the template's value (see OPTIONAL_ENTRIES).
+    wanted = {k: v for k, v in tensors.items() if k in saved_keys or not k.endswith(OPTIONAL_ENTRIES)}
     try:
-        dcp.load(tensors, storage_reader=reader, planner=TensorsOnlyPlanner())
+        dcp.load(wanted, storage_reader=reader, planner=TensorsOnlyPlanner())
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP wraps storage errors in a BaseException subclass
