@@ -3,6 +3,14 @@ checked against the offline scores, batching on and off, against the offline sco
 
     python bench/serve.py MODEL_DIR --data ../shared/data/frappe/valid.csv --rows-per-request 1 16 \\
         --concurrency 1 8 64 --requests 2000 --seconds 20 --out docs/serving_load
+    python bench/serve.py MODEL_DIR --data ... --rows-per-request 16 --concurrency 64 --rate 0.5
+
+Closed loop (the default): each client sends its next request as soon as the last is answered, so the
+levels measure the most the server answers; with C clients the latency is C / QPS, whatever the server.
+Open loop (``--rate F``): the clients together offer F x the offline rows/s, each on a fixed schedule
+(evenly staggered), and a latency runs from the request's *scheduled* time, so a server that falls
+behind shows it in the tail instead of slowing the clients down (no coordinated omission). A level
+sustains the rate when the answered rows/s reach the offered ones.
 
 For each batching mode the server is started as its own process (``recscale serve``, default options
 otherwise), waited for on /readyz, loaded by C client threads (``http.client``) each sending requests
@@ -87,8 +95,11 @@ def load(
     requests: int,
     seconds: float,
     tol: float,
+    interval: float | None = None,
 ) -> dict[str, float]:
-    """``concurrency`` threads, each on its own keep-alive connection, send requests back to back."""
+    """``concurrency`` threads, each on its own keep-alive connection, send requests back to back, or
+    (``interval``) each one request every ``interval`` seconds, client i starting i / concurrency of an
+    interval after the clock."""
     latencies: list[float] = []
     counts = {"answered": 0, "failed": 0, "wrong": 0}
     next_request = iter(range(requests))
@@ -97,16 +108,19 @@ def load(
     # Every client has connected and warmed up before the clock starts.
     start = threading.Barrier(concurrency, action=lambda: clock.update(t0=time.perf_counter()))
 
-    def worker(first: bytes) -> None:
+    def worker(client: int, first: bytes) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         conn.request("POST", "/score", first, HEADERS)
         conn.getresponse().read()
         start.wait()
-        for i in next_request:
+        for sent, i in enumerate(next_request):
             if time.perf_counter() - clock["t0"] > seconds:
                 break
             k = i % len(bodies)
             t0 = time.perf_counter()
+            if interval is not None:  # the scheduled time, from which the latency counts
+                t0 = clock["t0"] + (client / concurrency + sent) * interval
+                time.sleep(max(0.0, t0 - time.perf_counter()))
             try:
                 conn.request("POST", "/score", bodies[k], HEADERS)
                 r = conn.getresponse()
@@ -129,7 +143,7 @@ def load(
                 counts[outcome] += 1
         conn.close()
 
-    threads = [threading.Thread(target=worker, args=(bodies[i % len(bodies)],)) for i in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(i, bodies[i % len(bodies)])) for i in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
@@ -153,6 +167,7 @@ def main() -> None:
     p.add_argument("--batching", choices=["on", "off"], nargs="+", default=["on", "off"])
     p.add_argument("--server-args", default="", help='more options of recscale serve, e.g. "--threads 2"')
     p.add_argument("--tol", type=float, default=1e-5, help="largest allowed |server - offline| score")
+    p.add_argument("--rate", type=float, help="open loop: offer this fraction of the offline rows/s")
     p.add_argument("--out", type=Path, help="write OUT.md and OUT.csv")
     args = p.parse_args()
     _quiet()
@@ -169,8 +184,11 @@ def main() -> None:
                 bodies = [json.dumps({"rows": rows[i * r : (i + 1) * r]}).encode() for i in range(n)]
                 expected = [probs[i * r : (i + 1) * r] for i in range(n)]
                 for c in args.concurrency:
-                    m = load(port, bodies, expected, c, args.requests, args.seconds, args.tol)
-                    m = {"batching": mode, "rows_per_request": r, "concurrency": c, **m,
+                    # open loop: each of c clients sends r rows every `interval` s
+                    interval = c * r / (args.rate * offline_rate) if args.rate else None
+                    m = load(port, bodies, expected, c, args.requests, args.seconds, args.tol, interval)
+                    m = {"batching": mode, "rows_per_request": r, "concurrency": c,
+                         "offered_rows_per_s": args.rate * offline_rate if args.rate else None, **m,
                          "of_offline": m["rows_per_s"] / offline_rate}  # fmt: skip
                     results.append(m)
                     print(json.dumps(m), flush=True)
@@ -180,6 +198,13 @@ def main() -> None:
     lines = [
         f"Offline rate: {offline_rate:,.0f} rows/s (`Scorer.score_file`, batch 8192). Answers checked against the "
         f"offline scores within {args.tol:g}.",
+        "",
+        (
+            f"Open loop: the clients offer {args.rate:g} x the offline rate ({args.rate * offline_rate:,.0f} rows/s); "
+            "latency from each request's scheduled time."
+        )
+        if args.rate
+        else "Closed loop: each client sends its next request when the last is answered.",  # fmt: skip
         "",
         "| batching | rows/request | clients | requests | wrong | failed | QPS | rows/s | % of offline | p50 ms | p95 ms | p99 ms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
