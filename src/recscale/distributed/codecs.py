@@ -113,7 +113,9 @@ class RowwiseFP8Codec(_RowwiseCodec):
 
     def encode_rows(self, rows: torch.Tensor) -> torch.Tensor:
         amax = rows.abs().amax(dim=1, keepdim=True)
-        scale = torch.where(amax > 0, amax / self.max, torch.ones_like(amax))  # (n, 1) float32
+        # A product, not amax / max: torch's CPU kernel divides by a scalar through its reciprocal and CUDA
+        # does not, so the quotient's last bit differed between devices (seen on an H200).
+        scale = torch.where(amax > 0, amax * (1.0 / self.max), torch.ones_like(amax))  # (n, 1) float32
         row_dim = rows.shape[1]
         width = self.row_bytes(row_dim) - 8
         out = torch.zeros(rows.shape[0], width + 8, dtype=torch.uint8, device=rows.device)
