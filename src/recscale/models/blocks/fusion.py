@@ -28,7 +28,9 @@ class BilinearFusion(nn.Module):
         b = x.shape[0]
         # One (B, D_x/h) @ (D_x/h, D_y/h) product per head; a broadcast matmul over (B, h, 1, D_x/h)
         # instead makes autograd materialise a (B, h, D_x/h, D_y/h) gradient for W (1 GB at B=4096).
-        xw = torch.einsum("bhx,hxy->bhy", x.view(b, self.heads, -1), self.w_xy)
+        # bmm, not einsum: einsum's gradient for W came back with other strides than W's (DDP warned and
+        # copied it every step).
+        xw = torch.bmm(x.view(b, self.heads, -1).transpose(0, 1), self.w_xy).transpose(0, 1)  # (B, h, D_y/h)
         xwy = (xw * y.view(b, self.heads, -1)).sum(-1)  # (B, h)
         return (self.w_x(x) + self.w_y(y)).squeeze(-1) + xwy.sum(-1)
 
