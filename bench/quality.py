@@ -8,7 +8,8 @@ e.g. configs/frappe/wukong.yaml, plus optional overrides), or a list of override
 ``config``. Each run is the command ``recscale train CONFIG OVERRIDES seed=S``, printed as it starts, so
 any row reproduces by hand. Runs go to runs/quality/<suite>/<model>/seed<S>; a finished run (report.json)
 is not redone, and a run without a directory that trains the same config as a row of the last <out>.csv
-is taken from there (so a changed model is rerun alone). Writes <out>.csv (one row per run) and <out>.md
+is taken from there (so a changed model is rerun alone), unless the row's ``config_sha`` (the hash of
+the config it trained) says its recipe has changed since. Writes <out>.csv (one row per run) and <out>.md
 (mean ± std per model, published figures beside).
 A suite with ``baseline: NAME`` adds each model's mean AUC relative to NAME's, in percent. An override
 starting with ``--`` is an option of ``recscale train`` (e.g. ``--nproc=2``).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import platform
 import shlex
@@ -61,8 +63,16 @@ def run_key(config: str, overrides: list[str]) -> str:
     return run_config(config, overrides).to_yaml() + shlex.join(o for o in overrides if o[:2] == "--")
 
 
+def config_sha(key: str) -> str:
+    """A short hash of a ``run_key``: stored with each row, it says what the row trained, even after the
+    recipe its command names has changed."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def recorded_rows(path: Path) -> dict[str, dict[str, str]]:
-    """Rows of a table written before, by ``run_key`` of their command."""
+    """Rows of a table written before, by ``run_key`` of their command; a row whose stored ``config_sha``
+    is not its command's now (the recipe changed since it trained) is stale and left out. Rows written
+    before the column existed have none and cannot be checked."""
     if not path.is_file():
         return {}
     rows = {}
@@ -70,9 +80,12 @@ def recorded_rows(path: Path) -> dict[str, dict[str, str]]:
         for row in csv.DictReader(f):
             _, _, config, *overrides = shlex.split(row["command"])
             try:
-                rows[run_key(config, overrides)] = row
+                key = run_key(config, overrides)
             except ConfigError:  # a config since removed or changed past validity: nothing can match it
-                pass
+                continue
+            if row.get("config_sha") and row["config_sha"] != config_sha(key):
+                continue
+            rows[key] = row
     return rows
 
 
@@ -181,7 +194,15 @@ def main() -> None:
             run_dir = REPO / "runs" / "quality" / name / model / f"seed{seed}"
             key = run_key(config, seeded)
             if not (run_dir / "report.json").is_file() and key in recorded:
-                rows.append({**from_csv(recorded[key]), "command": command})
+                old = recorded[key]  # rows from before the config_sha column keep it empty
+                rows.append(
+                    {
+                        **from_csv(old),
+                        "model": model,
+                        "config_sha": old.get("config_sha", ""),
+                        "command": command,
+                    }
+                )
                 continue
             r = run_one(config, seeded, run_dir)
             m = r[suite.get("split", "valid")]
@@ -191,7 +212,7 @@ def main() -> None:
                 "mflops_per_example": r["mflops_per_example"], "train_seconds": r["train_seconds"],
                 "steps": r["steps"], "best_step": r["best_step"], "threads": r.get("torch_threads"),
                 **({"torch": torch_version(), "cpu": cpu_model()} if record_machine else {}),
-                "command": command,
+                "config_sha": config_sha(key), "command": command,
             })  # fmt: skip
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -114,6 +114,19 @@ def test_recorded_row_matches_a_recipe_command_not_another_config(tmp_path):
     assert quality.run_key(recipe, ["seed=1", "--nproc=2"]) not in recorded
 
 
+def test_a_row_whose_recipe_changed_since_it_trained_is_not_reused(tmp_path):
+    """A row's config_sha is the hash of the config it trained: once the recipe its command names says
+    something else, the command resolves to another hash and the row is stale, not a result to reuse."""
+    recipe = "configs/movielens/wukong.yaml"
+    key = quality.run_key(recipe, ["seed=1"])
+    command = shlex.join(["recscale", "train", recipe, "seed=1"])
+    table = tmp_path / "t.csv"
+    table.write_text(f"model,config_sha,command\nwukong,{quality.config_sha(key)},{command}\n")
+    assert key in quality.recorded_rows(table)
+    table.write_text(f"model,config_sha,command\nwukong,{quality.config_sha(key + 'before')},{command}\n")
+    assert quality.recorded_rows(table) == {}
+
+
 def test_bad_suite_entry_is_one_line():
     with pytest.raises(ConfigError, match=r"models\.wukong: write \{config"):
         quality.entries({"models": {"wukong": {"recipe": "configs/frappe/wukong.yaml"}}})
