@@ -280,6 +280,12 @@ CASES = [
         watch=lambda c: c.good,
     ),
     Case(
+        "eval: a file run without --data",
+        lambda c: ["eval", str(c.run)],
+        ("give the file to score", "--data"),
+        watch=run_dir,
+    ),
+    Case(
         "eval: data missing",
         lambda c: ["eval", str(c.run), "--data", str(c.tmp / "gone.csv")],
         ("gone.csv", "no such file"),

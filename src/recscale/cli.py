@@ -288,7 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="score a trained run on a data file; prints one JSON line")
     e.add_argument("run_dir")
-    e.add_argument("--data", required=True, help="file in the same format as the run's training data")
+    e.add_argument(
+        "--data",
+        help="file in the same format as the run's training data (a synthetic run: its own test split)",
+    )
     e.add_argument("--format", help="override the data format (default: the run's)")
     e.set_defaults(fn=cmd_eval)
 
