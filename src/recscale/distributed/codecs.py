@@ -41,9 +41,6 @@ _E8M0_BIAS, _E8M0_NAN = 127, 255
 class _RowwiseCodec(QuantizedCommCodec):
     """Rows of ``row_dim`` floats, each encoded into ``row_bytes(row_dim)`` uint8s (subclasses say how)."""
 
-    def __init__(self, comm_precision: SparseType, is_fwd: bool, row_dim: int) -> None:
-        super().__init__(comm_precision, row_dim=row_dim, is_fwd=is_fwd)
-
     def row_bytes(self, row_dim: int) -> int:
         raise NotImplementedError
 

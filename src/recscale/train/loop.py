@@ -52,6 +52,7 @@ from recscale.train.checkpoint import (
 )
 from recscale.train.data import prepare_run_data
 from recscale.train.evaluate import bayes_floor, eval_batch_size, evaluate, predict
+from recscale.train.metrics import ctr_metrics
 from recscale.train.optim import lr_factor
 from recscale.train.precision import autocast, warn_if_emulated
 from recscale.train.regularizers import DenseEMA, EmbeddingL2, TableDecay
@@ -345,8 +346,9 @@ class Trainer:
             self.module, ds, eval_batch_size(t.batch_size), self.cfg.data.num_workers, t.precision
         )
 
-    def _calibrate(self) -> dict[str, float]:
-        """Fit the kept model's Platt scaling on the valid split and keep it in best/ (``train.calibrate``)."""
+    def _calibrate(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Fit the kept model's Platt scaling on the valid split and keep it in best/ (``train.calibrate``);
+        returns it and the calibrated model's valid metrics (from the same logits: valid is scored once)."""
         assert self.valid_ds is not None  # the config requires data.valid (synthetic data always has one)
         layers = [m for m in self.module.modules() if isinstance(m, Calibration)]
         for c in layers:  # from the identity, also when a finished run is finished again
@@ -354,17 +356,18 @@ class Trainer:
         t = self.cfg.train
         logits = predict(self.module, self.valid_ds, eval_batch_size(t.batch_size), self.cfg.data.num_workers,
                          t.precision)  # fmt: skip
-        a, b = layers[0].fit(logits, torch.from_numpy(self.valid_ds.labels().copy()))
+        labels = torch.from_numpy(self.valid_ds.labels().copy())
+        a, b = layers[0].fit(logits, labels)
         for c in layers[1:]:
             c.set(a, b)
         save_checkpoint(self.dir / "best", {"model": self.module.state_dict()}, rank=self.env.rank)
-        return {"scale": a, "bias": b, "rows": len(self.valid_ds)}
+        return {"scale": a, "bias": b, "rows": len(self.valid_ds)}, ctr_metrics(layers[0](logits), labels)
 
     def finish(self) -> dict[str, Any]:
         p = self.progress
         if not self.load_best() and self.ema:  # no best kept: report the average, as evaluated
             self.ema.apply()
-        calibration = self._calibrate() if self.cfg.train.calibrate else None
+        calibration, calibrated_valid = self._calibrate() if self.cfg.train.calibrate else (None, None)
         report: dict[str, Any] = {
             "run_dir": str(self.dir.resolve()),
             "model": self.cfg.model.name,
@@ -387,7 +390,7 @@ class Trainer:
         if calibration is not None:
             report["calibration"] = calibration
         if self.valid_ds is not None:
-            report["valid"] = self._evaluate(self.valid_ds)
+            report["valid"] = calibrated_valid or self._evaluate(self.valid_ds)
         if self.report_ds is not None:  # valid rows no selection decision saw
             report["report"] = self._evaluate(self.report_ds)
         if self.test_ds is not None:
