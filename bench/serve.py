@@ -69,18 +69,27 @@ def offline(scorer: Scorer, data: Path, limit: int) -> tuple[list[dict], np.ndar
     return rows, probs, best
 
 
-def start_server(model_dir: Path, batching: bool, extra: list[str]) -> tuple[subprocess.Popen[bytes], int]:
+def start_server(
+    model_dir: Path, batching: bool, workers: int, extra: list[str]
+) -> tuple[subprocess.Popen[bytes], int]:
+    """The server, once each of its ``workers`` processes has answered /readyz (a worker not yet ready
+    accepts no connections, so the clients' keep-alive connections would all land on the others)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [sys.executable, "-m", "recscale.cli", "serve", str(model_dir), "--port", str(port)]
-    proc = subprocess.Popen(argv + ([] if batching else ["--no-batching"]) + extra, env=os.environ.copy())
+    argv += ["--workers", str(workers)] + ([] if batching else ["--no-batching"]) + extra
+    proc = subprocess.Popen(argv, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
+    ready: set[int] = set()
     while True:
         try:
-            with urllib.request.urlopen(f"{url}/readyz", timeout=5):
+            with urllib.request.urlopen(f"{url}/readyz", timeout=5) as r:
+                ready.add(json.loads(r.read())["pid"])
+            if len(ready) == workers:
                 return proc, port
+            time.sleep(0.1)
         except OSError:
             if proc.poll() is not None or time.time() > deadline:
                 raise SystemExit(f"the server did not become ready (exit code {proc.poll()})") from None
@@ -165,6 +174,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=2000, help="requests per level at most")
     p.add_argument("--seconds", type=float, default=20, help="seconds per level at most")
     p.add_argument("--batching", choices=["on", "off"], nargs="+", default=["on", "off"])
+    p.add_argument("--workers", type=int, default=1, help="recscale serve --workers (default 1)")
     p.add_argument("--server-args", default="", help='more options of recscale serve, e.g. "--threads 2"')
     p.add_argument("--tol", type=float, default=1e-5, help="largest allowed |server - offline| score")
     p.add_argument("--rate", type=float, help="open loop: offer this fraction of the offline rows/s")
@@ -177,7 +187,7 @@ def main() -> None:
     print(f"offline: {offline_rate:,.0f} rows/s (Scorer.score_file, batch 8192)", flush=True)
     results = []
     for mode in args.batching:
-        proc, port = start_server(args.model_dir, mode == "on", shlex.split(args.server_args))
+        proc, port = start_server(args.model_dir, mode == "on", args.workers, shlex.split(args.server_args))
         try:
             for r in args.rows_per_request:
                 n = len(rows) // r
@@ -187,7 +197,7 @@ def main() -> None:
                     # open loop: each of c clients sends r rows every `interval` s
                     interval = c * r / (args.rate * offline_rate) if args.rate else None
                     m = load(port, bodies, expected, c, args.requests, args.seconds, args.tol, interval)
-                    m = {"batching": mode, "rows_per_request": r, "concurrency": c,
+                    m = {"batching": mode, "workers": args.workers, "rows_per_request": r, "concurrency": c,
                          "offered_rows_per_s": args.rate * offline_rate if args.rate else None, **m,
                          "of_offline": m["rows_per_s"] / offline_rate}  # fmt: skip
                     results.append(m)

@@ -281,11 +281,11 @@ def test_batcher_merges_concurrent_requests_and_answers_each_its_own(scorer, tra
     assert len(calls) < len(batches) and max(calls) <= 64  # merged, never past max_batch
 
 
-def test_serve_command_finishes_in_flight_requests_on_sigterm(trained):
+def _start_serve(trained, *extra: str, workers: int = 1) -> tuple[subprocess.Popen, str]:
+    """``recscale serve`` on a free port (--port 0: the first line names it), once each of its
+    ``workers`` processes has answered /readyz."""
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    # A long batching wait keeps the request in flight while the signal arrives. --port 0: the OS picks a
-    # free port and the first line names it.
-    argv = ["serve", str(_export(trained)), "--port", "0", "--max-wait-ms", "1500"]
+    argv = ["serve", str(_export(trained)), "--port", "0", "--workers", str(workers), *extra]
     proc = subprocess.Popen(
         [sys.executable, "-m", "recscale.cli", *argv],
         env=env,
@@ -293,23 +293,28 @@ def test_serve_command_finishes_in_flight_requests_on_sigterm(trained):
         stderr=subprocess.PIPE,
         text=True,
     )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    port = int(re.search(r"http://127\.0\.0\.1:(\d+) ", line).group(1))  # type: ignore[union-attr]
+    assert port > 0, line
+    url = f"http://127.0.0.1:{port}"
+    deadline, ready = time.time() + 120, set()
+    while len(ready) < workers:
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=5) as r:
+                answer = json.loads(r.read())
+            assert answer["ready"] is True
+            ready.add(answer["pid"])
+        except OSError:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.5)
+    return proc, url
+
+
+def test_serve_command_finishes_in_flight_requests_on_sigterm(trained):
+    # A long batching wait keeps the request in flight while the signal arrives.
+    proc, url = _start_serve(trained, "--max-wait-ms", "1500")
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        port = int(re.search(r"http://127\.0\.0\.1:(\d+) ", line).group(1))  # type: ignore[union-attr]
-        assert port > 0, line
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/readyz", timeout=5) as r:
-                    assert json.loads(r.read())["ready"] is True
-                break
-            except OSError:
-                assert proc.poll() is None and time.time() < deadline, (
-                    proc.stderr.read() if proc.stderr else ""
-                )
-                time.sleep(0.5)
         answer: list = []
         req = urllib.request.Request(f"{url}/score", data=json.dumps({"rows": [GOOD]}).encode())
         client = threading.Thread(
@@ -321,6 +326,21 @@ def test_serve_command_finishes_in_flight_requests_on_sigterm(trained):
         client.join(timeout=30)
         assert len(answer) == 1 and len(answer[0]["scores"]) == 1  # answered, not dropped
         assert proc.wait(timeout=60) == -signal.SIGTERM  # uvicorn re-raises the signal once shut down
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_serve_workers_each_load_the_model_and_score_alike(trained, scorer):
+    proc, url = _start_serve(trained, workers=2)
+    try:
+        body = json.dumps({"rows": _rows(trained["valid"])[:20]}).encode()
+        want = scorer.probabilities(scorer.parser.parse(body))
+        for _ in range(6):  # a new connection each time: both workers answer some
+            with urllib.request.urlopen(urllib.request.Request(f"{url}/score", data=body), timeout=30) as r:
+                np.testing.assert_allclose(json.loads(r.read())["scores"], want, atol=1e-6)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0  # the supervisor stops its workers gracefully, then exits
     finally:
         if proc.poll() is None:
             proc.kill()

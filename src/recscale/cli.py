@@ -131,8 +131,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from recscale.serve.scorer import Scorer
     from recscale.serve.server import ServeOptions, serve
 
-    for name in ("port", "max_batch", "threads", "max_rows", "max_body_kb"):
-        if getattr(args, name) < (0 if name == "port" else 1):
+    for name in ("port", "max_batch", "threads", "max_rows", "max_body_kb", "workers", "torch_threads"):
+        if getattr(args, name) is not None and getattr(args, name) < (0 if name == "port" else 1):
             raise RecscaleError(
                 f"serve: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
             )
@@ -145,7 +145,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
             f"serve: cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose another --port or --host"
         ) from None
     opts = ServeOptions(
-        args.max_batch, args.max_wait_ms, not args.no_batching, args.threads, args.max_body_kb << 10
+        args.max_batch,
+        args.max_wait_ms,
+        not args.no_batching,
+        args.threads,
+        args.max_body_kb << 10,
+        args.workers,
+        args.torch_threads,
     )
     with sock:
         scorer = Scorer(Path(args.model_dir), args.max_rows)
@@ -154,7 +160,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             f"serving {scorer.manifest.model} from {args.model_dir} on http://{args.host}:{port} (Ctrl-C stops)",
             flush=True,
         )
-        serve(scorer, sock, opts)
+        serve(scorer, Path(args.model_dir), sock, opts)
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
@@ -316,10 +322,15 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--max-batch", type=int, default=1024, help="rows scored together at most (default 1024)")
-    sv.add_argument("--max-wait-ms", type=float, default=2.0,
-                    help="how long a request waits for others to batch with (default 2)")  # fmt: skip
+    sv.add_argument("--max-wait-ms", type=float, default=0.0,
+                    help="how long a request waits for others to batch with (default 0: the requests "
+                         "queued while the last batch was scored form the next one)")  # fmt: skip
     sv.add_argument("--no-batching", action="store_true", help="score every request alone")
-    sv.add_argument("--threads", type=int, default=1, help="scoring threads (default 1)")
+    sv.add_argument("--threads", type=int, default=1, help="scoring threads per worker process (default 1)")
+    sv.add_argument("--workers", type=int, default=1,
+                    help="server processes on the one port, each loading the model (default 1)")  # fmt: skip
+    sv.add_argument("--torch-threads", type=int,
+                    help="torch intra-op threads per worker (default: torch's default divided by --workers)")  # fmt: skip
     sv.add_argument("--max-rows", type=int, default=4096, help="rows per request at most (default 4096)")
     sv.add_argument(
         "--max-body-kb", type=int, default=8192, help="request body size limit (default 8192 KiB)"

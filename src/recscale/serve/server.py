@@ -6,15 +6,21 @@
 
 Requests are validated on the event loop (``RowParser``: 400 malformed JSON, 413 too large, 422 a bad
 row, each with a one-line ``{"error": ...}``) and handed to a ``Batcher``: scoring threads that each
-gather requests until ``max_batch`` rows or ``max_wait_ms`` have passed, score them as one batch and
+take the queued requests, up to ``max_batch`` rows (waiting up to ``max_wait_ms`` for more, 0 by
+default: under load the queue fills while the last batch is scored), score them as one batch and
 answer each request with its own slice. uvicorn's graceful shutdown (SIGINT / SIGTERM) stops
 accepting, lets in-flight requests finish, then the batcher drains and stops.
+
+``workers > 1`` runs that many server processes on the one listening socket (uvicorn's multiprocess
+supervisor), each loading the model and scoring with its share of the torch threads: one process is
+bound by its GIL (the event loop's parsing and the forward's Python both need it), not by the cores.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import queue
 import socket
 import threading
@@ -23,9 +29,11 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -38,10 +46,12 @@ from recscale.train.dcp_safety import one_line
 @dataclass(frozen=True)
 class ServeOptions:
     max_batch: int = 1024  # rows scored together at most (a larger single request is scored alone)
-    max_wait_ms: float = 2.0  # how long the first request of a batch waits for others
+    max_wait_ms: float = 0.0  # how long the first request of a batch waits for others
     batching: bool = True  # False: every request is scored alone, at once
     threads: int = 1  # scoring threads (torch releases the GIL in its kernels)
     max_body_bytes: int = 8 << 20
+    workers: int = 1  # server processes, each with its own model
+    torch_threads: int | None = None  # intra-op threads per process (None: torch's default / workers)
 
 
 _Job = tuple[pa.RecordBatch, "Future[np.ndarray]"]
@@ -146,7 +156,9 @@ def create_app(scorer: Scorer, opts: ServeOptions) -> FastAPI:
         if state["batcher"] is None:
             return _error(503, "not ready: the model is loading or the server is shutting down")
         m = scorer.manifest
-        return JSONResponse({"ready": True, "model": m.model, "tables": m.tables, "dense": m.dense})
+        return JSONResponse(
+            {"ready": True, "model": m.model, "tables": m.tables, "dense": m.dense, "pid": os.getpid()}
+        )
 
     @app.post("/score")
     async def score(request: Request) -> JSONResponse:
@@ -189,9 +201,33 @@ def _example_body(scorer: Scorer) -> bytes:
     return json.dumps({"rows": [dict.fromkeys(scorer.parser.arrow_schema.names)]}).encode()
 
 
-def serve(scorer: Scorer, sock: socket.socket, opts: ServeOptions) -> None:
-    """Serve on the bound, listening ``sock`` until SIGINT / SIGTERM, then shut down gracefully."""
-    import uvicorn
+@dataclass(frozen=True)
+class _WorkerApp:
+    """What a worker process calls (pickled to it) to load the model and build its app."""
 
-    config = uvicorn.Config(create_app(scorer, opts), log_level="warning", timeout_graceful_shutdown=30)
-    uvicorn.Server(config).run(sockets=[sock])
+    model_dir: str
+    max_rows: int
+    opts: ServeOptions
+
+    def __call__(self) -> FastAPI:
+        _set_threads(self.opts)
+        return create_app(Scorer(Path(self.model_dir), self.max_rows), self.opts)
+
+
+def _set_threads(opts: ServeOptions) -> None:
+    torch.set_num_threads(opts.torch_threads or max(1, torch.get_num_threads() // opts.workers))
+
+
+def serve(scorer: Scorer, model_dir: Path, sock: socket.socket, opts: ServeOptions) -> None:
+    """Serve ``scorer`` (loaded from ``model_dir``) on the bound, listening ``sock`` until SIGINT / SIGTERM,
+    then shut down gracefully. With ``opts.workers > 1`` each worker process loads ``model_dir`` itself."""
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    common = {"log_level": "warning", "timeout_graceful_shutdown": 30}
+    if opts.workers == 1:
+        _set_threads(opts)
+        uvicorn.Server(uvicorn.Config(create_app(scorer, opts), **common)).run(sockets=[sock])
+        return
+    worker = _WorkerApp(str(model_dir), scorer.parser.max_rows, opts)
+    Multiprocess(uvicorn.Config(worker, factory=True, workers=opts.workers, **common), sockets=[sock]).run()
