@@ -19,6 +19,7 @@ bound by its GIL (the event loop's parsing and the forward's Python both need it
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import queue
@@ -138,6 +139,10 @@ def create_app(scorer: Scorer, opts: ServeOptions) -> FastAPI:
         batcher = Batcher(scorer, opts)
         # One forward before reporting ready: the first call pays for lazy initialisation.
         await asyncio.wrap_future(batcher.submit(scorer.parser.parse(_example_body(scorer))))
+        # The model and the app are long-lived: keep them out of the collector's full passes, which would
+        # otherwise walk them all and stall every request in flight.
+        gc.collect()
+        gc.freeze()
         state["batcher"] = batcher
         try:
             yield
