@@ -195,3 +195,71 @@ def test_every_model_reads_the_pooled_history_in_x0(name):
     dense, kjt = _batch(HISTORIES)
     other = [[(x + 1) % 20 for x in h] for h in HISTORIES]
     assert not torch.allclose(model(dense, kjt), model(*_batch(other)))
+
+
+SHARED = FeatureSet(
+    (
+        SparseInput("u", 10),
+        SparseInput("item", 20),
+        SparseInput("h", 20, "mean", False, 6, vocabulary="item"),
+        SparseInput("liked", 20, "mean", False, 6, vocabulary="item"),
+    ),
+    1,
+)
+
+
+def test_histories_with_the_items_vocabulary_share_one_table_with_the_target():
+    torch.manual_seed(0)
+    cfg = EmbeddingConfig(dim=8, init_std=0.1, sequence={"encoder": "din", "target": "item"})
+    model = build_model("wukong", SHARED, cfg, {"num_layers": 1})
+    (table,) = model.embedding.ec.embedding_configs()
+    assert table.name == "t_item#seq" and table.feature_names == ["h", "liked", "item"]
+    b, hist = len(HISTORIES), [x for h in HISTORIES for x in h]
+    lengths = torch.tensor([1] * 2 * b + [len(h) for h in HISTORIES] * 2)
+    items = [i % 10 for i in range(b)]
+    kjt = KeyedJaggedTensor(["u", "item", "h", "liked"], torch.tensor(items * 2 + hist * 2), lengths=lengths)
+    model(torch.ones(b, 1), kjt).sum().backward()
+    grad = model.embedding.ec.embeddings["t_item#seq"].weight.grad
+    # The target rows learn through the attention even where no history names them (item 0's row:
+    # sample 0's target; no history holds 0), and rows nobody names stay at zero gradient.
+    assert grad[0].abs().sum() > 0 and grad[sorted(set(range(20)) - set(items) - set(hist))].abs().sum() == 0
+
+
+def test_a_vocabulary_must_name_another_fitted_feature():
+    for bad, words in (
+        ([{"name": "h", "multi": True, "vocabulary": "nope"}], "vocabulary must name another"),
+        (
+            [{"name": "i", "hash_buckets": 8}, {"name": "h", "multi": True, "vocabulary": "i"}],
+            "no hash_buckets",
+        ),
+        ([{"name": "i"}, {"name": "h", "multi": True, "vocabulary": "i", "min_count": 2}], "drop its"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            Schema.model_validate({"sparse": bad})
+
+
+def test_a_history_maps_its_ids_with_the_items_vocabulary(tmp_path):
+    from recscale.data.dataset import ArrayDataset
+    from recscale.data.materialize import materialize
+    from recscale.data.preprocess import Preprocessor
+
+    schema = Schema.model_validate(
+        {"sparse": [{"name": "item"}, {"name": "h", "multi": True, "max_len": 4, "vocabulary": "item"}]}
+    )
+    batch = pa.RecordBatch.from_pydict(
+        {
+            "label": pa.array([1.0, 0.0, 1.0], pa.float32()),
+            "item": ["b", "a", "b"],
+            "h": [["a", "zz"], [], ["b", "a"]],  # "zz" is no item: OOV
+        }
+    )
+    pre = materialize([batch], schema, tmp_path / "train")
+    ids = ArrayDataset(tmp_path / "train").gather_arrays(np.arange(3))[1]
+    item, hist = ids[:3], ids[3:]
+    a, b = pre.lookup("item", pa.array(["a"]))[0], pre.lookup("item", pa.array(["b"]))[0]
+    assert item.tolist() == [b, a, b] and hist.tolist() == [a, 0, b, a]
+    assert pre.num_embeddings("h") == pre.num_embeddings("item") == 3
+    saved = pre.to_json()
+    assert set(saved["vocabs"]) == {"item"}  # stored once, rebuilt for h on load
+    back = Preprocessor.from_json(saved)
+    assert back.lookup("h", pa.array(["b", "q"])).tolist() == [b, 0]

@@ -119,6 +119,11 @@ class _Spill:
         ids[order] = np.arange(1, len(order) + 1)
         return self.seen.take(pa.array(order)), ids
 
+    def lookup_seen(self, pre: Preprocessor) -> np.ndarray:
+        """Fitting a field that takes another's vocabulary: the vocabulary id of each number."""
+        self.flush()
+        return np.zeros(0, np.int64) if self.seen is None else pre.lookup(self.name, self.seen)
+
     def map_to(self, out: IO[bytes], ids: np.ndarray | None = None) -> None:
         """Write the field's vocabulary ids (int64), in row order, to ``out``; ``ids`` (fitting) maps
         numbers to them."""
@@ -236,8 +241,13 @@ def materialize(
             if pre is None:
                 vocabs = {}
                 for f in vocab_fields:
-                    vocabs[f.name], numbers[f.name] = spills[f.name].fit(f)
+                    if f.vocabulary is None:
+                        vocabs[f.name], numbers[f.name] = spills[f.name].fit(f)
+                vocabs |= {f.name: vocabs[f.vocabulary] for f in vocab_fields if f.vocabulary is not None}
                 pre = Preprocessor(schema, vocabs)
+                for f in vocab_fields:
+                    if f.vocabulary is not None:  # its distinct ids, mapped with the other field's vocabulary
+                        numbers[f.name] = spills[f.name].lookup_seen(pre)
             map_bar = progress_bar(progress, f"mapping ids {out_dir.name}", " fields", len(vocab_fields))
             if map_bar is not None:
                 stack.callback(map_bar.close)

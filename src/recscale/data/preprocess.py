@@ -178,7 +178,10 @@ class Preprocessor:
         self, schema: Schema, vocabs: dict[str, pa.Array] | None = None, fingerprint: str | None = None
     ) -> None:
         self.schema = schema
-        self.vocabs: dict[str, pa.Array] = vocabs or {}
+        self.vocabs: dict[str, pa.Array] = dict(vocabs or {})
+        for f in schema.sparse:  # a field with another's vocabulary maps with that one
+            if f.vocabulary is not None and f.vocabulary in self.vocabs:
+                self.vocabs[f.name] = self.vocabs[f.vocabulary]
         self.fingerprint = fingerprint  # of the inputs it was fitted from, as saved (None: not recorded)
 
     def num_embeddings(self, name: str) -> int:
@@ -218,7 +221,10 @@ class Preprocessor:
     # ---------------------------------------------------------------- artifact
     def to_json(self) -> dict:
         vocabs = {}
+        shared = {f.name for f in self.schema.sparse if f.vocabulary is not None}
         for name, v in self.vocabs.items():
+            if name in shared:  # rebuilt from its source's on load
+                continue
             kind = "int" if pa.types.is_integer(v.type) else "str"
             vocabs[name] = {"type": kind, "values": v.to_pylist()}
         return {"version": ARTIFACT_VERSION, "schema": self.schema.model_dump(), "vocabs": vocabs}
@@ -257,7 +263,7 @@ class Preprocessor:
             ) from None
         if type(obj["vocabs"]) is not dict:
             raise bad("has vocabs that are not an object")
-        wanted = {f.name for f in schema.sparse if f.hash_buckets is None}
+        wanted = {f.name for f in schema.sparse if f.hash_buckets is None and f.vocabulary is None}
         if obj["vocabs"].keys() != wanted:
             raise bad(f"has vocabularies {_short(sorted(obj['vocabs']))} for fields {_short(sorted(wanted))}")
         vocabs = {}

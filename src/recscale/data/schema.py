@@ -52,6 +52,9 @@ class SparseFeature(_Strict):
     # A sequence: an ordered id list (oldest first) embedded position by position. A longer list keeps
     # its last (most recent) max_len ids; readers count the rows they truncate.
     max_len: int | None = Field(None, ge=1)
+    # Map ids with another field's vocabulary instead of fitting one (e.g. a history of items with
+    # item_id's): the same id is the same row in both; sequences sharing it also share a table.
+    vocabulary: str | None = None
 
     @model_validator(mode="after")
     def _weights_need_multi(self) -> SparseFeature:
@@ -84,6 +87,21 @@ class Schema(_Strict):
             raise ValueError(f"feature names must be unique; repeated: {', '.join(dup)}")
         if not self.sparse and not self.dense:
             raise ValueError("the schema has no features: list at least one dense or sparse feature")
+        fields = {f.name: f for f in self.sparse}
+        for f in self.sparse:
+            if f.vocabulary is None:
+                continue
+            src = fields.get(f.vocabulary)
+            if src is None or src is f or src.vocabulary is not None or src.hash_buckets is not None:
+                raise ValueError(
+                    f"sparse feature '{f.name}': vocabulary must name another sparse feature that fits its own "
+                    f"(no hash_buckets, no vocabulary), got {f.vocabulary!r}"
+                )
+            if f.hash_buckets is not None or f.min_count != 1 or f.max_vocab is not None:
+                raise ValueError(
+                    f"sparse feature '{f.name}': with vocabulary: {f.vocabulary} it takes that field's ids; "
+                    "drop its hash_buckets, min_count and max_vocab"
+                )
         return self
 
     @property

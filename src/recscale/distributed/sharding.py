@@ -135,7 +135,10 @@ def predicted_plan(
     ``cfg.sharding`` is learned)."""
     collections = embedding_collections(model)
     configs = [c for m in collections.values() for c in table_configs(m)]
-    by_feature = {f: c.name for c in configs for f in c.feature_names}
+    by_feature: dict[str, str] = {}
+    for c in configs:  # a feature a shared sequence table also embeds is named by its own table
+        for f in c.feature_names:
+            by_feature.setdefault(f, c.name)
     unknown = sorted(set(cfg.tables) - set(by_feature))
     if unknown:
         raise ConfigError(

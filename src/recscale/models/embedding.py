@@ -10,7 +10,10 @@ X0 stacks, along the embedding axis, in this order:
 4. one vector per sequence feature (``max_len`` set: an ordered id list such as a user history): its
    ids are embedded position by position and pooled by a ``SequenceEncoder`` (DIN target attention
    and/or causal transformer blocks, ``sequence``), so every model reads the history as extra
-   embeddings.
+   embeddings. Sequences that take another feature's ``vocabulary`` (a history of items with
+   ``item_id``'s ids) share one table, which also embeds that feature when it is the attention target:
+   DIN's shared item embeddings, so the target and the history it attends over live in one space and
+   the table learns from every row's target, not only through the history path.
 
 A ``qr_buckets`` feature (quotient-remainder embeddings, Shi et al., KDD 2020) has two tables instead of
 one: id -> (id // m, id % m) looks up a ceil(N/m)-row and an m-row table, and its vector is their
@@ -60,6 +63,7 @@ class SparseInput:
     pooling: Literal["sum", "mean"] = "sum"  # for multi-id features
     weighted: bool = False
     max_len: int | None = None  # a sequence feature: ids embedded per position, at most max_len
+    vocabulary: str | None = None  # the feature whose ids (and, for a sequence, table) it shares
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,7 @@ def _table_config(
 
 
 _QUOTIENT, _REMAINDER = "#q", "#r"
+_SHARED = "#seq"  # the sequence table shared by the sequences of a feature's vocabulary: t_<feature>#seq
 
 
 def _qr_tables(f: SparseInput, m: int | None) -> list[SparseInput]:
@@ -252,21 +257,38 @@ class EmbeddingLayer(nn.Module):
             self.positions[f.name] = list(range(start, start + m))
             start += m
         self._sequences = [f.name for f in sequences]
+        # The KJT keys the sequence tables read: the sequences, then the target when a table shares it.
+        self._seq_keys = list(self._sequences)
         self.ec, self.encoders, self._target = None, None, None
         if sequences:
-            self.ec = EmbeddingCollection(
-                tables=[table(SequenceTableConfig, f, d) for f in sequences], device=device
-            )
+            target = cfg.sequence.target if cfg.sequence.encoder != "causal" else None
+            if target is not None and target not in self.positions:
+                raise ValueError(
+                    f"sequence.target {target!r} must name a single-id feature with a full-dim table for "
+                    f"the {cfg.sequence.encoder} encoder; features: {sorted(self.positions)}"
+                )
+            by_name = {f.name: f for f in features.sparse}
+            groups: dict[str, list[SparseInput]] = {}  # table key -> its sequences
+            for f in sequences:
+                groups.setdefault(f.vocabulary or f.name, []).append(f)
+            tables = []
+            for key, members in groups.items():
+                src, names = by_name[key], [f.name for f in members]
+                if src.max_len is not None:  # a sequence's own table (t_<sequence>), maybe shared by others
+                    tables.append(
+                        dataclasses.replace(table(SequenceTableConfig, src, d), feature_names=names)
+                    )
+                    continue
+                if key == target:
+                    names.append(key)
+                    self._seq_keys.append(key)
+                base = dataclasses.replace(src, name=f"{key}{_SHARED}")
+                tables.append(dataclasses.replace(table(SequenceTableConfig, base, d), feature_names=names))
+            self.ec = EmbeddingCollection(tables=tables, device=device)
             self.encoders = nn.ModuleDict(
                 {f.name: SequenceEncoder(cfg.sequence, d, int(f.max_len or 1), device) for f in sequences}
             )
-            if cfg.sequence.encoder != "causal":
-                target = cfg.sequence.target
-                if target not in self.positions:
-                    raise ValueError(
-                        f"sequence.target {target!r} must name a single-id feature with a full-dim table for "
-                        f"the {cfg.sequence.encoder} encoder; features: {sorted(self.positions)}"
-                    )
+            if target is not None and target not in self._seq_keys:
                 self._target = self.positions[target][0]
             last = self.num_outputs - len(sequences)
             self.positions |= {f.name: [last + i] for i, f in enumerate(sequences)}
@@ -288,8 +310,10 @@ class EmbeddingLayer(nn.Module):
             return torch.cat(parts, dim=1)
         assert self.ec is not None and self.encoders is not None  # built with the sequence features
         x0 = torch.cat(parts, dim=1)
-        target = None if self._target is None else x0[:, self._target]
         histories = self.ec(seq_kjt)
+        target = None if self._target is None else x0[:, self._target]
+        if len(self._seq_keys) > len(self._sequences):  # the target from the table it shares: (B, d)
+            target = histories[self._seq_keys[-1]].values()
         pooled_histories = [
             self.encoders[name](histories[name].values(), histories[name].lengths(), target)
             for name in self._sequences
@@ -301,8 +325,9 @@ class EmbeddingLayer(nn.Module):
         if not self._sequences:
             return sparse, None
         keys = sparse.keys()
-        order = [keys.index(n) for n in self._pooled_names] + [keys.index(n) for n in self._sequences]
-        pooled, seqs = sparse.permute(order).split([len(self._pooled_names), len(self._sequences)])
+        # A shared target's ids go to both: permute repeats its key.
+        order = [keys.index(n) for n in self._pooled_names] + [keys.index(n) for n in self._seq_keys]
+        pooled, seqs = sparse.permute(order).split([len(self._pooled_names), len(self._seq_keys)])
         return pooled, seqs
 
     def _split_qr(self, sparse: KeyedJaggedTensor) -> KeyedJaggedTensor:

@@ -70,7 +70,14 @@ def local_tensors(w: torch.Tensor) -> list[torch.Tensor]:
 
 def feature_set(pre: Preprocessor) -> FeatureSet:
     sparse = tuple(
-        SparseInput(f.name, pre.num_embeddings(f.name), "mean" if f.multi else "sum", f.weighted, f.max_len)
+        SparseInput(
+            f.name,
+            pre.num_embeddings(f.name),
+            "mean" if f.multi else "sum",
+            f.weighted,
+            f.max_len,
+            f.vocabulary,
+        )
         for f in pre.schema.sparse
     )
     return FeatureSet(sparse=sparse, num_dense=len(pre.schema.dense))
