@@ -23,6 +23,7 @@ import hashlib
 import json
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,10 +64,13 @@ def run_key(config: str, overrides: list[str]) -> str:
     return run_config(config, overrides).to_yaml() + shlex.join(o for o in overrides if o[:2] == "--")
 
 
-def config_sha(key: str) -> str:
-    """A short hash of a ``run_key``: stored with each row, it says what the row trained, even after the
-    recipe its command names has changed."""
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+def config_sha(config: str, overrides: list[str]) -> str:
+    """A short hash of what a command trains: stored with each row, it says what the row trained, even after
+    the recipe its command names has changed. Fields at their defaults are left out, so a new config field
+    (at its default: the old behaviour) does not make every row stale."""
+    cfg = run_config(config, overrides).model_dump(mode="json", by_alias=True, exclude_defaults=True)
+    text = yaml.safe_dump(cfg, sort_keys=True) + shlex.join(o for o in overrides if o[:2] == "--")
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def recorded_rows(path: Path) -> dict[str, dict[str, str]]:
@@ -83,7 +87,7 @@ def recorded_rows(path: Path) -> dict[str, dict[str, str]]:
                 key = run_key(config, overrides)
             except ConfigError:  # a config since removed or changed past validity: nothing can match it
                 continue
-            if row.get("config_sha") and row["config_sha"] != config_sha(key):
+            if row.get("config_sha") and row["config_sha"] != config_sha(config, overrides):
                 continue
             rows[key] = row
     return rows
@@ -166,6 +170,9 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", help="subset of the suite's models")
     ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
     ap.add_argument("--out", help="output path prefix (default docs/quality_<suite>)")
+    ap.add_argument("--rerun", nargs="*", default=[],
+                    help="models to train again whatever the table holds (a row written before the config_sha "
+                         "column cannot tell that its recipe changed)")  # fmt: skip
     args = ap.parse_args()
 
     suite_path = Path(args.suite)
@@ -193,7 +200,9 @@ def main() -> None:
             command = shlex.join(["recscale", "train", config, *seeded])
             run_dir = REPO / "runs" / "quality" / name / model / f"seed{seed}"
             key = run_key(config, seeded)
-            if not (run_dir / "report.json").is_file() and key in recorded:
+            if model in args.rerun:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            elif not (run_dir / "report.json").is_file() and key in recorded:
                 old = recorded[key]  # rows from before the config_sha column keep it empty
                 rows.append(
                     {
@@ -212,7 +221,7 @@ def main() -> None:
                 "mflops_per_example": r["mflops_per_example"], "train_seconds": r["train_seconds"],
                 "steps": r["steps"], "best_step": r["best_step"], "threads": r.get("torch_threads"),
                 **({"torch": torch_version(), "cpu": cpu_model()} if record_machine else {}),
-                "config_sha": config_sha(key), "command": command,
+                "config_sha": config_sha(config, seeded), "command": command,
             })  # fmt: skip
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -121,10 +121,15 @@ def test_a_row_whose_recipe_changed_since_it_trained_is_not_reused(tmp_path):
     key = quality.run_key(recipe, ["seed=1"])
     command = shlex.join(["recscale", "train", recipe, "seed=1"])
     table = tmp_path / "t.csv"
-    table.write_text(f"model,config_sha,command\nwukong,{quality.config_sha(key)},{command}\n")
+    table.write_text(f"model,config_sha,command\nwukong,{quality.config_sha(recipe, ['seed=1'])},{command}\n")
     assert key in quality.recorded_rows(table)
-    table.write_text(f"model,config_sha,command\nwukong,{quality.config_sha(key + 'before')},{command}\n")
+    other = quality.config_sha(recipe, ["seed=1", "train.epochs=3"])
+    table.write_text(f"model,config_sha,command\nwukong,{other},{command}\n")
     assert quality.recorded_rows(table) == {}
+    # A field spelled out at its default trains the same thing: same hash (so does a field added later).
+    assert quality.config_sha(recipe, ["seed=1", "data.on_bad_row=error"]) == quality.config_sha(
+        recipe, ["seed=1"]
+    )
 
 
 def test_bad_suite_entry_is_one_line():
