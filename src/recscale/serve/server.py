@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -229,10 +230,12 @@ def serve(scorer: Scorer, model_dir: Path, sock: socket.socket, opts: ServeOptio
     import uvicorn
     from uvicorn.supervisors import Multiprocess
 
-    common = {"log_level": "warning", "timeout_graceful_shutdown": 30}
+    def config(app: Any, **extra: Any) -> uvicorn.Config:
+        return uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30, **extra)
+
     if opts.workers == 1:
         _set_threads(opts)
-        uvicorn.Server(uvicorn.Config(create_app(scorer, opts), **common)).run(sockets=[sock])
+        uvicorn.Server(config(create_app(scorer, opts))).run(sockets=[sock])
         return
     worker = _WorkerApp(str(model_dir), scorer.parser.max_rows, opts)
-    Multiprocess(uvicorn.Config(worker, factory=True, workers=opts.workers, **common), sockets=[sock]).run()
+    Multiprocess(config(worker, factory=True, workers=opts.workers), sockets=[sock]).run()
