@@ -23,20 +23,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
 import torch
 from report_files import write_report
 
-from recscale.data.readers import read_batches
-from recscale.data.schema import Schema, SparseFeature
-from recscale.retrieval.bloom import BloomFilter
 from recscale.retrieval.index import ExactIndex, Int8Index, ItemIndex, recall
-from recscale.retrieval.pipeline import IndexKind, Ranker, RetrieveRank, fit_ranker, make_index
+from recscale.retrieval.movielens import read_movielens
+from recscale.retrieval.pipeline import IndexKind, RetrieveRank, make_index
+from recscale.retrieval.recipe import fit_ranker_on, fit_towers, seen_filter
 from recscale.retrieval.synthetic import latent_data
-from recscale.retrieval.two_tower import Tower, TwoTower, embed, fit
-
-USER, ITEM = ["user_id", "age", "gender", "occupation"], ["item_id", "release_year", "class"]
+from recscale.retrieval.two_tower import embed
 
 
 def latency_ms(run: Callable[[slice], object], n: int, batch: int, reps: int) -> float:
@@ -93,57 +88,12 @@ def compare(
     return rows
 
 
-def movielens_tables(path: Path) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Per-user and per-item id tables (1-based, 0 = padding) and, from recscale's MovieLens reader,
-    (user row, item row, label) of each rating of the train and valid splits (label: rating >= 4)."""
-    schema = Schema(label="rating", sparse=[SparseFeature(name=n, multi=n == "class") for n in USER + ITEM])
-    splits = {
-        s: pa.Table.from_batches(list(read_batches(path, "movielens", schema, {"split": s})))
-        for s in ("all", "train", "valid")
-    }
-    every = splits["all"]
-
-    def table(cols: list[str]) -> tuple[list[torch.Tensor], dict[str, int]]:
-        keys, first = np.unique(
-            every.column(cols[0]).to_numpy(zero_copy_only=False).astype(str), return_index=True
-        )
-        out = []
-        for c in cols:
-            values = every.column(c).to_pylist()
-            lists = [v if isinstance(v, list) else [v] for v in (values[i] for i in first)]
-            vocab = {
-                x: j + 1
-                for j, x in enumerate(sorted({str(x) for lst in lists for x in lst if x is not None}))
-            }
-            width = max(len(lst) for lst in lists)
-            ids = torch.zeros(len(keys), width, dtype=torch.long)
-            for r, lst in enumerate(lists):
-                ids[r, : len(lst)] = torch.tensor([vocab[str(x)] for x in lst if x is not None] or [0])[
-                    :width
-                ]
-            out.append(ids)
-        return out, {k: j for j, k in enumerate(keys)}
-
-    users, user_row = table(USER)
-    items, item_row = table(ITEM)
-    rated = {}
-    for s in ("train", "valid"):
-        u = [user_row[str(x)] for x in splits[s].column("user_id").to_pylist()]
-        i = [item_row[str(x)] for x in splits[s].column("item_id").to_pylist()]
-        rated[s] = torch.tensor([u, i, [int(x) for x in splits[s].column("label").to_pylist()]]).T
-    return users, items, rated
-
-
 def movielens(path: Path, args: argparse.Namespace) -> list[dict]:
-    users, items, rated = movielens_tables(path)
-    pairs = {s: r[r[:, 2] == 1, :2] for s, r in rated.items()}  # the positives
-    torch.manual_seed(0)
-    user_tower = Tower([int(t.max()) + 1 for t in users], 16, [64], 32)
-    item_tower = Tower([int(t.max()) + 1 for t in items], 16, [64], 32)
+    data = read_movielens(path)
+    users, items, pairs = data.users, data.items, {s: data.positives(s) for s in ("train", "valid")}
     t = time.perf_counter()
-    losses = fit(
-        TwoTower(user_tower, item_tower, 0.05), users, items, pairs["train"], args.epochs, 256, 0.003
-    )
+    towers = fit_towers(data, args.epochs)
+    user_tower, item_tower, losses = towers.user, towers.item, towers.losses
     print(f"two-tower: {len(pairs['train'])} train positives, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
           f"{time.perf_counter() - t:.1f} s", flush=True)  # fmt: skip
     item_vecs = embed(item_tower, items)
@@ -168,8 +118,7 @@ def movielens(path: Path, args: argparse.Namespace) -> list[dict]:
     found("most popular train items", {k: popular[:k].expand(len(valid_users), k) for k in (10, 100)})
     exact = ExactIndex(item_vecs)
     found("two-tower, exact fp32", {k: exact(queries, k)[1] for k in (10, 100)})
-    seen = BloomFilter.sized(capacity=len(pairs["train"]), fp_rate=0.01)
-    seen.add(pairs["train"][:, 0], pairs["train"][:, 1])
+    seen = seen_filter(data)
     filtered = lambda q: exact(queries[q], 100, users=valid_users[q], seen=seen)
     found(
         "two-tower, exact fp32, Bloom filter of train positives",
@@ -179,12 +128,9 @@ def movielens(path: Path, args: argparse.Namespace) -> list[dict]:
     )  # fmt: skip
 
     # retrieve -> rank: the ranker learns every train rating's label from the user vector and the item.
-    train = rated["train"]
-    ranker = Ranker(item_vecs.shape[0], item_vecs.shape[1], 16, [64])
-    user_vecs = embed(user_tower, users)
     t = time.perf_counter()
-    losses = fit_ranker(ranker, user_vecs[train[:, 0]], train[:, 1], train[:, 2].float(), 5, 1024, 0.003)
-    print(f"ranker: {len(train)} train ratings, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+    ranker, losses = fit_ranker_on(data, user_tower)
+    print(f"ranker: {len(data.rated['train'])} train ratings, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
           f"{time.perf_counter() - t:.1f} s", flush=True)  # fmt: skip
     pipe = RetrieveRank(user_tower, Int8Index(item_vecs), ranker, candidates=100, k=10, seen=seen)
     features = [t[valid_users] for t in users]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -130,3 +131,31 @@ def test_retrieve_rank_saved_and_reloaded(tmp_path: Path, kind: IndexKind) -> No
     weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
     with pytest.raises(CheckpointError, match="sha256 does not match"):
         load_retrieval(tmp_path / "m")
+
+
+def test_retrieval_build_and_query_from_the_command_line(tmp_path: Path, shared_data: Path, capsys) -> None:
+    from recscale.cli import main
+    from recscale.retrieval.movielens import read_movielens
+
+    out = tmp_path / "rt"
+    argv = ["retrieval", "build", str(shared_data / "movielens-100k"), "--out", str(out), "--epochs", "1"]
+    assert main([*argv, "--k", "5", "--candidates", "30"]) == 0
+    capsys.readouterr()
+    assert main(["retrieval", "query", str(out), "196", "1"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    ml = read_movielens(shared_data / "movielens-100k")
+    liked = {
+        ml.item_keys[i] for u, i in ml.positives("train").tolist() if ml.user_keys[u] == "196"
+    }  # the Bloom filter has no false negatives: none of these comes back
+    for user in ("196", "1"):
+        items = [x["item"] for x in answer[user]]
+        logits = [x["logit"] for x in answer[user]]
+        assert len(items) == 5 == len(set(items)) and logits == sorted(logits, reverse=True)
+    assert liked and not liked & {x["item"] for x in answer["196"]}
+    assert main(["retrieval", "query", str(out), "196", "nobody"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: user 'nobody' is not in the model's catalog (943 users, raw ids as in the training data)"
+    )
+    (out / "ids.json").write_text((out / "ids.json").read_text().replace('"196"', '"197"', 1))
+    assert main(["retrieval", "query", str(out), "196"]) != 0
+    assert "ids.json: its sha256 does not match" in capsys.readouterr().err

@@ -163,6 +163,30 @@ def cmd_serve(args: argparse.Namespace) -> None:
         serve(scorer, Path(args.model_dir), sock, opts)
 
 
+def cmd_retrieval_build(args: argparse.Namespace) -> None:
+    from recscale.retrieval.movielens import read_movielens
+    from recscale.retrieval.recipe import build_pipeline
+    from recscale.serve.retrieval_artifact import Catalog, save_retrieval
+
+    for name in ("epochs", "candidates", "k"):
+        if getattr(args, name) < 1:
+            raise RecscaleError(f"retrieval build: --{name} must be positive, got {getattr(args, name)}")
+    data = read_movielens(Path(args.data))
+    pipe, spec = build_pipeline(data, args.index, args.epochs, args.seed, args.candidates, args.k)
+    save_retrieval(Path(args.out), pipe, spec, Catalog(data.user_keys, data.item_keys, data.users))
+    print(
+        f"retrieval model: {len(data.user_keys):,} users, {len(data.item_keys):,} items, {args.index} index, "
+        f"top {args.k} of {args.candidates} candidates -> {args.out}"
+    )
+
+
+def cmd_retrieval_query(args: argparse.Namespace) -> None:
+    from recscale.serve.retrieval_artifact import load_retriever, recommend
+
+    model, catalog = load_retriever(Path(args.model_dir))
+    print(json.dumps(recommend(model, catalog, args.users)))
+
+
 def cmd_inspect(args: argparse.Namespace) -> None:
     from recscale.data.inspect import inspect_file
 
@@ -336,6 +360,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-body-kb", type=int, default=8192, help="request body size limit (default 8192 KiB)"
     )
     sv.set_defaults(fn=cmd_serve)
+
+    rt = sub.add_parser(
+        "retrieval", help="model-based retrieval: two-tower + item index + ranker (docs/SERVING.md)"
+    )
+    rtsub = rt.add_subparsers(dest="retrieval_command", required=True)
+    rb = rtsub.add_parser("build", help="train a retrieve -> rank model on MovieLens-format data and save it",
+                          description="Two-tower on the train split's positives, its item vectors as the index, a "
+                                      "Bloom filter of the train positives, a ranker on the train ratings.")  # fmt: skip
+    rb.add_argument("data", help="MovieLens-100k RecBole atomic files (.inter, .user, .item)")
+    rb.add_argument("--out", required=True, help="model directory to write")
+    rb.add_argument("--index", choices=["exact", "int8", "ivf", "ivf-int8"], default="int8")
+    rb.add_argument("--epochs", type=int, default=5)
+    rb.add_argument("--seed", type=int, default=0)
+    rb.add_argument("--candidates", type=int, default=100, help="items the index retrieves for the ranker")
+    rb.add_argument("--k", type=int, default=10, help="items returned per user")
+    rb.set_defaults(fn=cmd_retrieval_build)
+    rq = rtsub.add_parser(
+        "query", help="top items of users (raw ids) from a built model; prints one JSON line"
+    )
+    rq.add_argument("model_dir")
+    rq.add_argument("users", nargs="+", help="raw user ids, as in the data")
+    rq.set_defaults(fn=cmd_retrieval_query)
 
     d = sub.add_parser("data", help="data utilities")
     dsub = d.add_subparsers(dest="data_command", required=True)
