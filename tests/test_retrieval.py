@@ -159,3 +159,31 @@ def test_retrieval_build_and_query_from_the_command_line(tmp_path: Path, shared_
     (out / "ids.json").write_text((out / "ids.json").read_text().replace('"196"', '"197"', 1))
     assert main(["retrieval", "query", str(out), "196"]) != 0
     assert "ids.json: its sha256 does not match" in capsys.readouterr().err
+
+
+def test_recscale_serve_answers_a_retrieval_model(tmp_path: Path, shared_data: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from recscale.cli import main
+    from recscale.serve.retrieval_artifact import load_retriever, recommend
+    from recscale.serve.server import ServeOptions, build_app
+
+    out = tmp_path / "rt"
+    argv = ["retrieval", "build", str(shared_data / "movielens-100k"), "--out", str(out), "--epochs", "1"]
+    assert main([*argv, "--k", "3", "--candidates", "20"]) == 0
+    app, what = build_app(out, 2, ServeOptions())
+    assert what == "a retrieval model (943 users, 1,682 items)"
+    with TestClient(app) as c:
+        assert c.get("/readyz").json()["ready"] is True
+        got = c.post("/retrieve", json={"users": ["196", 1]}).json()["items"]
+        assert got == recommend(*load_retriever(out), ["196", "1"])
+        for body, status, words in (
+            (b"{", 400, "not valid JSON"),
+            (b'{"users": []}', 422, "non-empty list"),
+            (b'{"users": [1.5]}', 422, "strings or integers"),
+            (b'{"users": ["1"], "k": 3}', 422, 'the body must be {"users"'),
+            (b'{"users": ["1", "2", "3"]}', 413, "at most 2 per request"),
+            (b'{"users": ["nobody"]}', 422, "not in the model's catalog"),
+        ):
+            r = c.post("/retrieve", content=body)
+            assert r.status_code == status and words in r.json()["error"], (body, r.text)

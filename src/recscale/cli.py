@@ -128,8 +128,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     import socket
 
-    from recscale.serve.scorer import Scorer
-    from recscale.serve.server import ServeOptions, serve
+    from recscale.serve.server import ServeOptions, build_app, serve
 
     for name in ("port", "max_batch", "threads", "max_rows", "max_body_kb", "workers", "torch_threads"):
         if getattr(args, name) is not None and getattr(args, name) < (0 if name == "port" else 1):
@@ -154,13 +153,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         args.torch_threads,
     )
     with sock:
-        scorer = Scorer(Path(args.model_dir), args.max_rows)
+        app, what = build_app(Path(args.model_dir), args.max_rows, opts)
         port = sock.getsockname()[1]
-        print(
-            f"serving {scorer.manifest.model} from {args.model_dir} on http://{args.host}:{port} (Ctrl-C stops)",
-            flush=True,
-        )
-        serve(scorer, Path(args.model_dir), sock, opts)
+        print(f"serving {what} from {args.model_dir} on http://{args.host}:{port} (Ctrl-C stops)", flush=True)
+        serve(app, Path(args.model_dir), args.max_rows, sock, opts)
 
 
 def cmd_retrieval_build(args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ the raw user and item ids of the table rows.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -81,6 +82,15 @@ def save_retrieval(
         if ids is not None:
             (tmp / IDS).write_bytes(ids)
         (tmp / MANIFEST).write_text(manifest.model_dump_json(indent=2))
+
+
+def is_retrieval_dir(model_dir: Path) -> bool:
+    """Whether ``model_dir``'s manifest names the retrieval format (anything unreadable: False)."""
+    try:
+        manifest = json.loads(read_regular_file(Path(model_dir) / MANIFEST, 1 << 20, KIND))
+    except (CheckpointError, OSError, ValueError):
+        return False
+    return type(manifest) is dict and manifest.get("format") == "recscale-retrieval"
 
 
 def load_retrieval(model_dir: Path) -> RetrieveRank:

@@ -40,6 +40,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from recscale.errors import DataError
+from recscale.retrieval.pipeline import RetrieveRank
+from recscale.serve.retrieval_artifact import Catalog, is_retrieval_dir, load_retriever, recommend
 from recscale.serve.rows import RequestError
 from recscale.serve.scorer import Scorer
 from recscale.train.dcp_safety import one_line
@@ -187,6 +189,51 @@ def create_app(scorer: Scorer, opts: ServeOptions) -> FastAPI:
     return app
 
 
+def create_retrieval_app(
+    model: RetrieveRank, catalog: Catalog, max_users: int, opts: ServeOptions
+) -> FastAPI:
+    """``POST /retrieve {"users": [raw id, ...]}`` -> ``{"items": {user: [{"item", "logit"}, ...]}}``: each
+    user's top unseen items (``retrieval_artifact.recommend``); /healthz and /readyz as for scoring."""
+    app = FastAPI(title="recscale retrieval", docs_url=None, redoc_url=None, openapi_url=None)
+    lock = threading.Lock()  # one query at a time: the model is small and torch parallelises inside it
+
+    def run(users: list[str]) -> dict:
+        with lock:
+            return recommend(model, catalog, users)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        return JSONResponse(
+            {"ready": True, "model": "retrieval", "users": len(catalog.user_keys), "pid": os.getpid()}
+        )
+
+    @app.post("/retrieve")
+    async def retrieve(request: Request) -> JSONResponse:
+        try:
+            body = json.loads(await _read_body(request, opts.max_body_bytes))
+        except RequestError as e:
+            return _error(e.status, str(e))
+        except (ValueError, UnicodeDecodeError) as e:
+            return _error(400, f"the body is not valid JSON: {one_line(e, 120)}")
+        users = body.get("users") if type(body) is dict and body.keys() == {"users"} else None
+        if type(users) is not list or not users or not all(type(u) in (str, int) for u in users):
+            return _error(
+                422, 'the body must be {"users": [raw user id, ...]}: a non-empty list of strings or integers'
+            )
+        if len(users) > max_users:
+            return _error(413, f"users: at most {max_users} per request; split it")
+        try:
+            return JSONResponse({"items": await asyncio.to_thread(run, [str(u) for u in users])})
+        except DataError as e:
+            return _error(422, one_line(e, 300))
+
+    return app
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, or a 413 as soon as it is known to pass ``limit`` bytes (declared or streamed)."""
     too_big = RequestError(413, f"the body is larger than {limit:,} bytes; send fewer rows per request")
@@ -207,6 +254,16 @@ def _example_body(scorer: Scorer) -> bytes:
     return json.dumps({"rows": [dict.fromkeys(scorer.parser.arrow_schema.names)]}).encode()
 
 
+def build_app(model_dir: Path, max_rows: int, opts: ServeOptions) -> tuple[FastAPI, str]:
+    """The app serving ``model_dir`` (an exported scoring model or a retrieval model), and what it serves."""
+    if is_retrieval_dir(model_dir):
+        model, catalog = load_retriever(model_dir)
+        what = f"a retrieval model ({len(catalog.user_keys):,} users, {len(catalog.item_keys):,} items)"
+        return create_retrieval_app(model, catalog, max_rows, opts), what
+    scorer = Scorer(model_dir, max_rows)
+    return create_app(scorer, opts), scorer.manifest.model
+
+
 @dataclass(frozen=True)
 class _WorkerApp:
     """What a worker process calls (pickled to it) to load the model and build its app."""
@@ -217,16 +274,16 @@ class _WorkerApp:
 
     def __call__(self) -> FastAPI:
         _set_threads(self.opts)
-        return create_app(Scorer(Path(self.model_dir), self.max_rows), self.opts)
+        return build_app(Path(self.model_dir), self.max_rows, self.opts)[0]
 
 
 def _set_threads(opts: ServeOptions) -> None:
     torch.set_num_threads(opts.torch_threads or max(1, torch.get_num_threads() // opts.workers))
 
 
-def serve(scorer: Scorer, model_dir: Path, sock: socket.socket, opts: ServeOptions) -> None:
-    """Serve ``scorer`` (loaded from ``model_dir``) on the bound, listening ``sock`` until SIGINT / SIGTERM,
-    then shut down gracefully. With ``opts.workers > 1`` each worker process loads ``model_dir`` itself."""
+def serve(app: FastAPI, model_dir: Path, max_rows: int, sock: socket.socket, opts: ServeOptions) -> None:
+    """Serve ``app`` (``build_app(model_dir, max_rows, opts)``) on the bound, listening ``sock`` until SIGINT /
+    SIGTERM, then shut down gracefully. With ``opts.workers > 1`` each worker process builds its own."""
     import uvicorn
     from uvicorn.supervisors import Multiprocess
 
@@ -235,7 +292,7 @@ def serve(scorer: Scorer, model_dir: Path, sock: socket.socket, opts: ServeOptio
 
     if opts.workers == 1:
         _set_threads(opts)
-        uvicorn.Server(config(create_app(scorer, opts))).run(sockets=[sock])
+        uvicorn.Server(config(app)).run(sockets=[sock])
         return
-    worker = _WorkerApp(str(model_dir), scorer.parser.max_rows, opts)
+    worker = _WorkerApp(str(model_dir), max_rows, opts)
     Multiprocess(config(worker, factory=True, workers=opts.workers), sockets=[sock]).run()
