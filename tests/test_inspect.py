@@ -10,15 +10,6 @@ import pytest
 from recscale.data.inspect import guess_format, inspect_file
 from recscale.errors import DataError
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-@pytest.fixture
-def data_dir() -> Path:
-    if not DATA.is_dir():
-        pytest.skip("../shared/data is not beside the repository")
-    return DATA
-
 
 def write(path: Path, lines: list[str]) -> Path:
     path.write_text("\n".join(lines) + "\n")
@@ -115,11 +106,11 @@ def test_inspect_parquet(tmp_path):
     ]
 
 
-def test_inspect_real_frappe_and_movielens(data_dir):
-    frappe = inspect_file(data_dir / "frappe" / "valid.csv")
+def test_inspect_real_frappe_and_movielens(shared_data):
+    frappe = inspect_file(shared_data / "frappe" / "valid.csv")
     assert frappe["rows"] == 57_722 and frappe["positive_rate"] == pytest.approx(19_063 / 57_722)
     assert all(c["type"] == "sparse" for c in frappe["columns"][1:]) and len(frappe["columns"]) == 11
-    ml = inspect_file(data_dir / "movielens-100k")
+    ml = inspect_file(shared_data / "movielens-100k")
     assert (ml["format"], ml["rows"], ml["positive_rate"]) == ("movielens", 100_000, 0.55375)
     cols = columns(ml)
     assert cols["user_id"]["cardinality"] == 943 and cols["item_id"]["cardinality"] == 1682

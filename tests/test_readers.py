@@ -13,15 +13,7 @@ from recscale.data.readers import FORMATS, ReadStats, options_model, raw_arrow_s
 from recscale.data.schema import DenseFeature, Schema, SparseFeature
 from recscale.errors import ConfigError, DataError
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 FRAPPE_COLUMNS = "user,item,daytime,weekday,isweekend,homework,cost,weather,country,city".split(",")
-
-
-@pytest.fixture
-def data_dir() -> Path:
-    if not DATA.is_dir():
-        pytest.skip("../shared/data is not beside the repository")
-    return DATA
 
 
 def make_schema(dense=(), sparse=(), multi=(), weighted=(), label="label") -> Schema:
@@ -334,23 +326,23 @@ def test_movielens_options_are_validated(tmp_path):
 # ---------------------------------------------------------------- real data
 
 
-def test_frappe_real_files(data_dir):
+def test_frappe_real_files(shared_data):
     schema = make_schema(sparse=FRAPPE_COLUMNS)
     for split, rows, positives in (("train", 202_027, 67_604), ("valid", 57_722, 19_063)):
         stats = ReadStats()
-        t = read_all(data_dir / "frappe" / f"{split}.csv", "csv", schema, stats=stats)
+        t = read_all(shared_data / "frappe" / f"{split}.csv", "csv", schema, stats=stats)
         assert (t.num_rows, stats.rows, stats.skipped) == (rows, rows, 0)
         assert pa.compute.sum(t.column("label")).as_py() == positives
         assert t.column("user").null_count == 0
 
 
-def test_movielens_real_time_split(data_dir):
+def test_movielens_real_time_split(shared_data):
     schema = make_schema(
         dense=["timestamp"],
         sparse=["user_id", "item_id", "age", "gender", "occupation", "zip_code", "release_year"],
         multi=["class"],
     )
-    root = data_dir / "movielens-100k"
+    root = shared_data / "movielens-100k"
     parts = {s: read_all(root, "movielens", schema, {"split": s}) for s in ("train", "valid", "test")}
     assert [parts[s].num_rows for s in ("train", "valid", "test")] == [80_000, 10_000, 10_000]
     pairs = {
