@@ -337,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="serve an exported model over HTTP: POST /score, GET /healthz, /readyz",
                         description='POST /score with {"rows": [{feature: value, ...}, ...]} answers '
-                                    '{"scores": [p, ...]} in row order (docs/SERVING.md).')  # fmt: skip
+                                    '{"scores": [p, ...]} in row order; a retrieval model (recscale retrieval '
+                                    'build) answers POST /retrieve {"users": [...]} instead (docs/SERVING.md).')  # fmt: skip
     sv.add_argument("model_dir")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -351,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="server processes on the one port, each loading the model (default 1)")  # fmt: skip
     sv.add_argument("--torch-threads", type=int,
                     help="torch intra-op threads per worker (default: torch's default divided by --workers)")  # fmt: skip
-    sv.add_argument("--max-rows", type=int, default=4096, help="rows per request at most (default 4096)")
+    sv.add_argument("--max-rows", type=int, default=4096,
+                    help="rows (retrieval: users) per request at most (default 4096)")  # fmt: skip
     sv.add_argument(
         "--max-body-kb", type=int, default=8192, help="request body size limit (default 8192 KiB)"
     )
