@@ -11,6 +11,7 @@ the raw user and item ids of the table rows.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -60,6 +61,11 @@ class Catalog:
     user_keys: list[str]
     item_keys: list[str]
     user_features: list[torch.Tensor]  # one (n_users, L_f) id tensor per user feature
+
+    @functools.cached_property
+    def user_row(self) -> dict[str, int]:
+        """Raw user id -> table row (built once, not per query)."""
+        return {k: r for r, k in enumerate(self.user_keys)}
 
 
 def _entry(blob: bytes) -> FileEntry:
@@ -158,7 +164,7 @@ def _load(model_dir: Path) -> tuple[RetrieveRank, Catalog | None]:
 def recommend(model: RetrieveRank, catalog: Catalog, users: list[str]) -> dict[str, list[dict[str, object]]]:
     """Raw user id -> its top items, best first: ``{"item": raw id, "logit": ranker logit}`` each (fewer
     than k when fewer unseen candidates were found). An unknown user is a one-line ``DataError``."""
-    row = {k: r for r, k in enumerate(catalog.user_keys)}
+    row = catalog.user_row
     unknown = [u for u in users if u not in row]
     if unknown:
         raise DataError(
