@@ -36,8 +36,8 @@ def overrides(args: argparse.Namespace) -> list[str]:
         f"data.synthetic.rows={{train: {args.batch * (args.steps + 1)}, valid: 256, test: 256}}",
         "data.synthetic.num_sparse=4", "data.synthetic.num_multi=0", "data.synthetic.num_history=1",
         f"data.synthetic.history_max_len={args.max_len}", f"data.synthetic.history_alpha={args.alpha}",
-        "data.num_workers=0", "model.embedding.dim=16", "model.num_layers=1",
-        f"model.embedding.sequence={{encoder: causal, layers: 1, heads: 2, buckets: {args.buckets}}}",
+        "data.num_workers=0", f"model.embedding.dim={args.dim}", "model.num_layers=1",
+        f"model.embedding.sequence={{encoder: causal, layers: {args.encoder_layers}, heads: 2, buckets: {args.buckets}}}",
         f"train.batch_size={args.batch}", "train.progress=false", "train.early_stopping=null",
         "distributed.sharding=table_wise",
     ]  # fmt: skip
@@ -55,7 +55,7 @@ def worker(spec_path: str) -> None:
     from recscale.distributed.env import shutdown
     from recscale.models.registry import build_model
     from recscale.train.build import feature_set
-    from recscale.train.loop import Trainer
+    from recscale.train.loop import Trainer, cost_model
 
     logging.disable(logging.WARNING)
     spec = json.loads(Path(spec_path).read_text())
@@ -71,6 +71,8 @@ def worker(spec_path: str) -> None:
                 cfg.model.name, feature_set(trainer.pre), cfg.model.embedding, cfg.model.params
             )
             names = [f.name for f in trainer.pre.schema.sparse if f.sequence]
+            # The balanced mode's predicted costs, recorded for contiguous slices too.
+            costs = cost_model(args.balance, replica, replica.flops_per_example(), names)
             rec = results.setdefault(mode, {"step_s": [], "compute_s": [], "cost": [], "loss": []})
             for i, (batch, global_size) in enumerate(trainer._epoch()):
                 if i == args.steps:
@@ -87,7 +89,7 @@ def worker(spec_path: str) -> None:
                 replica.zero_grad(set_to_none=True)
                 dist.barrier()
                 lengths = batch.sparse.to_dict()[names[0]].lengths().numpy()[:, None]
-                cost = float(sample_costs(lengths, args.balance).sum())
+                cost = float(sample_costs(lengths, costs).sum())
                 local = torch.tensor([compute, cost, float(loss)], dtype=torch.float64)
                 gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
                 dist.all_gather(gathered, local)
@@ -124,7 +126,9 @@ def main() -> None:
     p.add_argument("--alpha", type=float, default=1.2, help="Zipf exponent of the history lengths")
     p.add_argument("--buckets", type=lambda v: v if v == "pow2" else int(v), default=4,
                    help="length buckets per rank batch: N equal counts, or pow2")  # fmt: skip
-    p.add_argument("--balance", choices=["tokens", "tokens2"], default="tokens2")
+    p.add_argument("--dim", type=int, default=16, help="embedding dim (the encoder's width)")
+    p.add_argument("--encoder-layers", type=int, default=1, help="causal-transformer blocks over the history")
+    p.add_argument("--balance", choices=["tokens", "tokens2", "flops"], default="tokens2")
     args = p.parse_args()
     from recscale.distributed.launch import launch
 

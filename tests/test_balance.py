@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from recscale.config import load_config
-from recscale.distributed.balance import imbalance, partition, sample_costs
+from recscale.distributed.balance import CostModel, imbalance, partition, sample_costs
 from recscale.distributed.env import shutdown
 from recscale.distributed.launch import launch
-from recscale.train.loop import Trainer
+from recscale.models.flops import module_flops
+from recscale.train.loop import Trainer, cost_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -24,10 +25,17 @@ def _zipf_lengths(n: int, seed: int = 0) -> np.ndarray:
     return rng.choice(257, size=(n, 1), p=pmf / pmf.sum())
 
 
+COSTS = {
+    "tokens": CostModel.tokens("tokens", 1),
+    "tokens2": CostModel.tokens("tokens2", 1),
+    "flops": CostModel.flops(5000.0, [(3072, 64)]),  # a causal block of width 16
+}
+
+
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("balance", ["tokens", "tokens2"])
+@pytest.mark.parametrize("balance", sorted(COSTS))
 def test_lpt_trains_every_sample_once_and_evens_the_cost(world, balance):
-    costs = sample_costs(_zipf_lengths(1024), balance)
+    costs = sample_costs(_zipf_lengths(1024), COSTS[balance])
     parts = partition(costs, world)
     assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(1024))
     assert all(np.all(np.diff(p) > 0) for p in parts)
@@ -40,8 +48,22 @@ def test_lpt_trains_every_sample_once_and_evens_the_cost(world, balance):
 
 def test_costs_count_tokens_or_their_squares_over_every_sequence():
     lengths = np.array([[0, 0], [3, 1], [2, 2]])
-    assert sample_costs(lengths, "tokens").tolist() == [1, 5, 5]
-    assert sample_costs(lengths, "tokens2").tolist() == [1, 11, 9]
+    assert sample_costs(lengths, CostModel.tokens("tokens", 2)).tolist() == [1, 5, 5]
+    assert sample_costs(lengths, CostModel.tokens("tokens2", 2)).tolist() == [1, 11, 9]
+    flops = CostModel.flops(100, [(10, 1), (20, 2)])
+    assert sample_costs(lengths, flops).tolist() == [100, 100 + 30 + 9 + 20 + 2, 100 + 20 + 4 + 40 + 8]
+
+
+def test_flops_costs_come_from_the_model(tmp_path):
+    """The fixed part is the model's FLOPs per example less its encoders' at full histories."""
+    cfg = load_config(CONFIGS / "demo.yaml", [*SMALL, "distributed.balance=flops"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    model, flops = trainer.built.model, trainer.built.flops_per_example
+    cost = cost_model("flops", model, flops, ["h0"])
+    encoder = model.embedding.encoders["h0"]
+    assert (cost.linear[0], cost.quadratic[0]) == encoder.length_flops()
+    assert cost.fixed == flops - module_flops(encoder) > 0
+    trainer.log.close()
 
 
 SMALL = [
@@ -72,14 +94,16 @@ def test_balanced_two_rank_run_has_the_losses_of_contiguous_slices(tmp_path):
     runs = [
         (str(tmp_path / "none"), ["distributed.sharding=table_wise"]),
         (str(tmp_path / "tokens2"), ["distributed.sharding=row_wise", "distributed.balance=tokens2"]),
+        (str(tmp_path / "flops"), ["distributed.sharding=table_wise", "distributed.balance=flops"]),
     ]
     (tmp_path / "spec.json").write_text(json.dumps(runs))
     launch([__file__, "worker", str(tmp_path / "spec.json")], 2, 2, 0)
     reference = _losses(tmp_path / "none")
     assert len(reference) == 6
-    np.testing.assert_allclose(_losses(tmp_path / "tokens2"), reference, rtol=0, atol=1e-5)
-    report = json.loads((tmp_path / "tokens2" / "report.json").read_text())
-    assert report["examples"] == 6 * 128
+    for balance in ("tokens2", "flops"):
+        np.testing.assert_allclose(_losses(tmp_path / balance), reference, rtol=0, atol=1e-5)
+        report = json.loads((tmp_path / balance / "report.json").read_text())
+        assert report["examples"] == 6 * 128
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:

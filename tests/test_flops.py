@@ -8,10 +8,12 @@ from typing import Any
 import pytest
 import torch
 from test_models import EMBEDDING, FEATURES, SMALL, VARIANT_IDS, VARIANTS, random_batch, single_thread  # noqa: F401
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from recscale.models import EmbeddingConfig, FeatureSet, SparseInput, build_model, model_names
 from recscale.models.blocks import OptimizedFM
+from recscale.models.blocks.sequence import SequenceConfig, SequenceEncoder
 from recscale.models.flops import measured_flops_per_example
 
 # A Frappe-sized input: 10 single-id fields with a few thousand ids in all, no dense features.
@@ -60,3 +62,19 @@ def test_optimized_fm_is_linear_in_n() -> None:
         naive = counted(lambda x, y=fm.y: torch.bmm(x, x.transpose(1, 2)) @ y, x)
         assert naive == 2 * n * n * (d + k)
     assert cost[64] == 2 * cost[32]
+
+
+@pytest.mark.parametrize("encoder", ["causal", "din", "causal_din"])
+def test_sequence_encoder_cost_is_linear_plus_quadratic_in_the_history_length(encoder: str) -> None:
+    """What ``distributed.balance=flops`` predicts: a history of L ids costs a L + b L² FLOPs."""
+    d = 16
+    enc = SequenceEncoder(SequenceConfig(encoder=encoder, layers=2, heads=2), d, max_len=64).eval()
+    a, b = enc.length_flops()
+    assert (b > 0) == (encoder != "din")
+    for length in (8, 32):
+        lengths = torch.full((4,), length)
+        values, target = torch.randn(4 * length, d), torch.randn(4, d)
+        # The math backend: FlopCounterMode does not count the CPU's fused attention kernel.
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+            enc(values, lengths, target)
+        assert counter.get_total_flops() / 4 == pytest.approx(a * length + b * length**2, rel=0.1)

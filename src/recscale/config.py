@@ -239,8 +239,9 @@ class DistributedConfig(_Strict):
     # (forward: pooled embeddings, backward: their gradients), and the dense all-reduce (DDP hook).
     qcomms: QComms = QComms()
     # FreeScale-style balancing (recscale/distributed/balance.py): split each global batch across ranks by
-    # predicted cost (1 + history tokens, or 1 + tokens² for attention) instead of contiguous slices.
-    balance: Literal["none", "tokens", "tokens2"] = "none"
+    # predicted cost (1 + history tokens, 1 + tokens² for attention, or the model's FLOPs per sample
+    # from its history lengths) instead of contiguous slices.
+    balance: Literal["none", "tokens", "tokens2", "flops"] = "none"
 
 
 class TowerModuleConfig(_Strict):

@@ -378,3 +378,9 @@ class EmbeddingLayer(nn.Module):
     def flops_per_example(self) -> int:
         """The MLPs, and the sequence encoders at full histories (max_len ids)."""
         return sum(module_flops(child) for child in self.children())
+
+    def sequence_flops(self) -> dict[str, tuple[int, int]]:
+        """Each sequence feature's encoder FLOPs (per history position, per position²)."""
+        if self.encoders is None:
+            return {}
+        return {n: e.length_flops() for n, e in self.encoders.items() if isinstance(e, SequenceEncoder)}

@@ -37,11 +37,13 @@ from recscale.config import RunConfig
 from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
 from recscale.distributed import comms
-from recscale.distributed.balance import partition, sample_costs
+from recscale.distributed.balance import Balance, CostModel, partition, sample_costs
 from recscale.distributed.env import heartbeat, init_distributed
 from recscale.errors import CheckpointError, ConfigError, RecscaleError
 from recscale.io import atomic_write_text
+from recscale.models.base import RecModel, TrainableModel
 from recscale.models.blocks import Calibration
+from recscale.models.flops import module_flops
 from recscale.train.build import build, feature_set, planner_sample
 from recscale.train.checkpoint import (
     list_checkpoints,
@@ -58,6 +60,22 @@ from recscale.train.precision import autocast, warn_if_emulated
 from recscale.train.regularizers import DenseEMA, EmbeddingL2, TableDecay
 from recscale.train.runs import check_resume
 from recscale.train.state import Progress, RunLog, rng_state, set_rng_state
+
+
+def cost_model(
+    balance: Balance, model: TrainableModel, flops_per_example: int, names: list[str]
+) -> CostModel:
+    """What ``distributed.balance`` predicts a sample costs from its history lengths (sequence features
+    ``names``, in that order). ``flops``: the model's forward FLOPs per example (``flops_per_example``)
+    less its encoders' at full histories is the fixed part; each encoder gives its per-length terms."""
+    if balance == "tokens" or balance == "tokens2":
+        return CostModel.tokens(balance, len(names))
+    if balance != "flops" or not isinstance(model, RecModel):
+        raise ConfigError(f"distributed.balance={balance} needs a flat model with sequence features")
+    per_length = model.embedding.sequence_flops()
+    encoders = model.embedding.encoders
+    fixed = flops_per_example - sum(module_flops(e) for e in (encoders or {}).values())
+    return CostModel.flops(fixed, [per_length[n] for n in names])
 
 
 class Trainer:
@@ -293,8 +311,9 @@ class Trainer:
         sizes: list[int | None] = [len(b) if balanced else None for b in batches]
         if balanced:
             names = [f.name for f in self.pre.schema.sparse if f.sequence]
+            cost = cost_model(balance, self.built.model, self.built.flops_per_example, names)
             batches = [
-                b[partition(sample_costs(self.train_ds.lengths(b, names), balance), env.world_size)[env.rank]]
+                b[partition(sample_costs(self.train_ds.lengths(b, names), cost), env.world_size)[env.rank]]
                 for b in batches
             ]
         return zip(iterate(self.train_ds, batches, self.cfg.data.num_workers), sizes, strict=True)

@@ -66,9 +66,13 @@ class TargetAttention(nn.Module):
             weights = scores * attendable
         return (weights.unsqueeze(-1) * h).sum(dim=1)
 
+    def length_flops(self) -> tuple[int, int]:
+        """Forward FLOPs per history position and per position² (none: scoring is per position)."""
+        return self.mlp.flops_per_example() + 2 * self.dim, 0
+
     def flops_per_example(self) -> int:
         """At the longest history (max_len positions)."""
-        return self.max_len * (self.mlp.flops_per_example() + 2 * self.dim)
+        return self.max_len * self.length_flops()[0]
 
 
 class CausalBlock(nn.Module):
@@ -96,11 +100,16 @@ class CausalBlock(nn.Module):
         x = self.norm1(x + self.out(att.transpose(1, 2).reshape(b, n, d)))
         return self.norm2(x + self.ffn(x))
 
+    def length_flops(self) -> tuple[int, int]:
+        """Forward FLOPs per history position (projections, FFN) and per position² (attention scores
+        and weighted sum, all heads: 2 x (1, d) @ (d, 1) per query-key pair)."""
+        per_position = linear_flops(self.qkv) + linear_flops(self.out) + self.ffn.flops_per_example()
+        return per_position, 2 * matmul_flops(1, 1, self.dim)
+
     def flops_per_example(self) -> int:
         """At the longest history (max_len positions)."""
-        n = self.max_len
-        proj = n * (linear_flops(self.qkv) + linear_flops(self.out) + self.ffn.flops_per_example())
-        return proj + 2 * matmul_flops(n, n, self.dim)  # scores and weighted sum, all heads
+        linear, quadratic = self.length_flops()
+        return self.max_len * linear + self.max_len**2 * quadratic
 
 
 class SequenceEncoder(nn.Module):
@@ -124,6 +133,13 @@ class SequenceEncoder(nn.Module):
             if cfg.encoder != "causal"
             else None
         )
+
+    def length_flops(self) -> tuple[int, int]:
+        """Forward FLOPs of one history as (per position, per position²): a history of L ids costs
+        about L x the first + L² x the second (padding to the bucket's longest history aside)."""
+        parts = [*self.blocks, *([self.din] if self.din is not None else [])]
+        costs = [part.length_flops() for part in parts]
+        return sum(c[0] for c in costs), sum(c[1] for c in costs)
 
     def forward(self, values: Tensor, lengths: Tensor, target: Tensor | None) -> Tensor:
         b = lengths.numel()
