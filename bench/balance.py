@@ -11,7 +11,8 @@ alternating order across repeats. Per step it records:
 - step time: from a barrier before ``train_step`` to a barrier after it (the straggler sets it);
 - per-rank compute: forward + backward of the rank's part on a local, unsharded replica of the model,
   all ranks timed side by side between barriers (no collectives, so no waiting is counted);
-- the predicted cost of each rank's part and the step's loss (balanced must equal contiguous).
+- the predicted cost of each rank's part (padding included where the cost model knows the encoder's
+  buckets: ``flops``) and the step's loss (balanced must equal contiguous).
 
 Prints one JSON line per world size and mode (medians over repeats x steps), and the loss gap.
 """
@@ -51,7 +52,7 @@ def worker(spec_path: str) -> None:
     from torch import nn
 
     from recscale.config import load_config
-    from recscale.distributed.balance import imbalance, sample_costs
+    from recscale.distributed.balance import imbalance, part_cost
     from recscale.distributed.env import shutdown
     from recscale.models.registry import build_model
     from recscale.train.build import feature_set
@@ -89,7 +90,7 @@ def worker(spec_path: str) -> None:
                 replica.zero_grad(set_to_none=True)
                 dist.barrier()
                 lengths = batch.sparse.to_dict()[names[0]].lengths().numpy()[:, None]
-                cost = float(sample_costs(lengths, costs).sum())
+                cost = part_cost(lengths, costs)
                 local = torch.tensor([compute, cost, float(loss)], dtype=torch.float64)
                 gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
                 dist.all_gather(gathered, local)

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from recscale.config import load_config
-from recscale.distributed.balance import CostModel, imbalance, partition, sample_costs
+from recscale.distributed.balance import (
+    CostModel,
+    balanced_parts,
+    imbalance,
+    part_cost,
+    partition,
+    sample_costs,
+)
 from recscale.distributed.env import shutdown
 from recscale.distributed.launch import launch
 from recscale.models.flops import module_flops
@@ -52,6 +59,34 @@ def test_costs_count_tokens_or_their_squares_over_every_sequence():
     assert sample_costs(lengths, CostModel.tokens("tokens2", 2)).tolist() == [1, 11, 9]
     flops = CostModel.flops(100, [(10, 1), (20, 2)])
     assert sample_costs(lengths, flops).tolist() == [100, 100 + 30 + 9 + 20 + 2, 100 + 20 + 4 + 40 + 8]
+
+
+@pytest.mark.parametrize("padding", ["pow2", "batch"])
+@pytest.mark.parametrize("world", [4, 8])
+def test_padding_aware_lpt_evens_the_padded_cost(padding, world):
+    """Balancing the jagged cost leaves the padded work uneven; the padding-aware partition evens it."""
+    lengths = _zipf_lengths(256, seed=1)
+    padded = CostModel.flops(5e5, [(98304, 512)], padding)
+    jagged = CostModel.flops(5e5, [(98304, 512)])
+    parts = balanced_parts(lengths, padded, world)
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(256))
+    assert all(
+        np.array_equal(a, b) for a, b in zip(parts, balanced_parts(lengths, padded, world), strict=True)
+    )
+
+    def padded_imbalance(parts):
+        return imbalance(np.array([part_cost(lengths[p], padded) for p in parts]))
+
+    assert padded_imbalance(parts) <= 1.05 < padded_imbalance(balanced_parts(lengths, jagged, world))
+
+
+def test_part_cost_pads_each_bucket_to_its_longest_history():
+    lengths = np.array([[0], [3], [4], [9]])  # pow2 classes 0, 2, 2, 4
+    model = CostModel(1.0, (10.0,), (1.0,), "pow2")
+    assert part_cost(lengths, model) == 4 + 0 + 2 * (40 + 16) + (90 + 81)
+    assert part_cost(lengths, CostModel(1.0, (10.0,), (1.0,), "batch")) == 4 + 4 * (90 + 81)
+    jagged = CostModel(1.0, (10.0,), (1.0,))
+    assert part_cost(lengths, jagged) == sample_costs(lengths, jagged).sum() == 4 + 39 + 56 + 171
 
 
 def test_flops_costs_come_from_the_model(tmp_path):

@@ -14,7 +14,14 @@ histories, a_f the encoder's FLOPs per position (projections, feed-forward, DIN'
 FLOPs per position² (attention). It matters when both terms do: for a causal block of width d the
 per-position work is 12 d² FLOPs and attention's 4 d per position², so attention dominates only beyond
 3 d positions, and ``tokens2`` overweights the long histories below that. The partition is LPT (longest
-processing time first): samples by descending cost, each to the rank with the least load so far. It
+processing time first): samples by descending cost, each to the rank with the least load so far.
+
+A padded encoder does more than the jagged work: each length bucket is padded to its longest history
+(``model.embedding.sequence.buckets``). With ``CostModel.padding`` set (``flops`` sets it from the
+encoder's buckets: ``pow2``, or ``batch`` for one bucket), LPT adds each sample to the rank whose padded
+load grows least: joining a bucket whose longest history is m costs F + a m + b m² (every member is
+padded to m; a longer sample pads the members already there up to its length), opening a bucket costs
+its own length's work. Samples come in descending cost, so most joins pad the newcomer, not the bucket. It
 depends only on the batch, so every rank computes the same one without talking, and every sample is
 trained exactly once per step: the loss is the same up to summation order, provided each rank scales
 its summed loss by world / global batch (``Trainer.train_step``), as ranks now hold unequal counts.
@@ -30,6 +37,9 @@ from typing import Literal
 import numpy as np
 
 Balance = Literal["none", "tokens", "tokens2", "flops"]
+# How an encoder pads a rank's histories: not at all (jagged), to the rank's longest (batch), or to the
+# longest of each power-of-two length class (pow2).
+Padding = Literal["jagged", "batch", "pow2"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,7 @@ class CostModel:
     fixed: float
     linear: tuple[float, ...]
     quadratic: tuple[float, ...]
+    padding: Padding = "jagged"
 
     @classmethod
     def tokens(cls, balance: Literal["tokens", "tokens2"], n_sequences: int) -> CostModel:
@@ -47,18 +58,71 @@ class CostModel:
         return cls(1.0, one, zero) if balance == "tokens" else cls(1.0, zero, one)
 
     @classmethod
-    def flops(cls, fixed: float, length_flops: Sequence[tuple[int, int]]) -> CostModel:
-        """From the model: ``fixed`` FLOPs per example outside the histories, and each sequence
-        feature's encoder FLOPs (per position, per position²)."""
-        return cls(
-            float(fixed), tuple(float(a) for a, _ in length_flops), tuple(float(b) for _, b in length_flops)
-        )
+    def flops(
+        cls,
+        fixed: float,
+        length_flops: Sequence[tuple[int, int]],
+        padding: Padding = "jagged",
+    ) -> CostModel:
+        """From the model: ``fixed`` FLOPs per example outside the histories, each sequence feature's
+        encoder FLOPs (per position, per position²), and how its encoder pads."""
+        linear, quadratic = (tuple(float(c[i]) for c in length_flops) for i in (0, 1))
+        return cls(float(fixed), linear, quadratic, padding)
 
 
 def sample_costs(lengths: np.ndarray, model: CostModel) -> np.ndarray:
     """(B, n_sequences) history lengths -> (B,) predicted cost of each sample."""
     n = lengths.astype(np.float64)
     return model.fixed + n @ np.array(model.linear) + (n * n) @ np.array(model.quadratic)
+
+
+def part_cost(lengths: np.ndarray, model: CostModel) -> float:
+    """(B, n_sequences) history lengths of one rank's part -> its predicted cost, padding included."""
+    if model.padding == "jagged":
+        return float(sample_costs(lengths, model).sum())
+    total = model.fixed * len(lengths)
+    for f, column in enumerate(lengths.T.astype(np.int64)):
+        keys = np.zeros_like(column) if model.padding == "batch" else _pow2_bucket(column)
+        for k in np.unique(keys):
+            members = column[keys == k]
+            top = float(members.max())
+            total += len(members) * (model.linear[f] * top + model.quadratic[f] * top * top)
+    return total
+
+
+def _pow2_bucket(lengths: np.ndarray) -> np.ndarray:
+    """Length class k of each length: (2^(k-1), 2^k], with 0 and 1 in class 0 (the encoder's pow2 buckets)."""
+    return np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64)
+
+
+def balanced_parts(lengths: np.ndarray, model: CostModel, world: int) -> list[np.ndarray]:
+    """(B, n_sequences) history lengths -> each rank's positions in the batch (see the module doc)."""
+    costs = sample_costs(lengths, model)
+    if model.padding == "jagged":
+        return partition(costs, world)
+    n_seq = lengths.shape[1]
+    lin, quad = model.linear, model.quadratic
+    # Per rank and sequence feature: bucket -> (members, longest length).
+    buckets: list[list[dict[int, tuple[int, int]]]] = [[{} for _ in range(n_seq)] for _ in range(world)]
+    loads = [0.0] * world
+    owner = np.empty(len(costs), dtype=np.int64)
+    classes = np.zeros_like(lengths) if model.padding == "batch" else _pow2_bucket(lengths)
+    for i in np.argsort(-costs, kind="stable"):
+        row, keys = [int(v) for v in lengths[i]], [int(k) for k in classes[i]]
+        best, best_load = 0, float("inf")
+        for r in range(world):
+            load = loads[r] + model.fixed
+            for f, (v, k) in enumerate(zip(row, keys, strict=True)):
+                n, m = buckets[r][f].get(k, (0, 0))
+                top = max(m, v)
+                load += lin[f] * ((n + 1) * top - n * m) + quad[f] * ((n + 1) * top * top - n * m * m)
+            if load < best_load:
+                best, best_load = r, load
+        owner[i], loads[best] = best, best_load
+        for f, (v, k) in enumerate(zip(row, keys, strict=True)):
+            n, m = buckets[best][f].get(k, (0, 0))
+            buckets[best][f][k] = (n + 1, max(m, v))
+    return [np.flatnonzero(owner == r) for r in range(world)]
 
 
 def partition(costs: np.ndarray, world: int) -> list[np.ndarray]:

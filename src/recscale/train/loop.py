@@ -37,12 +37,13 @@ from recscale.config import RunConfig
 from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
 from recscale.distributed import comms
-from recscale.distributed.balance import Balance, CostModel, partition, sample_costs
+from recscale.distributed.balance import Balance, CostModel, Padding, balanced_parts
 from recscale.distributed.env import heartbeat, init_distributed
 from recscale.errors import CheckpointError, ConfigError, RecscaleError
 from recscale.io import atomic_write_text
 from recscale.models.base import RecModel, TrainableModel
 from recscale.models.blocks import Calibration
+from recscale.models.blocks.sequence import SequenceEncoder
 from recscale.models.flops import module_flops
 from recscale.train.build import build, feature_set, planner_sample
 from recscale.train.checkpoint import (
@@ -67,15 +68,18 @@ def cost_model(
 ) -> CostModel:
     """What ``distributed.balance`` predicts a sample costs from its history lengths (sequence features
     ``names``, in that order). ``flops``: the model's forward FLOPs per example (``flops_per_example``)
-    less its encoders' at full histories is the fixed part; each encoder gives its per-length terms."""
+    less its encoders' at full histories is the fixed part; each encoder gives its per-length terms, and
+    its length buckets how it pads (N equal-count buckets depend on the rank's part: not modelled)."""
     if balance == "tokens" or balance == "tokens2":
         return CostModel.tokens(balance, len(names))
     if balance != "flops" or not isinstance(model, RecModel):
         raise ConfigError(f"distributed.balance={balance} needs a flat model with sequence features")
     per_length = model.embedding.sequence_flops()
-    encoders = model.embedding.encoders
-    fixed = flops_per_example - sum(module_flops(e) for e in (encoders or {}).values())
-    return CostModel.flops(fixed, [per_length[n] for n in names])
+    encoders = [e for e in (model.embedding.encoders or {}).values() if isinstance(e, SequenceEncoder)]
+    fixed = flops_per_example - sum(module_flops(e) for e in encoders)
+    buckets = encoders[0].cfg.buckets if encoders else 1
+    padding: Padding = "pow2" if buckets == "pow2" else "batch" if buckets == 1 else "jagged"
+    return CostModel.flops(fixed, [per_length[n] for n in names], padding)
 
 
 class Trainer:
@@ -313,7 +317,7 @@ class Trainer:
             names = [f.name for f in self.pre.schema.sparse if f.sequence]
             cost = cost_model(balance, self.built.model, self.built.flops_per_example, names)
             batches = [
-                b[partition(sample_costs(self.train_ds.lengths(b, names), cost), env.world_size)[env.rank]]
+                b[balanced_parts(self.train_ds.lengths(b, names), cost, env.world_size)[env.rank]]
                 for b in batches
             ]
         return zip(iterate(self.train_ds, batches, self.cfg.data.num_workers), sizes, strict=True)
