@@ -26,9 +26,9 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,11 +153,7 @@ def create_app(scorer: Scorer, opts: ServeOptions) -> FastAPI:
             state["batcher"] = None  # not ready: new requests get 503 while the queue drains
             await asyncio.to_thread(batcher.stop)
 
-    app = FastAPI(title="recscale", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    app = _new_app("recscale", lifespan)
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
@@ -194,16 +190,12 @@ def create_retrieval_app(
 ) -> FastAPI:
     """``POST /retrieve {"users": [raw id, ...]}`` -> ``{"items": {user: [{"item", "logit"}, ...]}}``: each
     user's top unseen items (``retrieval_artifact.recommend``); /healthz and /readyz as for scoring."""
-    app = FastAPI(title="recscale retrieval", docs_url=None, redoc_url=None, openapi_url=None)
+    app = _new_app("recscale retrieval")
     lock = threading.Lock()  # one query at a time: the model is small and torch parallelises inside it
 
     def run(users: list[str]) -> dict:
         with lock:
             return recommend(model, catalog, users)
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
@@ -230,6 +222,19 @@ def create_retrieval_app(
             return JSONResponse({"items": await asyncio.to_thread(run, [str(u) for u in users])})
         except DataError as e:
             return _error(422, one_line(e, 300))
+
+    return app
+
+
+def _new_app(
+    title: str, lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None
+) -> FastAPI:
+    """An app without the interactive docs, with ``GET /healthz``: 200 while the process serves."""
+    app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
 
     return app
 
