@@ -156,7 +156,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
         app, what = build_app(Path(args.model_dir), args.max_rows, opts)
         port = sock.getsockname()[1]
         print(f"serving {what} from {args.model_dir} on http://{args.host}:{port} (Ctrl-C stops)", flush=True)
-        serve(app, Path(args.model_dir), args.max_rows, sock, opts)
+        # With several workers each loads its own model; this process only checked that it loads, and
+        # lets it go rather than hold a model it never serves.
+        served = app if opts.workers == 1 else None
+        del app
+        serve(served, Path(args.model_dir), args.max_rows, sock, opts)
 
 
 def cmd_retrieval_build(args: argparse.Namespace) -> None:

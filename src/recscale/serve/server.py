@@ -286,9 +286,12 @@ def _set_threads(opts: ServeOptions) -> None:
     torch.set_num_threads(opts.torch_threads or max(1, torch.get_num_threads() // opts.workers))
 
 
-def serve(app: FastAPI, model_dir: Path, max_rows: int, sock: socket.socket, opts: ServeOptions) -> None:
+def serve(
+    app: FastAPI | None, model_dir: Path, max_rows: int, sock: socket.socket, opts: ServeOptions
+) -> None:
     """Serve ``app`` (``build_app(model_dir, max_rows, opts)``) on the bound, listening ``sock`` until SIGINT /
-    SIGTERM, then shut down gracefully. With ``opts.workers > 1`` each worker process builds its own."""
+    SIGTERM, then shut down gracefully. With ``opts.workers > 1`` each worker process builds its own (``app``
+    is not used: pass None, so this process does not keep a model it never serves)."""
     import uvicorn
     from uvicorn.supervisors import Multiprocess
 
@@ -296,6 +299,7 @@ def serve(app: FastAPI, model_dir: Path, max_rows: int, sock: socket.socket, opt
         return uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30, **extra)
 
     if opts.workers == 1:
+        assert app is not None
         _set_threads(opts)
         uvicorn.Server(config(app)).run(sockets=[sock])
         return
