@@ -322,3 +322,33 @@ def test_bf16_computes_in_bf16_and_keeps_fp32_masters(tmp_path):
     assert max(abs(fp32[s] - bf16[s]) for s in fp32) < 2e-2
     assert fp32 != bf16  # it did compute in another precision
     assert abs(reports["fp32"]["valid"]["auc"] - reports["bf16"]["valid"]["auc"]) < 0.02
+
+
+_MMAPPED_BLOCKS = """
+import ctypes, sys, torch
+from recscale.train.memory import keep_freed_memory
+class Info(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+before = libc.mallinfo2().hblks  # importing torch mmaps a few blocks of its own
+x = torch.empty(64 << 20, dtype=torch.uint8)  # 64 MiB: above any mmap threshold glibc adapts to
+print(libc.mallinfo2().hblks - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/lib/x86_64-linux-gnu/libc.so.6").exists(), reason="glibc only")
+@pytest.mark.parametrize(("mode", "mmapped"), [("system", 1), ("keep", 0)])
+def test_reuse_memory_serves_large_blocks_from_the_heap(mode, mmapped):
+    """train.reuse_memory: glibc serves a 64 MiB tensor with its own mmap by default (unmapped again on free,
+    so the next step page-faults it back in); after keep_freed_memory() it comes from the heap, reused."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _MMAPPED_BLOCKS, mode], capture_output=True, text=True, check=True
+    )
+    assert int(out.stdout.split()[-1]) == mmapped

@@ -55,6 +55,7 @@ from recscale.train.checkpoint import (
 )
 from recscale.train.data import prepare_run_data
 from recscale.train.evaluate import bayes_floor, eval_batch_size, evaluate, predict
+from recscale.train.memory import keep_freed_memory
 from recscale.train.metrics import ctr_metrics
 from recscale.train.optim import lr_factor
 from recscale.train.precision import autocast, warn_if_emulated
@@ -117,6 +118,8 @@ class Trainer:
         self.module, self.opt = self.built.module, self.built.opt
         if self.main:
             warn_if_emulated(t.precision, self.env.device)
+        if t.reuse_memory:
+            keep_freed_memory()
         if cfg.distributed.count_bytes:
             comms.install()
         self.comm = comms.CommMeter(self.env.topology, self.env.rank)
