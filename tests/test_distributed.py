@@ -199,9 +199,9 @@ def test_comm_bytes_match_hand_computed_volumes(runs):
         for r in range(world):
             if r != o:
                 where = "intra" if host[r] == host[o] else "inter"
-                # ids to the owner: lengths (int32) and values (int64), one id per row;
+                # ids to the owner: lengths and values (both int32), one id per row;
                 # pooled embeddings back (float32), their gradients to the owner again.
-                a2a[where] += b * 4 + b * 8 + 2 * b * d * 4
+                a2a[where] += b * 4 + b * 4 + 2 * b * d * 4
     for r in range(world):  # before the ids, every rank tells every other its split sizes and
         for s in range(world):  # batch size: 3 int64 (TorchRec's KJTAllToAll)
             if r != s:

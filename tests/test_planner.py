@@ -241,8 +241,8 @@ def test_inter_host_traffic_counts_the_busiest_host():
     flat, hosts = Topology(4, 4), Topology(4, 2)
     dims, ids = np.array([64.0, 64, 0, 0]), np.array([2.0, 2, 0, 0])
     per_host, intra = traffic(hosts, dims, ids)
-    # each rank's 1024 examples' outputs to the other host's 2 ranks, gradients back, ids in
-    one = 1024 * (2 * 4 * 64 + 8 * 2)
+    # each rank's 1024 examples' outputs to the other host's 2 ranks, gradients back, ids (int32) in
+    one = 1024 * (2 * 4 * 64 + 4 * 2)
     assert per_host.tolist() == [2 * 2 * one, 0] and intra == 2 * one
     assert inter_host_ms(flat, dims, ids) == 0.0
     balanced = inter_host_ms(hosts, np.array([64.0, 0, 64, 0]), np.array([2.0, 0, 2, 0]))

@@ -155,6 +155,19 @@ def _qr_tables(f: SparseInput, m: int | None) -> list[SparseInput]:
     return [quotient, dataclasses.replace(f, name=f.name + _REMAINDER, num_embeddings=m)]
 
 
+def ids_as(kjt: KeyedJaggedTensor, dtype: torch.dtype) -> KeyedJaggedTensor:
+    """``kjt`` with its ids (values) in ``dtype``; the same object when they already are."""
+    if kjt.values().dtype == dtype:
+        return kjt
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=kjt.values().to(dtype),
+        lengths=kjt.lengths(),
+        weights=kjt.weights_or_none(),
+        stride=kjt.stride(),
+    )
+
+
 class EmbeddingLayer(nn.Module):
     """(dense (B, n_dense), sparse KJT) -> X0 (B, n, d).
 
@@ -222,6 +235,9 @@ class EmbeddingLayer(nn.Module):
             persistent=False,
         )
         self._weighted = any(f.weighted for f in features.sparse)
+        # Ids travel (the sharded tables' all-to-all) and are read (fbgemm's lookups) as int32 whenever every
+        # table fits: half the bytes of int64 ids.
+        self.id_dtype = torch.int32 if max(f.num_embeddings for f in features.sparse) < 2**31 else torch.int64
         table = functools.partial(
             _table_config,
             init=functools.partial(torch.nn.init.normal_, mean=0.0, std=cfg.init_std),
@@ -296,7 +312,7 @@ class EmbeddingLayer(nn.Module):
     def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
         if self._weighted and sparse.weights_or_none() is None:
             raise ValueError("a sparse feature is weighted but the KeyedJaggedTensor has no weights")
-        pooled_kjt, seq_kjt = self._split(sparse)
+        pooled_kjt, seq_kjt = self._split(ids_as(sparse, self.id_dtype))
         pooled_kjt = self._split_qr(pooled_kjt)
         pooled = self._mean_pool(self.ebc(pooled_kjt).values(), pooled_kjt)  # (B, Σ table dims)
         b = pooled.shape[0]

@@ -37,7 +37,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.distributed.topology import Topology
 from recscale.models.base import RecModel
-from recscale.models.embedding import EmbeddingLayer
+from recscale.models.embedding import EmbeddingLayer, ids_as
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,7 @@ class DMTModel(nn.Module):
         )
         self.towers = nn.ModuleDict({str(mine): tower})  # keyed by tower: checkpoint keys differ per host
         self.top = top
+        self.id_dtype = get_unwrapped_module(top).model.embedding.id_dtype  # ids cross hosts in it
         self.dense_flops = dense_flops  # forward FLOPs per example of the top and every tower's module
         self.order: Tensor | None
         self.register_buffer("order", torch.tensor(order) if order is not None else None, persistent=False)
@@ -197,7 +198,7 @@ class DMTModel(nn.Module):
 
     def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
         b, d, h = sparse.stride(), self.dim, len(self.tower_features)
-        ids = route_ids(sparse, self.tower_features, self.mine, self.groups.peer)
+        ids = route_ids(ids_as(sparse, self.id_dtype), self.tower_features, self.mine, self.groups.peer)
         y = self.towers[str(self.mine)](ids)  # (H·B, c_mine, d), peer by peer
         splits = [b * c * d for c in self.outputs]
         back = _ReturnToOwners.apply(

@@ -1,7 +1,8 @@
 """Closed-form inter-host bytes per training step, summed over ranks: flat sharding against DMT.
 
 Checked against ``comms.CommMeter``'s measured bytes (tests/test_dmt.py, bench/dmt.py). Ids are
-int64, lengths int32, embeddings float32; ``ids`` is the mean ids per sample of each feature.
+int32 (the embedding layer narrows them whenever every table has under 2^31 rows), lengths int32,
+embeddings float32; ``ids`` is the mean ids per sample of each feature.
 Forward and backward are both counted (the backward all-to-all moves the forward's volume back).
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from recscale.distributed.topology import Topology
 
-_ID, _LENGTH, _FLOAT = 8, 4, 4
+_ID, _LENGTH, _FLOAT = 4, 4, 4
 
 
 def dmt_embedding_inter(
@@ -22,7 +23,7 @@ def dmt_embedding_inter(
 ) -> float:
     """DMT's peer all-to-alls. Rank (h, l) sends each other tower t's lengths and ids for its
     ``batch`` samples to (t, l); rank (t, l) returns c_t vectors per sample to each other peer,
-    and the gradients come back: L·(H-1)·B·[Σ_t F_t·(4 + 8·ids) + 2·4·d·Σ_t c_t]."""
+    and the gradients come back: L·(H-1)·B·[Σ_t F_t·(4 + 4·ids) + 2·4·d·Σ_t c_t]."""
     hosts, local = topology.num_hosts, topology.local_world_size
     per_sample = sum(tower_features) * (_LENGTH + _ID * ids) + 2 * _FLOAT * dim * sum(tower_outputs)
     return local * (hosts - 1) * batch * per_sample

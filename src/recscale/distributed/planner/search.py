@@ -28,7 +28,7 @@ from recscale.errors import ConfigError
 THRESHOLDS = (1.0, 1.1, 1.25, 1.5, 2.0, math.inf)
 _COLUMN_MULTIPLE = 4
 # Bytes per pooled output value (fp32) and per id (int64) of the all-to-alls.
-_VALUE_BYTES, _ID_BYTES = 4, 8
+_VALUE_BYTES, _ID_BYTES = 4, 4  # float32 outputs, int32 ids
 
 
 @dataclass(frozen=True)
