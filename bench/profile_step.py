@@ -15,27 +15,32 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
 from recscale.config import load_config
+from recscale.data.batch import Batch
 from recscale.data.dataset import epoch_batches, iterate
 from recscale.train.loop import Trainer
 
 
-def main() -> None:
-    if len(sys.argv) < 2:
-        raise SystemExit("usage: profile_step.py CONFIG [key=value ...]")
+@contextmanager
+def warm_trainer(argv: list[str], usage: str, steps: int) -> Iterator[tuple[Trainer, list[Batch]]]:
+    """The run's trainer for ``CONFIG [key=value ...]`` (``argv``) after 3 warm-up steps and 9 timed ones
+    (examples/s and dense GFLOP/s printed), with ``steps`` more batches to measure."""
+    if not argv:
+        raise SystemExit(f"usage: {usage} CONFIG [key=value ...]")
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    overrides = ["train.progress=false", "data.num_workers=0", *sys.argv[2:]]
-    cfg = load_config(Path(sys.argv[1]), overrides)
+    cfg = load_config(Path(argv[0]), ["train.progress=false", "data.num_workers=0", *argv[1:]])
     with tempfile.TemporaryDirectory(prefix="recscale-profile-") as tmp:
         trainer = Trainer(cfg, Path(tmp) / "run")
         batch = cfg.train.batch_size
         index = epoch_batches(len(trainer.train_ds), batch, shuffle=True, seed=0, epoch=0, drop_last=True)
-        batches = list(iterate(trainer.train_ds, index[:17]))
+        batches = list(iterate(trainer.train_ds, index[: 12 + steps]))
         trainer.module.train()
         for b in batches[:3]:
             trainer.train_step(b)
@@ -47,8 +52,13 @@ def main() -> None:
         print(
             f"{rate:,.0f} examples/s, {flops * rate / 1e9:.0f} dense GFLOP/s ({flops / 3e6:.2f} MFLOP/example)"
         )
+        yield trainer, batches[12:]
+
+
+def main() -> None:
+    with warm_trainer(sys.argv[1:], "profile_step.py", 5) as (trainer, batches):
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            for b in batches[12:]:
+            for b in batches:
                 trainer.train_step(b)
     events = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)
     print(f"profiled: {sum(e.self_cpu_time_total for e in events) / 5e3:.0f} ms/step")
