@@ -9,8 +9,9 @@ far (``dictionary_encode`` of them followed by the block, so earlier ids keep th
 counts summed with a bincount; when mapping, looked up in the vocabulary with one ``index_in``. That
 number of each batch's distinct ids goes to a second scratch file. Once the source is read, the
 vocabulary is sorted in numpy from the counts, and each field's codes become vocabulary ids with
-two numpy takes: no id is hashed again. Memory holds a few batches, one block and (when fitting) the
-distinct ids with their counts, whatever the file's size.
+two numpy takes: no id is hashed again; fields are fitted and mapped side by side in threads. Memory
+holds a few batches, one block per thread and (when fitting) the distinct ids with their counts,
+whatever the file's size.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class _Spill:
         self.counts = np.zeros(0, np.int64)
 
     def add(self, codes: np.ndarray, distinct: pa.Array, counts: np.ndarray) -> None:
-        self.codes.write(codes.tobytes())
+        self.codes.write(codes)
         self.sizes.append(len(codes))
         self.lens.append(len(distinct))
         if self.seen is None:
@@ -104,7 +105,7 @@ class _Spill:
             # Float weights are exact: a count stays far below 2**53.
             added = np.bincount(numbers, np.concatenate([c for _, c in self.pending]), len(self.seen))
             self.counts = added.astype(np.int64) + np.pad(self.counts, (0, len(self.seen) - known))
-        self.numbers.write(numbers.tobytes())
+        self.numbers.write(np.ascontiguousarray(numbers))
         self.pending, self.pending_ids = [], 0
 
     def fit(self, f: SparseFeature) -> tuple[pa.Array, np.ndarray]:
@@ -146,7 +147,7 @@ class _Spill:
             # Each batch's vocabulary ids followed by its null slot (OOV).
             table = np.insert(block if ids is None else ids[block], ends, OOV)
             base = np.repeat(ends - lens + np.arange(len(lens)), self.sizes[first:last])
-            out.write(table[codes[start : start + n] + base].tobytes())
+            out.write(table[codes[start : start + n] + base])
             first, start, at = last, start + n, at + int(ends[-1])
 
 
@@ -199,6 +200,7 @@ def materialize(
     batches (the training split) and the fitted ``Preprocessor`` is returned; else ``pre`` maps them.
     ``fingerprint(pre)`` is stored in meta.json."""
     vocab_fields = [f for f in schema.sparse if f.hash_buckets is None]
+    fitting = pre is None
     rows = 0
     with atomic_dir(out_dir) as tmp:
         scratch = tmp / ".scratch"
@@ -229,7 +231,7 @@ def materialize(
                         field = name.removesuffix(".offsets")
                         array = array + offsets_end[field]
                         offsets_end[field] = int(array[-1]) if len(array) else offsets_end[field]
-                    files[name].write(array.tobytes())
+                    files[name].write(np.ascontiguousarray(array))
                 for name, (codes, distinct, counts) in enc.codes.items():
                     spills[name].add(codes, distinct, counts)
                 rows += enc.rows
@@ -237,23 +239,30 @@ def materialize(
                     bar.update(enc.rows)
             if rows == 0:
                 raise DataError(f"{out_dir.name}: the data source produced no rows")
+            # Each field is finished on its own (fitted, then mapped to its file), fields side by side.
             numbers: dict[str, np.ndarray] = {}
             if pre is None:
+                own = [f for f in vocab_fields if f.vocabulary is None]
                 vocabs = {}
-                for f in vocab_fields:
-                    if f.vocabulary is None:
-                        vocabs[f.name], numbers[f.name] = spills[f.name].fit(f)
+                for f, (vocab, ids) in zip(
+                    own, ordered_map(lambda f: spills[f.name].fit(f), own), strict=True
+                ):
+                    vocabs[f.name], numbers[f.name] = vocab, ids
                 vocabs |= {f.name: vocabs[f.vocabulary] for f in vocab_fields if f.vocabulary is not None}
                 pre = Preprocessor(schema, vocabs)
-                for f in vocab_fields:
-                    if f.vocabulary is not None:  # its distinct ids, mapped with the other field's vocabulary
-                        numbers[f.name] = spills[f.name].lookup_seen(pre)
+            fitted = pre
+
+            def write_ids(f: SparseFeature) -> None:
+                ids = numbers.get(f.name)
+                if fitting and f.vocabulary is not None:  # its distinct ids, in the other field's vocabulary
+                    ids = spills[f.name].lookup_seen(fitted)
+                with open(tmp / f"{f.name}.values.bin", "wb") as out:
+                    spills[f.name].map_to(out, ids)
+
             map_bar = progress_bar(progress, f"mapping ids {out_dir.name}", " fields", len(vocab_fields))
             if map_bar is not None:
                 stack.callback(map_bar.close)
-            for f in vocab_fields:
-                with open(tmp / f"{f.name}.values.bin", "wb") as out:
-                    spills[f.name].map_to(out, numbers.get(f.name))
+            for _ in ordered_map(write_ids, vocab_fields):
                 if map_bar is not None:
                     map_bar.update(1)
         shutil.rmtree(scratch)
