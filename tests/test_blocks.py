@@ -48,6 +48,20 @@ def test_dropout_keeps_one_minus_p_and_rescales(p: float) -> None:
     assert not torch.equal(kept, drop.train()(x) != 0)  # a fresh mask each call
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dropout_product_is_the_plain_formula_to_the_bit(dtype: torch.dtype) -> None:
+    from recscale.models.blocks.dropout import _scaled_and_masked
+
+    torch.manual_seed(0)
+    x = torch.randn(300, 257).to(dtype)
+    x[0, :5] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 0.0])
+    keep = torch.rand(300, 257) > 0.3
+    bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
+    for scale in (1 / 0.7, 1 / 0.9):
+        # Signed zeros and NaNs included: the fast form changes no bit of what training sees.
+        assert torch.equal(_scaled_and_masked(x, keep, scale).view(bits), (x * keep * scale).view(bits))
+
+
 def test_dropout_mask_threshold_and_bad_p() -> None:
     from recscale.models.blocks.dropout import keep_mask
 
