@@ -78,7 +78,7 @@ class _Spill:
         self.counts = np.zeros(0, np.int64)
 
     def add(self, codes: np.ndarray, distinct: pa.Array, counts: np.ndarray) -> None:
-        self.codes.write(codes)
+        self.codes.write(np.ascontiguousarray(codes).data)
         self.sizes.append(len(codes))
         self.lens.append(len(distinct))
         if self.seen is None:
@@ -105,7 +105,7 @@ class _Spill:
             # Float weights are exact: a count stays far below 2**53.
             added = np.bincount(numbers, np.concatenate([c for _, c in self.pending]), len(self.seen))
             self.counts = added.astype(np.int64) + np.pad(self.counts, (0, len(self.seen) - known))
-        self.numbers.write(np.ascontiguousarray(numbers))
+        self.numbers.write(np.ascontiguousarray(numbers).data)
         self.pending, self.pending_ids = [], 0
 
     def fit(self, f: SparseFeature) -> tuple[pa.Array, np.ndarray]:
@@ -147,7 +147,7 @@ class _Spill:
             # Each batch's vocabulary ids followed by its null slot (OOV).
             table = np.insert(block if ids is None else ids[block], ends, OOV)
             base = np.repeat(ends - lens + np.arange(len(lens)), self.sizes[first:last])
-            out.write(table[codes[start : start + n] + base])
+            out.write(table[codes[start : start + n] + base].data)
             first, start, at = last, start + n, at + int(ends[-1])
 
 
@@ -231,7 +231,7 @@ def materialize(
                         field = name.removesuffix(".offsets")
                         array = array + offsets_end[field]
                         offsets_end[field] = int(array[-1]) if len(array) else offsets_end[field]
-                    files[name].write(np.ascontiguousarray(array))
+                    files[name].write(np.ascontiguousarray(array).data)
                 for name, (codes, distinct, counts) in enc.codes.items():
                     spills[name].add(codes, distinct, counts)
                 rows += enc.rows
