@@ -138,6 +138,21 @@ def test_fit_keeps_the_asymptote_at_or_above_the_floor():
     assert not fit_power_law(*power_law_points(np.random.default_rng(0), 0.0), floor=0.38).at_floor
 
 
+def test_fit_pins_the_asymptote_to_the_floor_when_asked():
+    """A law whose true asymptote is above the floor: the free fit finds it; pinned to the floor, L_inf is
+    the floor and the decay of the reducible loss is fitted on (a, b) alone, so it differs."""
+    compute, loss = power_law_points(np.random.default_rng(0), 0.0)  # L_inf 0.40, a 0.05, b 0.5
+    free = fit_power_law(compute, loss, floor=0.38)
+    pinned = fit_power_law(compute, loss, floor=0.38, pin_floor=True)
+    assert not free.at_floor and free.l_inf == pytest.approx(0.40, rel=1e-5)
+    assert pinned.at_floor and pinned.l_inf == 0.38 and pinned.l_inf_ci == (0.38, 0.38)
+    assert pinned.b < free.b and pinned.b_ci[0] < pinned.b < pinned.b_ci[1]
+    # Exact reducible-loss data are recovered exactly when pinned at their own floor.
+    exact = 0.38 + 0.07 * (compute / compute[0]) ** -0.3
+    fit = fit_power_law(compute, exact, floor=0.38, pin_floor=True)
+    assert (fit.a_c0, fit.b) == pytest.approx((0.07, 0.3), rel=1e-5)
+
+
 def test_fit_reports_a_family_that_saturates_at_once():
     """The small sweep's DLRM: one step down after the smallest model, then flat. The best fit is a step
     (b in the tens), whose coefficient for C in FLOPs, a_C0 * C0^b, overflows a float: inf, not a crash."""
@@ -175,6 +190,8 @@ def test_scaling_fit_cli_reports_and_plots(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     _, fits = report(load_results(results))
     assert fits["wukong"].b == pytest.approx(0.5, abs=0.1)
+    assert main(["scaling", "fit", str(results), "--pin-floor"]) == 0
+    assert "wukong: 8 frontier points  L_inf 0.39 (pinned to the floor)" in capsys.readouterr().out
     assert main(["scaling", "fit", str(tmp_path / "nope.csv")]) == 2
 
 

@@ -248,7 +248,7 @@ def cmd_scaling_fit(args: argparse.Namespace) -> None:
     from recscale.scaling.plot import plot_scaling
 
     families = load_results(args.results)
-    text, fits = report(families)
+    text, fits = report(families, pin_floor=args.pin_floor)
     print(text)
     if args.out:
         print(f"plot: {plot_scaling(families, fits, args.out)}")
@@ -426,6 +426,11 @@ def build_parser() -> argparse.ArgumentParser:
     f = scsub.add_parser("fit", help="fit loss = L_inf + a*C^-b per family; optional PNG plot")
     f.add_argument("results", help="a sweep's results.csv")
     f.add_argument("--out", help="write the plot to this PNG")
+    f.add_argument(
+        "--pin-floor",
+        action="store_true",
+        help="fix L_inf at the synthetic teacher's Bayes floor (a power law in the reducible loss)",
+    )
     f.set_defaults(fn=cmd_scaling_fit)
 
     dm = sub.add_parser("dmt", help="Disaggregated Multi-Tower tools (docs/DMT.md)")

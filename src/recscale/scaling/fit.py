@@ -10,7 +10,9 @@ parameters need at least four runs of distinct compute to leave a residual degre
 L_inf is kept at or above ``floor`` (the synthetic teacher's Bayes LogLoss when known, else 0): with
 few or flat points the unconstrained optimum runs to b → 0 and L_inf → −∞, a straight line in log C
 that says nothing about saturation. When the floor binds, L_inf is fixed there and only (a, b) are
-fitted, with their intervals on n − 2 degrees of freedom.
+fitted, with their intervals on n − 2 degrees of freedom. ``pin_floor`` fixes L_inf at the floor
+whatever the free fit finds: with a known Bayes floor, a power law in the reducible loss (loss − floor),
+whose exponent is then determined by fewer points than a free L_inf needs.
 
 A family's runs are grouped into points (a size trained for a length; the mean LogLoss over its seeds)
 and the law is fitted to its compute-optimal frontier: the points that no cheaper point beats (the
@@ -118,9 +120,11 @@ def _levenberg_marquardt(
     return theta
 
 
-def fit_power_law(compute: np.ndarray, loss: np.ndarray, floor: float = 0.0) -> PowerLawFit:
-    """Least-squares fit of loss = l_inf + a·C^(−b) with l_inf >= floor; RecscaleError if fewer than 4
-    distinct computes."""
+def fit_power_law(
+    compute: np.ndarray, loss: np.ndarray, floor: float = 0.0, pin_floor: bool = False
+) -> PowerLawFit:
+    """Least-squares fit of loss = l_inf + a·C^(−b) with l_inf >= floor (l_inf = floor with ``pin_floor``);
+    RecscaleError if fewer than 4 distinct computes."""
     c, y = np.asarray(compute, dtype=np.float64), np.asarray(loss, dtype=np.float64)
     if len(np.unique(c)) < MIN_POINTS:
         raise RecscaleError(
@@ -133,7 +137,7 @@ def fit_power_law(compute: np.ndarray, loss: np.ndarray, floor: float = 0.0) -> 
     x = c / c0
     free = [0, 1, 2]
     theta = _levenberg_marquardt(_grid_start(x, y, None), x, y, free)
-    if theta[0] < floor:
+    if theta[0] < floor or pin_floor:
         free = [1, 2]
         theta = _levenberg_marquardt(_grid_start(x, y, floor), x, y, free)
     pred, jac = _model(theta, x)
@@ -214,11 +218,12 @@ def _fmt_ci(v: float, ci: tuple[float, float]) -> str:
     return f"{v:.4g} [{ci[0]:.4g}, {ci[1]:.4g}]"
 
 
-def report(families: list[FamilyRuns]) -> tuple[str, dict[str, PowerLawFit]]:
+def report(families: list[FamilyRuns], pin_floor: bool = False) -> tuple[str, dict[str, PowerLawFit]]:
     """A text report (frontier fits with 95% intervals, relative LogLoss changes) and the fits that
-    succeeded."""
+    succeeded; ``pin_floor``: L_inf fixed at each family's Bayes floor (see ``fit_power_law``)."""
     lines = ["loss(C) = L_inf + a_C0 * (C / C0)^(-b), C = training FLOPs, fitted to each family's "
-             "compute-optimal frontier; 95% confidence intervals"]  # fmt: skip
+             "compute-optimal frontier; 95% confidence intervals"
+             + ("; L_inf pinned to the Bayes floor" if pin_floor else "")]  # fmt: skip
     fits = {}
     for fam in families:
         front = fam.frontier()
@@ -230,7 +235,7 @@ def report(families: list[FamilyRuns]) -> tuple[str, dict[str, PowerLawFit]]:
             + "  ".join(f"{x:.2e}: {y:.4f}" for x, y in zip(c, fam.loss[front], strict=True))
         )
         try:
-            fit = fit_power_law(c, fam.loss[front], fam.bayes or 0.0)
+            fit = fit_power_law(c, fam.loss[front], fam.bayes or 0.0, pin_floor and fam.bayes is not None)
         except RecscaleError as e:
             lines.append(f"{fam.name}: not fitted: {e}")
             continue
