@@ -136,8 +136,8 @@ def fit_power_law(
     c0 = float(c.min())
     x = c / c0
     free = [0, 1, 2]
-    theta = _levenberg_marquardt(_grid_start(x, y, None), x, y, free)
-    if theta[0] < floor or pin_floor:
+    theta = None if pin_floor else _levenberg_marquardt(_grid_start(x, y, None), x, y, free)
+    if theta is None or theta[0] < floor:
         free = [1, 2]
         theta = _levenberg_marquardt(_grid_start(x, y, floor), x, y, free)
     pred, jac = _model(theta, x)
