@@ -32,17 +32,22 @@ from recscale.data.materialize import materialize
 from recscale.data.readers import read_batches
 
 
+def criteo_tsv(path: Path, rows: int) -> None:
+    """bench/pipeline.py's Criteo-shaped file as a raw Criteo TSV at ``path``, unless it is there already."""
+    if not path.exists():
+        table = criteo_table(rows)
+        table = table.set_column(0, "label", pc.cast(table["label"], pa.int8()))
+        options = pacsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
+        pacsv.write_csv(table, path, options)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tsv", type=Path, required=True, help="the Criteo TSV (written first if missing)")
     p.add_argument("--rows", type=int, default=500_000, help="rows of the file when it is written")
     p.add_argument("--repeat", type=int, default=1)
     args = p.parse_args()
-    if not args.tsv.exists():
-        table = criteo_table(args.rows)
-        table = table.set_column(0, "label", pc.cast(table["label"], pa.int8()))
-        options = pacsv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
-        pacsv.write_csv(table, args.tsv, options)
+    criteo_tsv(args.tsv, args.rows)
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
     recscale.data.chunks.ordered_map.__defaults__ = (1,)  # its worker count
