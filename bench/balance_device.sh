@@ -5,7 +5,9 @@
 # The suite's small model (d = 16, 1 encoder block) spends half its step outside the encoder; the d64 part
 # repeats the heavy tail with d = 64 and 2 encoder blocks, where the history's compute dominates the step.
 # Run from the repository root; JSON lines go to stdout and to ${OUT:-.}/balance_device.jsonl.
-# The flops part balances by the model's FLOPs per sample (distributed.balance=flops) instead of tokens².
+# The flops part balances by the model's FLOPs per sample (distributed.balance=flops) instead of tokens²,
+# also with 4 encoder blocks, where the gloo collectives' fixed cost weighs less against the history's compute.
+# Per-rank compute is the median of 3 timings of each rank's part (bench/balance.py --compute-repeats).
 #   bash bench/balance_device.sh [small|d64|flops]      # every part by default
 set -uo pipefail
 out="${OUT:-.}/balance_device.jsonl"
@@ -36,4 +38,5 @@ if [ "$part" = all ] || [ "$part" = flops ]; then
   run flops_d64_heavy_pow2 1 --world 4 "${heavy[@]}" "${d64[@]}"
   run flops_d64_heavy_pow2_8ranks 1 --world 8 --batch 256 --max-len 512 --alpha 1.0 "${d64[@]}"
   run flops_heavy_pow2 1 --world 4 "${heavy[@]}" --buckets pow2 --balance flops
+  run flops_d64x4_heavy_pow2 1 --world 4 "${heavy[@]}" --buckets pow2 --dim 64 --encoder-layers 4 --balance flops
 fi
