@@ -100,28 +100,29 @@ def balanced_parts(lengths: np.ndarray, model: CostModel, world: int) -> list[np
     costs = sample_costs(lengths, model)
     if model.padding == "jagged":
         return partition(costs, world)
-    n_seq = lengths.shape[1]
-    lin, quad = model.linear, model.quadratic
-    # Per rank and sequence feature: bucket -> (members, longest length).
-    buckets: list[list[dict[int, tuple[int, int]]]] = [[{} for _ in range(n_seq)] for _ in range(world)]
+    terms = list(zip(model.linear, model.quadratic, strict=True))
+    classes = np.zeros_like(lengths) if model.padding == "batch" else _pow2_bucket(lengths)
+    n_classes = int(classes.max(initial=0)) + 1
+    # Per rank and sequence feature, per length class: members so far and their longest length.
+    members = [[[0] * n_classes for _ in terms] for _ in range(world)]
+    longest = [[[0] * n_classes for _ in terms] for _ in range(world)]
     loads = [0.0] * world
     owner = np.empty(len(costs), dtype=np.int64)
-    classes = np.zeros_like(lengths) if model.padding == "batch" else _pow2_bucket(lengths)
-    for i in np.argsort(-costs, kind="stable"):
-        row, keys = [int(v) for v in lengths[i]], [int(k) for k in classes[i]]
+    order = np.argsort(-costs, kind="stable")
+    for i, row, keys in zip(order.tolist(), lengths[order].tolist(), classes[order].tolist(), strict=True):
         best, best_load = 0, float("inf")
         for r in range(world):
             load = loads[r] + model.fixed
-            for f, (v, k) in enumerate(zip(row, keys, strict=True)):
-                n, m = buckets[r][f].get(k, (0, 0))
-                top = max(m, v)
-                load += lin[f] * ((n + 1) * top - n * m) + quad[f] * ((n + 1) * top * top - n * m * m)
+            for (lin, quad), v, k, n_r, m_r in zip(terms, row, keys, members[r], longest[r], strict=True):
+                n, m = n_r[k], m_r[k]
+                top = m if m > v else v  # a longer newcomer pads the members already there
+                load += lin * ((n + 1) * top - n * m) + quad * ((n + 1) * top * top - n * m * m)
             if load < best_load:
                 best, best_load = r, load
         owner[i], loads[best] = best, best_load
-        for f, (v, k) in enumerate(zip(row, keys, strict=True)):
-            n, m = buckets[best][f].get(k, (0, 0))
-            buckets[best][f][k] = (n + 1, max(m, v))
+        for v, k, n_r, m_r in zip(row, keys, members[best], longest[best], strict=True):
+            n_r[k] += 1
+            m_r[k] = max(m_r[k], v)
     return [np.flatnonzero(owner == r) for r in range(world)]
 
 
