@@ -25,30 +25,36 @@ BLOCK_BYTES = 8 << 20
 R = TypeVar("R")
 
 
-def iter_chunks(path: Path, skip_first_line: bool = False) -> Iterator[tuple[int, bytes]]:
+def iter_chunks(path: Path, skip_first_line: bool = False) -> Iterator[tuple[int, bytearray]]:
     """Stream a text file (``.gz``/``.bz2``/... decompressed) as chunks of whole lines.
 
     Yields (1-based line number of the chunk's first line, bytes). Only line ends are counted,
-    so line numbers are exact for any content.
+    so line numbers are exact for any content. Each chunk is a buffer of its own that the stream reads
+    into: the bytes are copied once (a partial last line is carried over to the next chunk).
     """
     line, carry = 1, b""
     with pa.input_stream(str(path), compression="detect") as stream:
-        while data := stream.read(BLOCK_BYTES):
-            data = carry + data
-            cut = data.rfind(b"\n") + 1
-            chunk, carry = data[:cut], data[cut:]
+        while True:
+            chunk = bytearray(len(carry) + BLOCK_BYTES)
+            chunk[: len(carry)] = carry
+            end = len(carry) + stream.readinto(memoryview(chunk)[len(carry) :])
+            if end == len(carry):
+                break
+            cut = chunk.rfind(b"\n", 0, end) + 1
+            carry = bytes(chunk[cut:end])
+            del chunk[cut:]  # in place: the chunk ends at its last line end
             if skip_first_line and chunk:
                 skip_first_line = False
-                chunk = chunk[chunk.find(b"\n") + 1 :]
+                del chunk[: chunk.find(b"\n") + 1]
                 line += 1
             if chunk:
                 yield line, chunk
                 line += chunk.count(b"\n")
     if carry and not skip_first_line:
-        yield line, carry
+        yield line, bytearray(carry)
 
 
-def lines_of(chunk: bytes, where: Path, first_line: int) -> pa.Array:
+def lines_of(chunk: bytes | bytearray, where: Path, first_line: int) -> pa.Array:
     """A chunk's lines as one string array (line ends included), built without a per-line loop."""
     buf = np.frombuffer(chunk, dtype=np.uint8)
     ends = np.flatnonzero(buf == 10) + 1
@@ -97,7 +103,7 @@ def read_header(path: Path, delimiter: str, quote: bool) -> list[str]:
     return table.column_names
 
 
-def _nonempty_lines(chunk: bytes) -> np.ndarray:
+def _nonempty_lines(chunk: bytes | bytearray) -> np.ndarray:
     """0-based indices of a chunk's non-empty lines: the ones pyarrow parses into rows."""
     buf = np.frombuffer(chunk, dtype=np.uint8)
     starts = np.concatenate([[0], np.flatnonzero(buf == 10) + 1])
@@ -189,7 +195,7 @@ def _parsed(
 ) -> Iterator[R]:
     """``then(parse)`` for each chunk, in threads; ``parse(options)`` parses the chunk."""
 
-    def work(item: tuple[int, bytes]) -> R:
+    def work(item: tuple[int, bytearray]) -> R:
         first, chunk = item
         return then(lambda options: _parse_chunk(path, first, chunk, names, dialect, options))
 
@@ -199,7 +205,7 @@ def _parsed(
 def _parse_chunk(
     path: Path,
     first: int,
-    chunk: bytes,
+    chunk: bytes | bytearray,
     names: Sequence[str],
     dialect: tuple[str, bool],
     convert_options: pacsv.ConvertOptions,
