@@ -28,9 +28,9 @@ R = TypeVar("R")
 def iter_chunks(path: Path, skip_first_line: bool = False) -> Iterator[tuple[int, bytearray]]:
     """Stream a text file (``.gz``/``.bz2``/... decompressed) as chunks of whole lines.
 
-    Yields (1-based line number of the chunk's first line, bytes). Only line ends are counted,
-    so line numbers are exact for any content. Each chunk is a buffer of its own that the stream reads
-    into: the bytes are copied once (a partial last line is carried over to the next chunk).
+    Yields (1-based line number of the chunk's first line, the chunk's bytes). Only line ends are
+    counted, so line numbers are exact for any content. Each chunk is a buffer of its own that the
+    stream reads into: the bytes are copied once (a partial last line is carried over to the next chunk).
     """
     line, carry = 1, b""
     with pa.input_stream(str(path), compression="detect") as stream:
