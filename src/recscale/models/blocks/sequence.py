@@ -76,9 +76,11 @@ class TargetAttention(nn.Module):
 
 
 class CausalBlock(nn.Module):
-    """(x (B, L, d), attendable (B, L) bool) -> (B, L, d):
-    x' = LN(x + W_o MHA_causal(x)); out = LN(x' + FFN(x')). Every row needs one attendable position
-    at or before each query (``SequenceEncoder`` keeps position 0 attendable)."""
+    """(x (B, L, d)) -> (B, L, d): x' = LN(x + W_o MHA_causal(x)); out = LN(x' + FFN(x')).
+
+    Histories are left-aligned (each row's padding after its last id, as ``SequenceEncoder`` pads them),
+    so causal attention alone keeps every real position from seeing padding; padded positions come out
+    as garbage that the readouts never read."""
 
     def __init__(self, dim: int, heads: int, max_len: int, device: torch.device | None = None) -> None:
         super().__init__()
@@ -91,12 +93,12 @@ class CausalBlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim, device=device)
         self.norm2 = nn.LayerNorm(dim, device=device)
 
-    def forward(self, x: Tensor, attendable: Tensor) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         b, n, d = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-        mask = causal[None, None] & attendable[:, None, None, :]  # (B, 1, L query, L key)
-        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # No padding mask: besides sparing the (B, 1, L, L) mask, is_causal lets the kernel skip the
+        # blocks above the diagonal; real positions get the same bits as with the mask.
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = self.norm1(x + self.out(att.transpose(1, 2).reshape(b, n, d)))
         return self.norm2(x + self.ffn(x))
 
@@ -170,7 +172,7 @@ class SequenceEncoder(nn.Module):
         if self.positions is not None:
             x = x + self.positions((lengths[:, None] - 1 - pos).clamp(min=0)) * valid[..., None]
         for block in self.blocks:
-            x = block(x, attendable)
+            x = block(x)
         if self.din is None:
             out = x[torch.arange(x.shape[0], device=x.device), (lengths - 1).clamp(min=0)]
         else:
