@@ -14,7 +14,7 @@ from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.types import PlannerError
-from torchrec.distributed.types import ModuleSharder
+from torchrec.distributed.types import ModuleSharder, ParameterSharding
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -40,15 +40,20 @@ def greedy(tables: list[TableFeatures], world: int, key: Callable[[TableFeatures
     return out
 
 
-def torchrec_shards(tables: list[TableFeatures], world: int, local_world: int) -> list[Shard]:
+def torchrec_plan(
+    tables: list[TableFeatures], world: int, local_world: int, fused_only: bool = True
+) -> dict[str, ParameterSharding]:
     """TorchRec's planner with its defaults on CPU, told each table's pooling factor and the batch size,
-    restricted to the fused kernel (as ``distributed.sharding: planner`` runs it)."""
+    restricted to the fused kernel (as ``distributed.sharding: planner`` runs it) unless not
+    ``fused_only``. Table ``i`` is named ``t{i}``."""
     configs = [
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=f.dim, num_embeddings=f.rows, feature_names=[f"f{i}"])
         for i, f in enumerate(tables)
     ]
     constraints = {
-        f"t{i}": ParameterConstraints(compute_kernels=["fused"], pooling_factors=[f.pooling])
+        f"t{i}": ParameterConstraints(
+            compute_kernels=["fused"] if fused_only else None, pooling_factors=[f.pooling]
+        )
         for i, f in enumerate(tables)
     }
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
@@ -64,8 +69,13 @@ def torchrec_shards(tables: list[TableFeatures], world: int, local_world: int) -
             plan = planner.plan(ebc, [cast(ModuleSharder[nn.Module], EmbeddingBagCollectionSharder())])
     finally:
         quiet.setLevel(level)
+    return cast(dict[str, ParameterSharding], plan.plan[""])
+
+
+def torchrec_shards(tables: list[TableFeatures], world: int, local_world: int) -> list[Shard]:
+    """``torchrec_plan``'s placement (fused kernels) as shards."""
     out = []
-    for name, ps in plan.plan[""].items():
+    for name, ps in torchrec_plan(tables, world, local_world).items():
         assert ps.sharding_spec is not None, (name, ps.sharding_type)  # fused kernels: never replicated
         out += [
             Shard(int(name[1:]), m.shard_offsets[1], m.shard_sizes[1], m.placement.rank())
