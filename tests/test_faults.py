@@ -185,7 +185,7 @@ RECSCALE = ["--nproc", "2", "--local-world-size", "1", "--max-restarts", "1"]
 @dist_mark
 @pytest.mark.parametrize("launcher", ["torchrun, 1 host x 2", "recscale --nproc, 2 hosts x 1"])
 def test_restart_resumes_from_the_last_checkpoint(tmp_path, launcher):
-    """With --max-restarts 1 a killed rank restarts the job, which resumes from step 20."""
+    """With --max-restarts 1 a killed rank restarts the job, which resumes from its last checkpoint."""
     run_dir = tmp_path / "run"
     train = [
         "-m",
@@ -206,7 +206,9 @@ def test_restart_resumes_from_the_last_checkpoint(tmp_path, launcher):
     os.kill(_pid_of_rank(run_dir, 1), signal.SIGKILL)
     _, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, err[-2000:]
-    assert "restart 1 after a failed rank: resumed from" in err and "step_00000020" in err
+    # Step 20's checkpoint, or step 40's where the job outran the poll on a loaded machine.
+    resumed = re.search(r"restart 1 after a failed rank: resumed from \S*/step_(\d{8}) ", err)
+    assert resumed and int(resumed.group(1)) in (20, 40), err[-2000:]
     steps = [r["step"] for r in _logged(run_dir) if r["split"] == "train"]
     assert steps == list(range(1, 61))  # what the killed attempt did after step 20 was dropped, then redone
     assert json.loads((run_dir / "report.json").read_text())["steps"] == 60
