@@ -120,8 +120,20 @@ def shard_ms(shards: list[tuple[Table, int]], warmup: int = 3, reps: int = 9, tr
     return trimmed_mean_ms(step, time.thread_time, warmup, reps, trim)
 
 
+def collective_ms(run: Callable[[], None], reps: int = 5) -> float:
+    """Wall time (ms) of the collective(s) ``run``, each run after a barrier: the fastest of ``reps``
+    after a warm-up, as the slowest rank saw it."""
+
+    def synced() -> None:
+        dist.barrier()
+        run()
+
+    t = torch.tensor([trimmed_mean_ms(synced, time.perf_counter, warmup=1, reps=reps, trim=0, fastest=True)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 def _a2a_pair(fwd_in: torch.Tensor, fwd_out: torch.Tensor, sends: list[int], receives: list[int]) -> None:
-    dist.barrier()
     dist.all_to_all_single(fwd_out, fwd_in, receives, sends)
     dist.all_to_all_single(fwd_in, fwd_out, sends, receives)
 
@@ -137,12 +149,7 @@ def _comm_worker(rank: int, world: int, store: str, dim_sums: list[list[int]], p
             fwd_out = torch.empty(b * sum(dims))
             sends, receives = [b * dims[rank]] * world, [b * d for d in dims]
             # forward: outputs to their examples' ranks; backward: their gradients back
-            step = partial(_a2a_pair, fwd_in, fwd_out, sends, receives)
-            t = torch.tensor(
-                [trimmed_mean_ms(step, time.perf_counter, warmup=1, reps=5, trim=0, fastest=True)]
-            )
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's view
-            times[p, i] = float(t)
+            times[p, i] = collective_ms(partial(_a2a_pair, fwd_in, fwd_out, sends, receives))
     if rank == 0:
         np.save(out, np.median(times, axis=0))
     dist.destroy_process_group()

@@ -8,8 +8,9 @@ splits its lookups over the ranks but reduce-scatters a full (batch, dim) partia
 shard. This times, over gloo with ``--world`` local processes (one thread each, the benchmark's setting),
 what each trades:
 
-- the forward+backward pooled all-to-all per output dim (``BATCH`` examples, even dim sums), i.e. what a
-  table of dim d costs the all-to-all as a table_wise or column_wise shard, d x that;
+- the forward+backward pooled all-to-all per output dim (``BATCH`` examples, even dim sums, timed as
+  bench/sharding.py times a plan's), i.e. what a table of dim d costs the all-to-all as a table_wise or
+  column_wise shard, d x that;
 - the all-reduce of one table's fp32 gradient, rows x 64 (what replicating it adds; DDP's buckets
   would merge small tables, so the MB/s of the largest one is the cheapest a replica can be);
 - the reduce-scatter of a 64-dim table's partial pooled outputs (what a row-wise table adds, in place of
@@ -27,12 +28,11 @@ import json
 import logging
 import os
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from sharding_common import EVAL_STREAM, random_task, rng, trimmed_mean_ms
+from sharding_common import EVAL_STREAM, all_to_all_ms, collective_ms, random_task, rng
 
 from recscale.distributed.planner.baselines import torchrec_plan
 from recscale.distributed.planner.features import BATCH
@@ -41,39 +41,16 @@ DIM_SUMS = (256, 1024, 2048)  # per rank
 ROWS = (1000, 4096, 16384, 65536)  # replicated 64-dim tables
 
 
-def _slowest_fastest_ms(run) -> float:
-    """The fastest of 7 runs (after a warm-up), the slowest rank's view of it (as sharding_common times)."""
-
-    def synced() -> None:
-        dist.barrier()
-        run()
-
-    t = torch.tensor([trimmed_mean_ms(synced, time.perf_counter, warmup=1, reps=7, trim=0, fastest=True)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def _worker(rank: int, world: int, store: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    b = BATCH // world
     rows = []
-    for d in DIM_SUMS:
-        x, y = torch.ones(world * b * d), torch.empty(world * b * d)
-
-        def a2a(x: torch.Tensor = x, y: torch.Tensor = y) -> None:
-            dist.all_to_all_single(y, x)  # forward: pooled outputs to their examples' ranks
-            dist.all_to_all_single(x, y)  # backward: their gradients back
-
-        ms = _slowest_fastest_ms(a2a)
-        rows.append({"all_to_all_fwd_bwd_ms": round(ms, 2), "dims_in_all": world * d,
-                     "us_per_dim": round(ms * 1e3 / (world * d), 2)})  # fmt: skip
     for n in ROWS:
         g = torch.ones(n * 64)
-        ms = _slowest_fastest_ms(lambda g=g: dist.all_reduce(g))
+        ms = collective_ms(lambda g=g: dist.all_reduce(g))
         rows.append({"all_reduce_ms": round(ms, 2), "rows": n, "dim": 64, "mb": round(n * 64 * 4 / 1e6, 2)})
-    full, part = torch.ones(BATCH * 64), torch.empty(b * 64)
-    ms = _slowest_fastest_ms(lambda: dist.reduce_scatter_tensor(part, full))
+    full, part = torch.ones(BATCH * 64), torch.empty(BATCH // world * 64)
+    ms = collective_ms(lambda: dist.reduce_scatter_tensor(part, full))
     rows.append({"reduce_scatter_ms": round(ms, 2), "batch": BATCH, "dim": 64})
     if rank == 0:
         for r in rows:
@@ -86,6 +63,10 @@ def main() -> None:
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--tasks", type=int, default=20, help="evaluation tasks planned by TorchRec's planner")
     args = p.parse_args()
+    # The benchmark's own all-to-all timing, for even per-rank dim sums.
+    for d, ms in zip(DIM_SUMS, all_to_all_ms([[d] * args.world for d in DIM_SUMS]), strict=True):
+        print(json.dumps({"world": args.world, "all_to_all_fwd_bwd_ms": round(ms, 2), "dims_in_all": args.world * d,
+                          "us_per_dim": round(ms * 1e3 / (args.world * d), 2)}), flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
             _worker, (args.world, os.path.join(tmp, "store")), nprocs=args.world, start_method="spawn"
