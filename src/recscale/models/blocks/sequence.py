@@ -168,7 +168,6 @@ class SequenceEncoder(nn.Module):
         pos = torch.arange(n, device=lengths.device)
         valid = pos < lengths[:, None]  # (B, L)
         x = padded[torch.where(valid, starts[:, None] + pos, padded.shape[0] - 1)]  # (B, L, d)
-        attendable = valid | (pos == 0)  # an empty history attends to one zero row, masked out below
         if self.positions is not None:
             x = x + self.positions((lengths[:, None] - 1 - pos).clamp(min=0)) * valid[..., None]
         for block in self.blocks:
@@ -177,5 +176,6 @@ class SequenceEncoder(nn.Module):
             out = x[torch.arange(x.shape[0], device=x.device), (lengths - 1).clamp(min=0)]
         else:
             assert target is not None  # EmbeddingLayer requires a target for din encoders
+            attendable = valid | (pos == 0)  # an empty history attends to one zero row, masked out below
             out = self.din(x, attendable, target)
         return out * (lengths > 0)[:, None].to(out.dtype)
