@@ -80,6 +80,8 @@ class Scorer:
         self.task, self.times = task, dict[tuple[tuple[int, int], ...], float]()
 
     def rank_ms(self, shards: list[Shard]) -> float:
+        # Row blocks would need their own ids and timing; the tasks have no memory cap, so no plan has any.
+        assert all(s.parts == 1 for s in shards), "row-split tables are not scored"
         key = tuple(sorted((s.table, s.width) for s in shards))
         if key not in self.times:
             self.times[key] = shard_ms([(self.task[t], w) for t, w in key], warmup=2, reps=5, trim=1)

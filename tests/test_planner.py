@@ -120,6 +120,39 @@ def test_memory_caps_hold_and_an_impossible_cap_is_one_line(models):
     assert named.memory() / 4 > 2**19 and "\n" not in str(e.value)  # even split 4 ways it does not fit
 
 
+def test_tables_that_fit_only_split_by_rows_are_row_wise(models):
+    tables = task(12)
+    big = synthetic_table("big", 2_000_000, 4, 2.0, 1.0, np.random.default_rng(1))[0]  # 4 columns: no split
+    tables.append(big)
+    cap = 30 * 2**20  # big (38 MB) fits a rank only as a quarter of its rows
+    plan = LearnedPlanner(models, 4, cap).plan(tables)
+    assert plan.row_split(12) and plan.ranks_of(12) == [0, 1, 2, 3]
+    assert not any(plan.row_split(t) for t in range(12)) and covers_each_column_once(
+        [s for s in plan.shards if s.table < 12], tables[:12]
+    )
+    assert max(plan.memory) <= cap and sum(plan.memory) >= sum(f.memory() for f in tables)
+    assert table_plan(plan.ranks_of(12), Topology(4, 4), True).type == "row_wise"
+    # on 2 hosts x 2 the hierarchical search keeps a table's row blocks on one host: table_row_wise
+    planner = LearnedPlanner(models, 4, cap, local_world=2)
+    planner.plan(tables)
+    (hosted,) = planner._hierarchical()
+    assert hosted.row_split(12) and len({r // 2 for r in hosted.ranks_of(12)}) == 1
+    assert max(hosted.memory) <= cap
+    assert table_plan(hosted.ranks_of(12), Topology(4, 2), True).type == "table_row_wise"
+    # too big for a rank even split by rows over all four: one line naming it
+    with pytest.raises(ConfigError, match="table 'big' .* cap of 9 MB per rank on 4 ranks"):
+        LearnedPlanner(models, 4, 9 * 2**20).plan(tables)
+
+
+def test_a_table_that_fits_only_split_by_columns_is_split(models):
+    tables = task(3)  # 8.2 MB in all
+    tables.append(synthetic_table("wide", 100_000, 128, 2.0, 1.0, np.random.default_rng(1))[0])  # 49 MB
+    cap = 20 * 2**20  # above a quarter of wide's columns, below half of them
+    assert tables[3].columns(32).memory() < cap < tables[3].columns(64).memory()
+    plan = LearnedPlanner(models, 4, cap).plan(tables)
+    assert len(plan.ranks_of(3)) == 4 and not plan.row_split(3) and max(plan.memory) <= cap
+
+
 def lr_model(n: int = 6):
     features = FeatureSet(sparse=tuple(SparseInput(f"f{i}", 100 * (i + 1)) for i in range(n)), num_dense=0)
     return build_model("lr", features, EmbeddingConfig(dim=16), {})
@@ -138,6 +171,22 @@ def test_learned_sharding_gives_a_torchrec_plan():
         assert ps.compute_kernel == "fused" and sum(m.shard_sizes[1] for m in ps.sharding_spec.shards) == 16
         if ps.sharding_type == "table_column_wise":  # 2 hosts x 2 ranks: its shards share one host
             assert len({m.placement.rank() // 2 for m in ps.sharding_spec.shards}) == 1
+
+
+def test_learned_sharding_row_splits_what_fits_no_other_way():
+    sizes = {"f0": 4000, "f1": 10, "f2": 10}
+    features = FeatureSet(sparse=tuple(SparseInput(f, n) for f, n in sizes.items()), num_dense=0)
+    model = build_model("lr", features, EmbeddingConfig(dim=16), {})
+    env = DistEnv(0, 4, 0, 4, torch.device("cpu"), "gloo")
+    # f0: 272 KB with its row-wise state; its narrowest column shard (4 of 16) 80 KB, a quarter of its rows 68 KB
+    cfg = DistributedConfig.model_validate({"sharding": "learned", "learned": {"memory_cap_mb": 75 / 1024}})
+    plan, prediction = predicted_plan(model, env, cfg)
+    ps = plan.plan["embedding.ebc"]["t_f0"]
+    assert ps.sharding_type == "row_wise" and ps.compute_kernel == "fused"
+    assert [(m.placement.rank(), m.shard_sizes) for m in ps.sharding_spec.shards] == [
+        (r, [1000, 16]) for r in range(4)
+    ]
+    assert prediction is not None and max(prediction.plan.memory) <= 75 * 1024
 
 
 def test_learned_sharding_with_every_table_explicit_plans_nothing():
@@ -266,14 +315,17 @@ def test_hierarchical_plans_keep_column_splits_inside_a_host(models):
 
 
 @pytest.mark.parametrize(
-    "ranks, topology, expected",
+    "ranks, topology, expected, by_rows",
     [
-        ([3], Topology(4, 2), ("table_wise", [3], None)),
-        ([2, 3], Topology(4, 2), ("table_column_wise", [2, 3], 1)),
-        ([1, 2], Topology(4, 2), ("column_wise", [1, 2], None)),
-        ([0, 1], Topology(4, 4), ("column_wise", [0, 1], None)),
+        ([3], Topology(4, 2), ("table_wise", [3], None), False),
+        ([2, 3], Topology(4, 2), ("table_column_wise", [2, 3], 1), False),
+        ([1, 2], Topology(4, 2), ("column_wise", [1, 2], None), False),
+        ([0, 1], Topology(4, 4), ("column_wise", [0, 1], None), False),
+        ([0, 1, 2, 3], Topology(4, 4), ("row_wise", None, None), True),
+        ([0, 1, 2, 3], Topology(4, 2), ("row_wise", None, None), True),
+        ([2, 3], Topology(4, 2), ("table_row_wise", None, 1), True),
     ],
 )
-def test_learned_shards_become_the_matching_sharding_type(ranks, topology, expected):
-    p = table_plan(ranks, topology)
+def test_learned_shards_become_the_matching_sharding_type(ranks, topology, expected, by_rows):
+    p = table_plan(ranks, topology, by_rows)
     assert (p.type, p.ranks, p.host) == expected

@@ -49,6 +49,11 @@ class TableFeatures:
         """A column shard of ``width`` columns: the same rows and lookups, fewer columns."""
         return replace(self, dim=width)
 
+    def row_block(self, parts: int) -> TableFeatures:
+        """One of ``parts`` row shards (TorchRec's row-wise blocks of ceil(rows / parts) rows), taking
+        its share of the lookups; the access histogram is the table's (each block draws from it alike)."""
+        return replace(self, rows=-(-self.rows // parts), pooling=self.pooling / parts)
+
 
 def zipf_ids(rng: np.random.Generator, rows: int, n: int, alpha: float) -> np.ndarray:
     """``n`` ids of a table of ``rows`` rows, rank r drawn with probability ∝ r^-alpha, ranks scattered

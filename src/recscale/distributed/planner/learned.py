@@ -42,7 +42,8 @@ def learned_specs(
     cfg: LearnedConfig,
 ) -> tuple[dict[str, TablePlan], Plan, list[TableFeatures]]:
     """Table name -> its plan (table_wise on one rank; column shards on distinct ranks: table_column_wise
-    where they share a host of several, else column_wise), the planner's prediction, and the features
+    where they share a host of several, else column_wise; row blocks: table_row_wise on one host of
+    several, else row_wise), the planner's prediction, and the features
     it planned with (in ``tables`` order). The planner also scores its baselines' placements
     (``baselines.candidates``, TorchRec's planner's among them) and keeps the cheapest predicted."""
     features = table_features(tables, sample)
@@ -52,11 +53,18 @@ def learned_specs(
     plan = LearnedPlanner(models, world, cap, local_world=local).plan(
         features, candidates(features, world, local)
     )
-    return {c.name: table_plan(plan.ranks_of(t), topology) for t, c in enumerate(tables)}, plan, features
+    specs = {c.name: table_plan(plan.ranks_of(t), topology, plan.row_split(t)) for t, c in enumerate(tables)}
+    return specs, plan, features
 
 
-def table_plan(ranks: list[int], topology: Topology) -> TablePlan:
-    """The explicit plan of a table whose column shards lie on ``ranks``."""
+def table_plan(ranks: list[int], topology: Topology, by_rows: bool = False) -> TablePlan:
+    """The explicit plan of a table whose column shards (``by_rows``: row blocks) lie on ``ranks``."""
+    if by_rows:
+        if len(ranks) == topology.world_size:
+            return TablePlan(type="row_wise")
+        (host,) = {topology.host_of(r) for r in ranks}  # the hierarchical search's: one host's ranks
+        assert ranks == topology.ranks_of_host(host), ranks
+        return TablePlan(type="table_row_wise", host=host)
     if len(ranks) == 1:
         return TablePlan(type="table_wise", ranks=ranks)
     hosts = {topology.host_of(r) for r in ranks}

@@ -5,7 +5,11 @@ A plan's cost is max over ranks of the predicted shard compute (forward + backwa
 all-to-all (forward + backward) for the ranks' output dim sums; over several hosts, plus the time the
 busiest host's inter-host traffic takes at TorchRec's cross-node bandwidth (``inter_host_ms``). Column
 shards are equal, a multiple of 4 columns wide (fbgemm's kernels), on distinct ranks, as recscale's
-column-wise plans build them. The plan kept is the cheapest predicted of the search's, the
+column-wise plans build them. A table that fits the memory cap only split by rows is row-wise over all
+the planner's ranks (over one host's ranks in the hierarchical search: table_row_wise): each rank holds a
+block of its rows, takes its share of the lookups and sends a partial output for every example, which the
+all-to-all term counts as that many output dims on every rank (the bytes of TorchRec's reduce-scatter).
+The plan kept is the cheapest predicted of the search's, the
 hierarchical search's (several hosts) and the caller's candidates (other planners' placements), then
 hill-climbed.
 """
@@ -37,6 +41,7 @@ class Shard:
     offset: int  # first column
     width: int
     rank: int
+    parts: int = 1  # > 1: one of the table's ``parts`` row blocks (every column), one per rank
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,10 @@ class Plan:
     def ranks_of(self, table: int) -> list[int]:
         """The ranks holding ``table``'s column shards, first columns first."""
         return [s.rank for s in sorted(self.shards, key=lambda s: s.offset) if s.table == table]
+
+    def row_split(self, table: int) -> bool:
+        """Whether ``table`` is split by rows (row blocks on ``ranks_of(table)``, in order)."""
+        return any(s.parts > 1 for s in self.shards if s.table == table)
 
 
 def traffic(topology: Topology, dims: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, float]:
@@ -102,8 +111,8 @@ class LearnedPlanner:
         """The cheapest predicted plan of the search's and ``candidates`` (placements of ``tables``, e.g.
         other planners'; those over the memory cap are passed over), hill-climbed."""
         self.tables = tables
-        self._emb: dict[tuple[int, int], np.ndarray] = {}
-        self._check_fits(tables)
+        self._emb: dict[tuple[int, int, int], np.ndarray] = {}
+        self.by_rows = self._row_split_tables()
         plans = [self._search()]
         if self.topology.num_hosts > 1:
             plans += self._hierarchical()
@@ -119,14 +128,27 @@ class LearnedPlanner:
         compute = np.where(count > 0, self.models.shard_cost(sums), 0.0)
         return Plan(shards, [float(c) for c in compute], self._comm(dims, ids), [int(x) for x in mem])
 
-    def _emb_of(self, table: int, width: int) -> np.ndarray:
-        """The compute model's embedding of ``width`` columns of ``table`` (cached)."""
-        e = self._emb.get((table, width))
+    def _features(self, table: int, width: int, parts: int = 1) -> TableFeatures:
+        """A shard's features: ``width`` columns of ``table``, or one of its ``parts`` row blocks."""
+        f = self.tables[table]
+        return f.row_block(parts) if parts > 1 else f.columns(width)
+
+    def _emb_of(self, table: int, width: int, parts: int = 1) -> np.ndarray:
+        """The compute model's embedding of a shard (``_features``; cached)."""
+        e = self._emb.get((table, width, parts))
         if e is None:
-            e = self._emb[table, width] = self.models.table_embedding(
-                self.tables[table].columns(width).vector()
+            e = self._emb[table, width, parts] = self.models.table_embedding(
+                self._features(table, width, parts).vector()
             )
         return e
+
+    def _row_shards(self) -> list[Shard]:
+        """The row-split tables' blocks, one on each rank."""
+        return [
+            Shard(t, 0, self.tables[t].dim, r, self.world)
+            for t in sorted(self.by_rows)
+            for r in range(self.world)
+        ]
 
     def _loads(self, shards: list[Shard]) -> tuple[np.ndarray, ...]:
         """Per rank: summed table embeddings, output dims, ids per example, memory, shard count."""
@@ -135,11 +157,11 @@ class LearnedPlanner:
         dims, ids = np.zeros(R), np.zeros(R)
         mem, count = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
         for sh in shards:
-            f = self.tables[sh.table]
-            sums[sh.rank] += self._emb_of(sh.table, sh.width)
+            f = self._features(sh.table, sh.width, sh.parts)
+            sums[sh.rank] += self._emb_of(sh.table, sh.width, sh.parts)
             dims[sh.rank] += sh.width
             ids[sh.rank] += f.pooling
-            mem[sh.rank] += f.columns(sh.width).memory()
+            mem[sh.rank] += f.memory()
             count[sh.rank] += 1
         return sums, dims, ids, mem, count
 
@@ -148,8 +170,16 @@ class LearnedPlanner:
 
     def _search(self) -> Plan:
         """NeuroShard's beam search over column splits, each state placed by the greedy grid."""
-        start = tuple(1 for _ in self.tables)
-        best = self._best_placement(start)
+        start = tuple(self._fewest_splits(f) for f in self.tables)
+        while True:  # a table the greedy cannot fit beside the others: split it further while it can be
+            try:
+                best = self._best_placement(start)
+                break
+            except _Unplaceable as e:
+                k = start[e.table]
+                if e.table in self.by_rows or 2 * k not in self._splits(self.tables[e.table]):
+                    self._too_big(self.tables[e.table], beside_others=True)
+                start = tuple(2 * k if t == e.table else s for t, s in enumerate(start))
         beam, seen = [(best.cost_ms, start, best)], {start}
         for _ in range(self.steps):
             children = []
@@ -201,7 +231,8 @@ class LearnedPlanner:
                         sub = LearnedPlanner(self.models, L, self.cap, self.beam, self.steps)
                         part = sub.plan([self.tables[t] for t in held])
                         shards += [
-                            Shard(held[s.table], s.offset, s.width, h * L + s.rank) for s in part.shards
+                            Shard(held[s.table], s.offset, s.width, h * L + s.rank, s.parts)
+                            for s in part.shards
                         ]
             except ConfigError:  # a host's tables do not fit its ranks' caps: no hierarchical plan this way
                 continue
@@ -218,7 +249,7 @@ class LearnedPlanner:
         for _ in range(moves):
             top, move = int(np.argmax(compute)), None
             for i, sh in enumerate(shards):
-                if sh.rank != top:
+                if sh.rank != top or sh.parts > 1:
                     continue
                 f = self.tables[sh.table]
                 e, m = self._emb_of(sh.table, sh.width), f.columns(sh.width).memory()
@@ -251,19 +282,32 @@ class LearnedPlanner:
             ks.append(2 * ks[-1])
         return ks
 
-    def _check_fits(self, tables: list[TableFeatures]) -> None:
-        if self.cap is None:
-            return
-        for f in tables:
-            if f.memory() / max(self._splits(f)) > self.cap:
-                self._too_big(f)
+    def _fewest_splits(self, f: TableFeatures) -> int:
+        """The fewest column shards of ``f`` that each fit the memory cap (1 without a cap; the most
+        there are when none does: a row-split table)."""
+        ks = self._splits(f)
+        return next((k for k in ks if self.cap is None or f.columns(f.dim // k).memory() <= self.cap), ks[-1])
 
-    def _too_big(self, f: TableFeatures) -> None:
+    def _row_split_tables(self) -> frozenset[int]:
+        """The tables that fit the memory cap only split by rows (even their narrowest column shards do
+        not); a table that does not fit split by rows over every rank either is a one-line error."""
+        out = set()
+        for t, f in enumerate(self.tables):
+            if self.cap is None or f.columns(f.dim // max(self._splits(f))).memory() <= self.cap:
+                continue
+            if f.row_block(self.world).memory() > self.cap:
+                self._too_big(f)
+            out.add(t)
+        return frozenset(out)
+
+    def _too_big(self, f: TableFeatures, beside_others: bool = False) -> None:
+        """One line: ``f`` does not fit the cap (split every way it can be), or not beside the others."""
         cap, total = (self.cap or 0) / 2**20, sum(t.memory() for t in self.tables) / 2**20
+        where = "beside the other tables " if beside_others else ""
         raise ConfigError(
             f"distributed.learned.memory_cap_mb: table {f.name!r} ({f.memory() / 2**20:.3g} MB with its "
-            f"optimizer state) does not fit under the cap of {cap:.3g} MB per rank on {self.world} ranks "
-            f"(all tables: {total:.3g} MB); raise the cap or use more ranks"
+            f"optimizer state) does not fit {where}under the cap of {cap:.3g} MB per rank on {self.world} "
+            f"ranks (all tables: {total:.3g} MB); raise the cap or use more ranks"
         )
 
     def _split_candidates(self, state: tuple[int, ...], top: int = 3) -> list[int]:
@@ -272,7 +316,9 @@ class LearnedPlanner:
             t: float(self.models.shard_cost(self._emb_of(t, self.tables[t].dim // k)))
             for t, k in enumerate(state)
         }
-        ok = [t for t, k in enumerate(state) if 2 * k in self._splits(self.tables[t])]
+        ok = [
+            t for t, k in enumerate(state) if t not in self.by_rows and 2 * k in self._splits(self.tables[t])
+        ]
         return sorted(ok, key=lambda t: -cost[t])[:top]
 
     def _best_placement(self, state: tuple[int, ...]) -> Plan:
@@ -288,8 +334,6 @@ class LearnedPlanner:
                 break
         if not plans:
             assert failed is not None
-            if all(k == 1 for k in state):
-                self._too_big(self.tables[failed.table])
             raise failed
         return min(plans, key=lambda p: p.cost_ms)
 
@@ -297,16 +341,19 @@ class LearnedPlanner:
         """Greedy: shards by predicted cost (or memory), each to the rank it costs least on among those
         under the dim bound ``theta`` x mean (any rank with memory left when none is)."""
         R = self.world
-        widths = [(t, f.dim // k, k) for t, (f, k) in enumerate(zip(self.tables, state, strict=True))]
+        widths = [
+            (t, f.dim // k, k)
+            for t, (f, k) in enumerate(zip(self.tables, state, strict=True))
+            if t not in self.by_rows
+        ]
         if by_memory:
             order = sorted(widths, key=lambda w: -self.tables[w[0]].columns(w[1]).memory())
         else:
             order = sorted(widths, key=lambda w: -float(self.models.shard_cost(self._emb_of(w[0], w[1]))))
-        bound = theta * sum(f.dim for f in self.tables) / R
-        sums = np.zeros((R, self._emb_of(0, self.tables[0].dim).shape[-1]), dtype=np.float32)
-        dims, mem = np.zeros(R), np.zeros(R)
-        holds: list[set[int]] = [set() for _ in range(R)]
-        shards = []
+        shards = self._row_shards()  # every rank holds a block of each row-split table
+        sums, dims, _, mem, _ = self._loads(shards)
+        bound = theta * (dims.sum() + sum(w * k for _, w, k in widths)) / R
+        holds: list[set[int]] = [set(self.by_rows) for _ in range(R)]
         for t, width, k in order:
             e = self._emb_of(t, width)
             m = self.tables[t].columns(width).memory()
