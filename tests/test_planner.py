@@ -139,9 +139,11 @@ def test_tables_that_fit_only_split_by_rows_are_row_wise(models):
     assert hosted.row_split(12) and len({r // 2 for r in hosted.ranks_of(12)}) == 1
     assert max(hosted.memory) <= cap
     assert table_plan(hosted.ranks_of(12), Topology(4, 2), True).type == "table_row_wise"
-    # too big for a rank even split by rows over all four: one line naming it
+    # too big for a rank even split by rows over all four: one line naming it; the tables together too big
     with pytest.raises(ConfigError, match="table 'big' .* cap of 9 MB per rank on 4 ranks"):
         LearnedPlanner(models, 4, 9 * 2**20).plan(tables)
+    with pytest.raises(ConfigError, match=r"all tables \(97\.7 MB .*\) do not fit under the cap of 20 MB"):
+        LearnedPlanner(models, 4, 20 * 2**20).plan(tables)
 
 
 def test_a_table_that_fits_only_split_by_columns_is_split(models):

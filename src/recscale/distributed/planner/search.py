@@ -303,12 +303,16 @@ class LearnedPlanner:
     def _too_big(self, f: TableFeatures, beside_others: bool = False) -> None:
         """One line: ``f`` does not fit the cap (split every way it can be), or not beside the others."""
         cap, total = (self.cap or 0) / 2**20, sum(t.memory() for t in self.tables) / 2**20
-        where = "beside the other tables " if beside_others else ""
-        raise ConfigError(
-            f"distributed.learned.memory_cap_mb: table {f.name!r} ({f.memory() / 2**20:.3g} MB with its "
-            f"optimizer state) does not fit {where}under the cap of {cap:.3g} MB per rank on {self.world} "
-            f"ranks (all tables: {total:.3g} MB); raise the cap or use more ranks"
-        )
+        under = f"under the cap of {cap:.3g} MB per rank on {self.world} ranks"
+        if beside_others and total > cap * self.world:
+            what = f"all tables ({total:.3g} MB with their optimizer state) do not fit {under}"
+        else:
+            where = "beside the other tables " if beside_others else ""
+            what = (
+                f"table {f.name!r} ({f.memory() / 2**20:.3g} MB with its optimizer state) does not fit "
+                f"{where}{under} (all tables: {total:.3g} MB)"
+            )
+        raise ConfigError(f"distributed.learned.memory_cap_mb: {what}; raise the cap or use more ranks")
 
     def _split_candidates(self, state: tuple[int, ...], top: int = 3) -> list[int]:
         """The ``top`` tables of highest predicted single-shard cost that can split further."""
