@@ -5,6 +5,7 @@ knobs it was tuned on: the parsing and encoding thread counts, the text chunk si
     python bench/prepare_wall.py --tsv /tmp/criteo500k.tsv                      # the defaults
     python bench/prepare_wall.py --tsv /tmp/criteo500k.tsv --threads 3 2 --block-mb 16 --no-recut
     PYTHONPATH=OLD/src python bench/prepare_wall.py --tsv /tmp/criteo500k.tsv   # code in OLD
+    python bench/prepare_wall.py --tsv /tmp/criteo500k.tsv --hash-buckets 1048576  # hashed ids, no vocabularies
 
 The file is bench/prepare_cpu.py's (written if missing). Prints one JSON line: the median over ``--repeat``
 preparations of the wall time, and of the part after the last batch was read (fitting the vocabularies
@@ -31,6 +32,7 @@ import recscale.data.chunks as chunks
 import recscale.data.materialize as materialize
 import recscale.data.readers as readers
 import recscale.data.readers.text as text
+from recscale.data.schema import Schema, SparseFeature
 
 
 def main() -> None:
@@ -46,6 +48,9 @@ def main() -> None:
     p.add_argument(
         "--keep-freed-memory", action="store_true", help="train.reuse_memory's malloc tuning first"
     )
+    p.add_argument(
+        "--hash-buckets", type=int, help="hash every id field into this many buckets instead of a vocabulary"
+    )
     args = p.parse_args()
     criteo_tsv(args.tsv, args.rows)
     if args.threads:
@@ -60,6 +65,11 @@ def main() -> None:
 
         keep_freed_memory()
     schema = schema_for("criteo")
+    if args.hash_buckets:
+        schema = Schema(
+            dense=schema.dense,
+            sparse=[SparseFeature(name=f.name, hash_buckets=args.hash_buckets) for f in schema.sparse],
+        )
     walls, finishes = [], []
 
     def timed(batches: Iterator[pa.RecordBatch], read: list[float]) -> Iterator[pa.RecordBatch]:
