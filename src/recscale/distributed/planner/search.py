@@ -282,19 +282,23 @@ class LearnedPlanner:
             ks.append(2 * ks[-1])
         return ks
 
-    def _fewest_splits(self, f: TableFeatures) -> int:
-        """The fewest column shards of ``f`` that each fit the memory cap (1 without a cap; the most
-        there are when none does: a row-split table)."""
+    def _column_splits_that_fit(self, f: TableFeatures) -> int | None:
+        """The fewest column shards of ``f`` that each fit the memory cap (1 without a cap), or None."""
         ks = self._splits(f)
-        return next((k for k in ks if self.cap is None or f.columns(f.dim // k).memory() <= self.cap), ks[-1])
+        return next((k for k in ks if self.cap is None or f.columns(f.dim // k).memory() <= self.cap), None)
+
+    def _fewest_splits(self, f: TableFeatures) -> int:
+        """The search's first column split of ``f``: the fewest that fit (a row-split table's is unused)."""
+        return self._column_splits_that_fit(f) or self._splits(f)[-1]
 
     def _row_split_tables(self) -> frozenset[int]:
         """The tables that fit the memory cap only split by rows (even their narrowest column shards do
         not); a table that does not fit split by rows over every rank either is a one-line error."""
         out = set()
         for t, f in enumerate(self.tables):
-            if self.cap is None or f.columns(f.dim // max(self._splits(f))).memory() <= self.cap:
+            if self._column_splits_that_fit(f) is not None:
                 continue
+            assert self.cap is not None  # without a cap every table fits whole
             if f.row_block(self.world).memory() > self.cap:
                 self._too_big(f)
             out.add(t)
