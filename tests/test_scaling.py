@@ -48,6 +48,14 @@ FAMILIES = {
 }
 
 
+def write_results(path: Path, rows: list[dict]) -> Path:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
 def read_csv(path: Path) -> list[dict]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -177,11 +185,7 @@ def test_scaling_fit_cli_reports_and_plots(tmp_path, capsys):
             for c, y in zip(compute, loss, strict=True)]  # fmt: skip
     rows += [{"family": "dlrm", "train_flops": c, "valid_logloss": y, "bayes_logloss": 0.39}
              for c, y in ((1e12, 0.46), (1e13, 0.455))]  # fmt: skip
-    results = tmp_path / "results.csv"
-    with open(results, "w", newline="") as f:
-        writer = csv.DictWriter(f, ["family", "train_flops", "valid_logloss", "bayes_logloss"])
-        writer.writeheader()
-        writer.writerows(rows)
+    results = write_results(tmp_path / "results.csv", rows)
     png = tmp_path / "plot" / "scaling.png"
     assert main(["scaling", "fit", str(results), "--out", str(png)]) == 0
     out = capsys.readouterr().out
@@ -219,13 +223,43 @@ def test_results_average_the_seeds_of_a_point(tmp_path):
             ("b", 2e12, 0.46),
         )
     ]
-    with open(results, "w", newline="") as f:
-        writer = csv.DictWriter(f, list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    (fam,) = load_results(results)
+    (fam,) = load_results(write_results(results, rows))
     assert fam.compute.tolist() == [1e12, 2e12] and fam.loss == pytest.approx([0.51, 0.46])
     assert fam.seeds.tolist() == [2, 3] and len(fam.run_loss) == 5
+
+
+def sweep_row(family: str, knobs: str, examples: int, seed: int, flops: float, loss: float) -> dict:
+    return {"family": family, "point": f"{family}-{knobs}-n{examples}", "seed": seed, "model": "wukong",
+            "knobs": knobs, "examples": examples, "train_flops": flops, "valid_logloss": loss,
+            "bayes_logloss": 0.38}  # fmt: skip
+
+
+def test_results_of_several_sweeps_merge_into_one_family(tmp_path, capsys):
+    """A later sweep adds a length (family ``w_long``) and repeats one run of the first: merged, the
+    repeat counts once, the same size at one length is one point whatever its family was called, and
+    dropped families are left out."""
+    first = write_results(tmp_path / "a.csv", [
+        sweep_row("w", "s", 100, 0, 1e12, 0.50), sweep_row("w", "s", 100, 1, 1e12, 0.52),
+        sweep_row("w", "s", 400, 0, 4e12, 0.46), sweep_row("w_lr", "s", 100, 0, 1e12, 0.70),
+    ])  # fmt: skip
+    later = write_results(tmp_path / "b.csv", [
+        sweep_row("w_long", "s", 400, 0, 4e12, 0.46), sweep_row("w_long", "s", 400, 1, 4e12, 0.44),
+        sweep_row("w_long", "s", 1600, 0, 16e12, 0.42),
+    ])  # fmt: skip
+    (fam,) = load_results([first, later], merge={"w_long": "w"}, drop=["w_l?"])
+    assert fam.name == "w" and fam.compute.tolist() == [1e12, 4e12, 16e12]
+    assert fam.loss == pytest.approx([0.51, 0.45, 0.42]) and fam.seeds.tolist() == [2, 2, 1]
+    assert [f.name for f in load_results([first, later])] == ["w", "w_lr", "w_long"]
+    assert main(["scaling", "fit", str(first), str(later), "--merge", "w=w_long", "--drop", "w_lr"]) == 0
+    assert "w: frontier 3 of 3 points, 1-2 seeds per point" in capsys.readouterr().out
+    assert main(["scaling", "fit", str(first), "--merge", "w_long"]) == 2
+    assert "--merge w_long: write NEW=OLD" in capsys.readouterr().err
+    assert main(["scaling", "fit", str(first), "--drop", "*"]) == 2
+    clash = write_results(tmp_path / "c.csv", [sweep_row("w", "s", 100, 0, 1e12, 0.49)])
+    with pytest.raises(
+        RecscaleError, match="c.csv: run w-s-n100 is also in .*a.csv with another valid_logloss"
+    ):
+        load_results([first, clash])
 
 
 LENGTHS = {

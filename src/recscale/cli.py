@@ -247,7 +247,15 @@ def cmd_scaling_fit(args: argparse.Namespace) -> None:
     from recscale.scaling.fit import load_results, report
     from recscale.scaling.plot import plot_scaling
 
-    families = load_results(args.results)
+    merge = {}
+    for spec in args.merge:
+        new, _, old = spec.partition("=")
+        if not new or not old:
+            raise RecscaleError(
+                f"--merge {spec}: write NEW=OLD[,OLD...], e.g. --merge wukong=wukong_long,wukong_xl"
+            )
+        merge.update({name: new for name in old.split(",")})
+    families = load_results(args.results, merge, args.drop)
     text, fits = report(families, pin_floor=args.pin_floor)
     print(text)
     if args.out:
@@ -424,7 +432,15 @@ def build_parser() -> argparse.ArgumentParser:
     sc = sub.add_parser("scaling", help="scaling-law analysis of sweep results")
     scsub = sc.add_subparsers(dest="scaling_command", required=True)
     f = scsub.add_parser("fit", help="fit loss = L_inf + a*C^-b per family; optional PNG plot")
-    f.add_argument("results", help="a sweep's results.csv")
+    f.add_argument("results", nargs="+", help="sweeps' results.csv files (a run in several counts once)")
+    f.add_argument(
+        "--merge",
+        action="append",
+        default=[],
+        metavar="NEW=OLD[,OLD...]",
+        help="fit these families as one (sweeps of one study, e.g. one that added a longer length)",
+    )
+    f.add_argument("--drop", action="append", default=[], metavar="PATTERN", help="leave out these families")
     f.add_argument("--out", help="write the plot to this PNG")
     f.add_argument(
         "--pin-floor",

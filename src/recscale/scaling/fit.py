@@ -23,6 +23,7 @@ undertrained or too small for their compute; fitting them would bend the law tow
 from __future__ import annotations
 
 import csv
+import fnmatch
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,10 +183,7 @@ class FamilyRuns:
         return np.array(keep, dtype=np.int64)
 
 
-def load_results(path: str | Path) -> list[FamilyRuns]:
-    """Families (in order of first appearance) from a sweep's results CSV; runs of one ``point`` (the
-    ``run`` in CSVs from before seeds and lengths) are averaged."""
-    path = Path(path)
+def _read_rows(path: Path) -> list[dict[str, str]]:
     if not path.is_file():
         raise RecscaleError(f"{path}: no such results file (a sweep writes OUT/results.csv)")
     with open(path, newline="") as f:
@@ -193,19 +191,63 @@ def load_results(path: str | Path) -> list[FamilyRuns]:
     need = {"family", "train_flops", "valid_logloss", "bayes_logloss"}
     if not rows or not need <= set(rows[0]):
         raise RecscaleError(f"{path}: not a sweep results CSV (needs the columns {', '.join(sorted(need))})")
+    return rows
+
+
+def _point_key(r: dict[str, str], i: int) -> str:
+    """A size trained for a length: (model, knobs, examples) where the CSV has them, so that the same
+    point from sweeps whose families are merged is one point; else its ``point`` (``run`` in CSVs from
+    before seeds and lengths), else the row itself."""
+    if r.get("knobs") and r.get("examples"):
+        return f"{r['model']} {r['knobs']} {r['examples']}"
+    return r.get("point") or r.get("run") or f"row {i}"
+
+
+def load_results(
+    paths: str | Path | list[str | Path], merge: dict[str, str] | None = None, drop: list[str] | None = None
+) -> list[FamilyRuns]:
+    """Families (in order of first appearance) from one or more sweeps' results CSVs; the runs of a
+    point are averaged over their seeds.
+
+    ``merge`` renames families (old -> new) so sweeps of one study (say, a later sweep that adds a
+    longer length) fit as one family; ``drop`` leaves out the families matching these shell patterns.
+    A run found in several files (same family, model, knobs, examples and seed) counts once, and
+    must have the same LogLoss in each."""
+    merge, drop = merge or {}, drop or []
+    rows: list[dict[str, str]] = []
+    seen: dict[tuple[str, ...], tuple[Path, str]] = {}
+    for path in map(Path, paths if isinstance(paths, list) else [paths]):
+        for i, r in enumerate(_read_rows(path)):
+            if any(fnmatch.fnmatchcase(r["family"], pattern) for pattern in drop):
+                continue
+            r = dict(r, family=merge.get(r["family"], r["family"]))
+            if r.get("knobs") and r.get("examples") and r.get("seed"):
+                key = (r["family"], r["model"], r["knobs"], r["examples"], r["seed"])
+                if key in seen:
+                    first, loss = seen[key]
+                    if float(loss) != float(r["valid_logloss"]):
+                        raise RecscaleError(
+                            f"{path}: run {r.get('run') or r.get('point')} is also in {first} with another valid_logloss "
+                            f"({r['valid_logloss']} against {loss}): not the same run; merge only sweeps of one study"
+                        )
+                    continue
+                seen[key] = (path, r["valid_logloss"])
+            rows.append(dict(r, _key=_point_key(r, i)))
+    if not rows:
+        raise RecscaleError("no runs left to fit: --drop left out every family")
     families = []
     for name in dict.fromkeys(r["family"] for r in rows):
         mine = sorted((r for r in rows if r["family"] == name), key=lambda r: float(r["train_flops"]))
         points: dict[str, list[dict[str, str]]] = {}
-        for i, r in enumerate(mine):  # without a point or run column, every row is its own point
-            points.setdefault(r.get("point") or r.get("run") or f"row {i}", []).append(r)
-        floors = {r["bayes_logloss"] for r in mine if r["bayes_logloss"]}
+        for r in mine:
+            points.setdefault(r["_key"], []).append(r)
+        floors = {float(r["bayes_logloss"]) for r in mine if r["bayes_logloss"]}
         families.append(
             FamilyRuns(
                 name=name,
                 compute=np.array([np.mean([float(r["train_flops"]) for r in p]) for p in points.values()]),
                 loss=np.array([np.mean([float(r["valid_logloss"]) for r in p]) for p in points.values()]),
-                bayes=float(floors.pop()) if len(floors) == 1 else None,
+                bayes=floors.pop() if len(floors) == 1 else None,
                 seeds=np.array([len(p) for p in points.values()]),
                 run_compute=np.array([float(r["train_flops"]) for r in mine]),
                 run_loss=np.array([float(r["valid_logloss"]) for r in mine]),
