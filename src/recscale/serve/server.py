@@ -282,6 +282,9 @@ class _WorkerApp:
         return build_app(Path(self.model_dir), self.max_rows, self.opts)[0]
 
 
+WORKER_HEALTHCHECK_S = 60
+
+
 def _set_threads(opts: ServeOptions) -> None:
     torch.set_num_threads(opts.torch_threads or max(1, torch.get_num_threads() // opts.workers))
 
@@ -304,4 +307,8 @@ def serve(
         uvicorn.Server(config(app)).run(sockets=[sock])
         return
     worker = _WorkerApp(str(model_dir), max_rows, opts)
-    Multiprocess(config(worker, factory=True, workers=opts.workers), sockets=[sock]).run()
+    # The supervisor kills a worker that does not answer its ping within timeout_worker_healthcheck (uvicorn's
+    # default 5 s). A worker importing torch and loading its model on a busy machine can hold the GIL longer,
+    # and was killed and restarted every few seconds, never ready: a minute tells slow from hung.
+    extra = {"timeout_worker_healthcheck": WORKER_HEALTHCHECK_S}
+    Multiprocess(config(worker, factory=True, workers=opts.workers, **extra), sockets=[sock]).run()
