@@ -194,13 +194,13 @@ def _read_rows(path: Path) -> list[dict[str, str]]:
     return rows
 
 
-def _point_key(r: dict[str, str], i: int) -> str:
+def _point_key(r: dict[str, str], row: str) -> str:
     """A size trained for a length: (model, knobs, examples) where the CSV has them, so that the same
     point from sweeps whose families are merged is one point; else its ``point`` (``run`` in CSVs from
-    before seeds and lengths), else the row itself."""
+    before seeds and lengths), else the row itself (``row``: its file and line)."""
     if r.get("knobs") and r.get("examples"):
         return f"{r['model']} {r['knobs']} {r['examples']}"
-    return r.get("point") or r.get("run") or f"row {i}"
+    return r.get("point") or r.get("run") or row
 
 
 def load_results(
@@ -232,7 +232,7 @@ def load_results(
                         )
                     continue
                 seen[key] = (path, r["valid_logloss"])
-            rows.append(dict(r, _key=_point_key(r, i)))
+            rows.append(dict(r, _key=_point_key(r, f"{path}:{i}")))
     if not rows:
         raise RecscaleError("no runs left to fit: --drop left out every family")
     families = []

@@ -310,5 +310,5 @@ def serve(
     # The supervisor kills a worker that does not answer its ping within timeout_worker_healthcheck (uvicorn's
     # default 5 s). A worker importing torch and loading its model on a busy machine can hold the GIL longer,
     # and was killed and restarted every few seconds, never ready: a minute tells slow from hung.
-    extra = {"timeout_worker_healthcheck": WORKER_HEALTHCHECK_S}
-    Multiprocess(config(worker, factory=True, workers=opts.workers, **extra), sockets=[sock]).run()
+    cfg = config(worker, factory=True, workers=opts.workers, timeout_worker_healthcheck=WORKER_HEALTHCHECK_S)
+    Multiprocess(cfg, sockets=[sock]).run()
