@@ -109,6 +109,20 @@ def test_sweep_config_errors_are_one_line(tmp_path, capsys):
         load_sweep(write_sweep(tmp_path, {"dlrm": {"model": {"name": "dlrm"}}}))
 
 
+@pytest.mark.parametrize("family", ["..", ".", "+", "", "a/b", "-x"])
+def test_family_names_that_would_escape_the_runs_directory_are_refused(tmp_path, capsys, family):
+    """A family's name starts its runs' directory names, which a restarted sweep removes: `..` would have
+    removed the sweep's whole out directory, `+` (slugged to nothing) every other run."""
+    out = tmp_path / "out"
+    (out / "runs").mkdir(parents=True)
+    (out / "keep.txt").write_text("a user's file")
+    path = write_sweep(tmp_path, {family: {"model": {"name": "lr"}, "sizes": [{}]}})
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"family name {family!r}" in err and len(err.strip().splitlines()) == 1
+    assert (out / "keep.txt").is_file() and (out / "runs").is_dir()
+
+
 def test_sweep_presets_validate():
     for name in ("small", "full", "medium"):
         _, runs = load_sweep(CONFIGS / "sweeps" / f"{name}.yaml")

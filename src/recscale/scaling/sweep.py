@@ -58,6 +58,7 @@ COLUMNS = [
     "wall_s", "train_s",
 ]  # fmt: skip
 RESULT = "result.json"
+FAMILY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
 class Family(BaseModel):
@@ -104,6 +105,17 @@ class SweepConfig(BaseModel):
     def _distinct_seeds(self) -> SweepConfig:
         if len(set(self.seeds)) < len(self.seeds):
             raise ValueError(f"seeds {self.seeds} repeat a seed; list each once")
+        return self
+
+    @model_validator(mode="after")
+    def _family_names(self) -> SweepConfig:
+        # A family's name starts its runs' directory names, which a restarted sweep removes and retrains.
+        for name in self.families:
+            if not FAMILY_NAME.fullmatch(name):
+                raise ValueError(
+                    f"family name {name!r}: use letters, digits, '_' and '-', starting with a letter or digit "
+                    "(it names the runs' directories)"
+                )
         return self
 
 
@@ -265,6 +277,8 @@ def _train(run: Run, run_dir: Path, shared: Path) -> dict[str, Any]:
     from recscale.train.loop import Trainer
 
     if run_dir.exists():  # an unfinished attempt: start it afresh
+        if run_dir.name != run.name or run.name in (".", ".."):  # a name that resolves outside OUT/runs
+            raise RecscaleError(f"{run_dir}: not a run directory of the sweep; refusing to remove it")
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     (run_dir / "data").symlink_to(shared.resolve(), target_is_directory=True)
