@@ -152,3 +152,44 @@ def test_a_prepared_dir_that_does_not_match_is_refused(tmp_path, capsys):
         str(tmp_path / "p2"),
     )
     assert code == 2 and "data.prepared" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["train", "C", "--nproc", "2", "--max-restarts", "-1"],
+            "argument --max-restarts: must be >= 0, got -1",
+        ),
+        (["train", "C", "--nproc", "0"], "argument --nproc: must be >= 1, got 0"),
+        (
+            ["train", "C", "--nproc", "2", "--local-world-size", "0"],
+            "argument --local-world-size: must be >= 1",
+        ),
+        (["train", "C", "--nproc", "two"], "argument --nproc: expected an integer, got 'two'"),
+        (["serve", "M", "--port", "99999"], "argument --port: must be 0 to 65535, got 99999"),
+        (
+            ["serve", "M", "--max-wait-ms", "nan"],
+            "argument --max-wait-ms: must be a finite number >= 0, got nan",
+        ),
+        (["serve", "M", "--workers", "0"], "argument --workers: must be >= 1, got 0"),
+        (["data", "inspect", "F", "--max-rows", "0"], "argument --max-rows: must be >= 1, got 0"),
+        (
+            ["shard", "plan", "C", "--out", "P", "--local-world-size", "0"],
+            "argument --local-world-size: must be >= 1",
+        ),
+        (["retrieval", "build", "D", "--out", "O", "--k", "0"], "argument --k: must be >= 1, got 0"),
+    ],
+)
+def test_out_of_range_flags_are_refused_by_the_parser(capsys, argv, message):
+    """Counts and ports out of range are one line before anything runs (a negative --max-restarts used to
+    train, then fail in torch elastic with a traceback; --port 99999 was an internal error)."""
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_batch_that_does_not_split_over_nproc_is_refused_before_the_launch(tmp_path, capsys):
+    code, _, err = run(capsys, "train", str(CONFIGS / "demo.yaml"), "--out", str(tmp_path / "r"),
+                       "train.batch_size=128", "--nproc", "3")  # fmt: skip
+    assert code == 2 and "must be a multiple of the 3 ranks" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()

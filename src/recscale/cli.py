@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -67,7 +69,7 @@ def print_report(report: dict) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from recscale.config import load_config
     from recscale.distributed.env import shutdown
-    from recscale.train.loop import Trainer
+    from recscale.train.loop import Trainer, check_batch_split
     from recscale.train.runs import resume_config
 
     if args.resume and args.config is not None and "=" in args.config and not Path(args.config).is_file():
@@ -85,6 +87,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     else:
         cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:
+        check_batch_split(cfg, args.nproc)  # once, here, rather than once per rank after the launch
         _launch(args, out)
         return
     if args.local_world_size is not None or args.max_restarts:
@@ -130,13 +133,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from recscale.serve.server import ServeOptions, build_app, serve
 
-    for name in ("port", "max_batch", "threads", "max_rows", "max_body_kb", "workers", "torch_threads"):
-        if getattr(args, name) is not None and getattr(args, name) < (0 if name == "port" else 1):
-            raise RecscaleError(
-                f"serve: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
-            )
-    if args.max_wait_ms < 0:
-        raise RecscaleError(f"serve: --max-wait-ms must be >= 0, got {args.max_wait_ms}")
     try:  # bound before the model loads: a taken port is found at once, as one line; 0 picks a free one
         sock = socket.create_server((args.host, args.port))
     except OSError as e:
@@ -168,9 +164,6 @@ def cmd_retrieval_build(args: argparse.Namespace) -> None:
     from recscale.retrieval.recipe import build_pipeline
     from recscale.serve.retrieval_artifact import Catalog, save_retrieval
 
-    for name in ("epochs", "candidates", "k"):
-        if getattr(args, name) < 1:
-            raise RecscaleError(f"retrieval build: --{name} must be positive, got {getattr(args, name)}")
     data = read_movielens(Path(args.data))
     pipe, spec = build_pipeline(data, args.index, args.epochs, args.seed, args.candidates, args.k)
     save_retrieval(Path(args.out), pipe, spec, Catalog(data.user_keys, data.item_keys, data.users))
@@ -201,9 +194,9 @@ def cmd_shard_plan(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.config, args.overrides)
     local = args.local_world_size or args.nproc
-    if args.nproc < 1 or args.nproc % local:
+    if args.nproc % local:
         raise RecscaleError(
-            f"shard plan: --nproc {args.nproc} is not a positive multiple of --local-world-size {local}"
+            f"shard plan: --nproc {args.nproc} is not a multiple of --local-world-size {local}"
         )
     doc = shard_plan(cfg, args.nproc, local, Path(args.out))
     pred = doc["predicted"]
@@ -291,6 +284,38 @@ def cmd_precision_probe(args: argparse.Namespace) -> None:
     print(f"plan: {out}  (train with it: {shlex.quote(f'model.quant.layers={layers}')})")
 
 
+def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer from ``lo`` to ``hi`` (no upper bound when None)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(
+                f"must be {f'>= {lo}' if hi is None else f'{lo} to {hi}'}, got {value}"
+            )
+        return value
+
+    return parse
+
+
+def _float_from(lo: float) -> Callable[[str], float]:
+    """An argparse type: a finite number >= ``lo``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < lo:
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {lo}, got {text}")
+        return value
+
+    return parse
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with the CLI's one-line errors (its default prints the usage block first)."""
 
@@ -310,15 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="key=value overrides of config keys")
     t.add_argument("--out", help="run directory (default runs/<config name>)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    t.add_argument("--nproc", type=int, help="train with N local processes (ranks), as torchrun would")
+    t.add_argument("--nproc", type=_int_in(1), help="train with N local processes (ranks), as torchrun would")
     t.add_argument(
         "--local-world-size",
-        type=int,
+        type=_int_in(1),
         help="with --nproc: ranks per simulated host, e.g. --nproc 4 --local-world-size 2 is 2 hosts x 2",
     )
     t.add_argument(
         "--max-restarts",
-        type=int,
+        type=_int_in(0),
         default=0,
         help="with --nproc: restart the ranks this often after a failure, resuming from the last checkpoint",
     )
@@ -352,22 +377,26 @@ def build_parser() -> argparse.ArgumentParser:
                                     '{"scores": [p, ...]} in row order; a retrieval model (recscale retrieval '
                                     'build) answers POST /retrieve {"users": [...]} instead (docs/SERVING.md).')  # fmt: skip
     sv.add_argument("model_dir")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--port", type=_int_in(0, 65535), default=8000)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    sv.add_argument("--max-batch", type=int, default=1024, help="rows scored together at most (default 1024)")
-    sv.add_argument("--max-wait-ms", type=float, default=0.0,
+    sv.add_argument(
+        "--max-batch", type=_int_in(1), default=1024, help="rows scored together at most (default 1024)"
+    )
+    sv.add_argument("--max-wait-ms", type=_float_from(0), default=0.0,
                     help="how long a request waits for others to batch with (default 0: the requests "
                          "queued while the last batch was scored form the next one)")  # fmt: skip
     sv.add_argument("--no-batching", action="store_true", help="score every request alone")
-    sv.add_argument("--threads", type=int, default=1, help="scoring threads per worker process (default 1)")
-    sv.add_argument("--workers", type=int, default=1,
+    sv.add_argument(
+        "--threads", type=_int_in(1), default=1, help="scoring threads per worker process (default 1)"
+    )
+    sv.add_argument("--workers", type=_int_in(1), default=1,
                     help="server processes on the one port, each loading the model (default 1)")  # fmt: skip
-    sv.add_argument("--torch-threads", type=int,
+    sv.add_argument("--torch-threads", type=_int_in(1),
                     help="torch intra-op threads per worker (default: torch's default divided by --workers)")  # fmt: skip
-    sv.add_argument("--max-rows", type=int, default=4096,
+    sv.add_argument("--max-rows", type=_int_in(1), default=4096,
                     help="rows (retrieval: users) per request at most (default 4096)")  # fmt: skip
     sv.add_argument(
-        "--max-body-kb", type=int, default=8192, help="request body size limit (default 8192 KiB)"
+        "--max-body-kb", type=_int_in(1), default=8192, help="request body size limit (default 8192 KiB)"
     )
     sv.set_defaults(fn=cmd_serve)
 
@@ -381,10 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
     rb.add_argument("data", help="MovieLens-100k RecBole atomic files (.inter, .user, .item)")
     rb.add_argument("--out", required=True, help="model directory to write")
     rb.add_argument("--index", choices=["exact", "int8", "ivf", "ivf-int8"], default="int8")
-    rb.add_argument("--epochs", type=int, default=5)
-    rb.add_argument("--seed", type=int, default=0)
-    rb.add_argument("--candidates", type=int, default=100, help="items the index retrieves for the ranker")
-    rb.add_argument("--k", type=int, default=10, help="items returned per user")
+    rb.add_argument("--epochs", type=_int_in(1), default=5)
+    rb.add_argument("--seed", type=_int_in(0), default=0)
+    rb.add_argument(
+        "--candidates", type=_int_in(1), default=100, help="items the index retrieves for the ranker"
+    )
+    rb.add_argument("--k", type=_int_in(1), default=10, help="items returned per user")
     rb.set_defaults(fn=cmd_retrieval_build)
     rq = rtsub.add_parser(
         "query", help="top items of users (raw ids) from a built model; prints one JSON line"
@@ -398,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = dsub.add_parser("inspect", help="schema, row count and per-field cardinality of a data file")
     i.add_argument("path")
     i.add_argument("--format", help="csv, libsvm, criteo, movielens or parquet (default: guessed)")
-    i.add_argument("--max-rows", type=int, help="read only this many rows")
+    i.add_argument("--max-rows", type=_int_in(1), help="read only this many rows")
     i.add_argument("--tables", action="store_true",
                    help="also each id column's pooling factor and 17-bin access histogram (learned sharding)")  # fmt: skip
     i.set_defaults(fn=cmd_inspect)
@@ -418,8 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     shp.add_argument("config", help="YAML config")
     shp.add_argument("overrides", nargs="*", help="key=value overrides of config keys")
     shp.add_argument("--out", required=True, help="plan JSON to write")
-    shp.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
-    shp.add_argument("--local-world-size", type=int, help="ranks per host (default: all on one host)")
+    shp.add_argument("--nproc", type=_int_in(1), default=4, help="ranks (default 4)")
+    shp.add_argument("--local-world-size", type=_int_in(1), help="ranks per host (default: all on one host)")
     shp.set_defaults(fn=cmd_shard_plan)
 
     s = sub.add_parser("sweep", help="train a grid of model sizes, one pass each; results as CSV",
@@ -453,9 +484,13 @@ def build_parser() -> argparse.ArgumentParser:
     dmsub = dm.add_subparsers(dest="dmt_command", required=True)
     dp = dmsub.add_parser("partition", help="group features into balanced towers from a trained flat run")
     dp.add_argument("run_dir")
-    dp.add_argument("--towers", type=int, required=True, help="number of towers (= hosts of the DMT run)")
-    dp.add_argument("--tolerance", type=float, default=0.25, help="allowed load above the mean per tower")
-    dp.add_argument("--rows", type=int, default=4096, help="training rows to measure the affinity on")
+    dp.add_argument(
+        "--towers", type=_int_in(1), required=True, help="number of towers (= hosts of the DMT run)"
+    )
+    dp.add_argument(
+        "--tolerance", type=_float_from(0), default=0.25, help="allowed load above the mean per tower"
+    )
+    dp.add_argument("--rows", type=_int_in(1), default=4096, help="training rows to measure the affinity on")
     dp.add_argument("--out", help="assignment JSON (default RUN_DIR/dmt_towers_K.json)")
     dp.set_defaults(fn=cmd_dmt_partition)
 
@@ -466,13 +501,15 @@ def build_parser() -> argparse.ArgumentParser:
                                       "model's AUC/LogLoss; plan the layers that fit the target within the tolerance.")  # fmt: skip
     pp.add_argument("run_dir")
     pp.add_argument("--data", help="calibrate on this file (default: the run's valid split)")
-    pp.add_argument("--rows", type=int, default=16384, help="calibration rows (a seeded random subset)")
+    pp.add_argument(
+        "--rows", type=_int_in(1), default=16384, help="calibration rows (a seeded random subset)"
+    )
     pp.add_argument(
         "--formats", nargs="+", metavar="FMT", help="formats to probe (default: the six MX formats)"
     )
     pp.add_argument("--target", default="mxfp8_e4m3", help="the plan's format (default mxfp8_e4m3)")
     pp.add_argument(
-        "--tolerance", type=float, default=5e-4, help="allowed AUC drop of the plan (default 0.0005)"
+        "--tolerance", type=_float_from(0), default=5e-4, help="allowed AUC drop of the plan (default 0.0005)"
     )
     pp.add_argument("--out", help="plan JSON (default RUN_DIR/precision_plan.json)")
     pp.set_defaults(fn=cmd_precision_probe)

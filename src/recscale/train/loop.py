@@ -83,6 +83,15 @@ def cost_model(
     return CostModel.flops(fixed, [per_length[n] for n in names], padding)
 
 
+def check_batch_split(cfg: RunConfig, world_size: int) -> None:
+    """Each rank trains on an equal slice of the global batch."""
+    if cfg.train.batch_size % world_size:
+        raise ConfigError(
+            f"train.batch_size {cfg.train.batch_size} must be a multiple of the {world_size} "
+            "ranks: each rank trains on an equal slice of the global batch"
+        )
+
+
 class Trainer:
     """Trains one config into one run directory."""
 
@@ -90,11 +99,7 @@ class Trainer:
         self.cfg, self.dir = cfg, Path(run_dir)
         self.env = init_distributed(cfg.distributed.timeout_s)
         self.main = self.env.is_main
-        if cfg.train.batch_size % self.env.world_size:
-            raise ConfigError(
-                f"train.batch_size {cfg.train.batch_size} must be a multiple of the {self.env.world_size} "
-                "ranks: each rank trains on an equal slice of the global batch"
-            )
+        check_batch_split(cfg, self.env.world_size)
         # Restarted by torchrun (--max-restarts): continue from the last complete checkpoint.
         resume = resume or (self.env.restart_count > 0 and (self.dir / "config.yaml").is_file())
         created = not self.dir.exists()
