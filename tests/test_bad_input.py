@@ -292,6 +292,18 @@ CASES = [
         watch=run_dir,
     ),
     Case(
+        "eval: a directory for a format that reads one file",
+        lambda c: ["eval", str(c.run), "--data", str(c.tmp)],
+        ("is a directory", "one file"),
+        watch=run_dir,
+    ),
+    Case(
+        "eval: --format synthetic on a run trained on a file",
+        lambda c: ["eval", str(c.run), "--format", "synthetic"],
+        ("trained on csv data", "--format synthetic"),
+        watch=run_dir,
+    ),
+    Case(
         "eval: data lacks a column",
         lambda c: [
             "eval",

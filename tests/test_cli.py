@@ -193,3 +193,14 @@ def test_a_batch_that_does_not_split_over_nproc_is_refused_before_the_launch(tmp
                        "train.batch_size=128", "--nproc", "3")  # fmt: skip
     assert code == 2 and "must be a multiple of the 3 ranks" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()
+
+
+def test_eval_reads_a_directory_where_the_format_reads_one(tmp_path, capsys, shared_data):
+    """MovieLens is a directory (ml-100k's files): eval takes the path the config itself gives."""
+    ml = shared_data / "movielens-100k"
+    code, _, err = run(capsys, "train", str(CONFIGS / "movielens.yaml"), "--out", str(tmp_path / "r"),
+                       f"data.train={ml}", "train.max_steps=2", "train.progress=false", "model.name=lr")  # fmt: skip
+    assert code == 0, err
+    code, out, err = run(capsys, "eval", str(tmp_path / "r"), "--data", str(ml))
+    assert code == 0, err
+    assert 0 < json.loads(out)["auc"] < 1

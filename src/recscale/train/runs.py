@@ -154,9 +154,15 @@ def eval_run(
     """Score the run's best (else latest) model on another file of the same format; a run on
     synthetic data, without a file, on its own synthetic ``split``."""
     run_config(run_dir)  # a directory that is not a run is named first
-    if data_path is not None and not Path(data_path).is_file():
+    # A file, or a directory where the format reads one (MovieLens); the readers name a wrong kind of path.
+    if data_path is not None and not Path(data_path).exists():
         raise DataError(f"--data {data_path}: no such file; give the file to score")
     cfg, pre, built = load_trained(run_dir)
+    if fmt == "synthetic" and cfg.data.format != "synthetic":
+        raise RecscaleError(
+            f"{run_dir} was trained on {cfg.data.format} data; --format synthetic scores only a run trained "
+            "on synthetic data: give the file to score with --data (and its --format if it differs)"
+        )
     if (fmt or cfg.data.format) == "synthetic" and data_path is not None:
         raise RecscaleError(
             f"{run_dir} was trained on synthetic data, which has no file format to read --data {data_path} "
