@@ -218,6 +218,18 @@ CASES = [
         ("small_dim_features", "nope"),
     ),
     Case(
+        "unknown quotient-remainder feature",
+        lambda c: c.train("model.embedding.qr_buckets={nope: 10}"),
+        ("qr_buckets", "nope"),
+    ),
+    Case(
+        "a feature with two kinds of table",
+        lambda c: c.train(
+            "model.embedding.qr_buckets={user: 10}", "model.embedding.small_dim_features=[user]"
+        ),
+        ("user", "both qr_buckets and small_dim_features"),
+    ),
+    Case(
         "table weight decay on fused tables",
         lambda c: c.train("train.sparse_optimizer={name: rowwise_adagrad, lr: 0.1, weight_decay: 0.1}"),
         ("weight_decay", "data_parallel"),

@@ -168,6 +168,25 @@ def ids_as(kjt: KeyedJaggedTensor, dtype: torch.dtype) -> KeyedJaggedTensor:
     )
 
 
+def check_feature_options(names: list[str], cfg: EmbeddingConfig) -> None:
+    """The per-feature options name pooled (non-sequence) sparse features, each at most one kind of table.
+
+    Raises ValueError naming the option (``multi_embedding``, ``small_dim_features``, ``qr_buckets``).
+    """
+    options = {
+        "multi_embedding": set(cfg.multi_embedding),
+        "small_dim_features": set(cfg.small_dim_features),
+        "qr_buckets": set(cfg.qr_buckets),
+    }
+    for option, chosen in options.items():
+        if unknown := sorted(chosen - set(names)):
+            raise ValueError(f"{option} names unknown sparse features {unknown}; features: {names}")
+    for a, b in (("multi_embedding", "small_dim_features"), ("qr_buckets", "multi_embedding"),
+                 ("qr_buckets", "small_dim_features")):  # fmt: skip
+        if both := sorted(options[a] & options[b]):
+            raise ValueError(f"features {both} are in both {a} and {b}")
+
+
 class EmbeddingLayer(nn.Module):
     """(dense (B, n_dense), sparse KJT) -> X0 (B, n, d).
 
@@ -188,21 +207,8 @@ class EmbeddingLayer(nn.Module):
         sequences = [f for f in features.sparse if f.max_len is not None]
         if not names:
             raise ValueError("the embedding layer needs at least one sparse feature that is not a sequence")
+        check_feature_options(names, cfg)
         small_names = set(cfg.small_dim_features)
-        options = {
-            "multi_embedding": set(cfg.multi_embedding),
-            "small_dim_features": small_names,
-            "qr_buckets": set(cfg.qr_buckets),
-        }
-        for option, chosen in options.items():
-            unknown = sorted(chosen - set(names))
-            if unknown:
-                raise ValueError(f"{option} names unknown sparse features {unknown}; features: {names}")
-        for a, b in (("multi_embedding", "small_dim_features"), ("qr_buckets", "multi_embedding"),
-                     ("qr_buckets", "small_dim_features")):  # fmt: skip
-            both = sorted(options[a] & options[b])
-            if both:
-                raise ValueError(f"features {both} are in both {a} and {b}")
         num_dense_outputs = (
             cfg.dense_embeddings if cfg.dense_embeddings is not None else int(features.num_dense > 0)
         )

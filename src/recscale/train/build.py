@@ -33,7 +33,7 @@ from recscale.distributed.planner.features import BATCH
 from recscale.distributed.sharding import shard_model
 from recscale.errors import ConfigError, ResourceError
 from recscale.models.base import RecModel, TrainableModel, count_parameters
-from recscale.models.embedding import FeatureSet, SparseInput
+from recscale.models.embedding import FeatureSet, SparseInput, check_feature_options
 from recscale.models.quant import quantize_model
 from recscale.models.registry import build_model
 from recscale.train.optim import dense_optimizer_factory, sparse_optimizer
@@ -93,15 +93,11 @@ def planner_sample(cfg: RunConfig, ds: ArrayDataset) -> KeyedJaggedTensor | None
 
 def check_features(cfg: RunConfig, features: FeatureSet) -> None:
     """Feature names the config gives the embedding layer exist (a ConfigError naming the key)."""
-    names, emb = {f.name for f in features.sparse}, cfg.model.embedding
-    for key, chosen in (
-        ("multi_embedding", set(emb.multi_embedding)),
-        ("small_dim_features", set(emb.small_dim_features)),
-    ):
-        if unknown := sorted(chosen - names):
-            raise ConfigError(
-                f"model.embedding.{key} names unknown sparse features {unknown}; features: {sorted(names)}"
-            )
+    emb = cfg.model.embedding
+    try:
+        check_feature_options([f.name for f in features.sparse if f.max_len is None], emb)
+    except ValueError as e:
+        raise ConfigError(f"model.embedding: {e}") from None
     sequences = [f.name for f in features.sparse if f.max_len is not None]
     if sequences and emb.sequence.encoder != "causal":
         single = sorted(f.name for f in features.sparse if f.max_len is None and f.pooling == "sum")
