@@ -204,7 +204,7 @@ CASES = [
     Case("--local-world-size without --nproc", lambda c: c.train("--local-world-size", "2"), ("--nproc",)),
     Case(
         "--nproc does not split into hosts",
-        lambda c: c.train("--nproc", "3", "--local-world-size", "2"),
+        lambda c: c.train("--nproc", "3", "--local-world-size", "2", "train.batch_size=48"),
         ("cannot be split",),
     ),
     Case(
@@ -217,6 +217,8 @@ CASES = [
         lambda c: c.train("model.embedding.small_dim_features=[nope]"),
         ("small_dim_features", "nope"),
     ),
+    Case("an infinite learning rate", lambda c: c.train("train.dense_optimizer.lr=inf"), ("lr", "finite")),
+    Case("a seed past 64 bits", lambda c: c.train("seed=99999999999999999999999"), ("seed", "less than")),
     Case(
         "unknown quotient-remainder feature",
         lambda c: c.train("model.embedding.qr_buckets={nope: 10}"),

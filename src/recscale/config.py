@@ -24,7 +24,8 @@ from recscale.models.registry import model_names, params_class
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # inf is no learning rate, decay or tolerance: a run would train to NaN and exit 0
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class DataConfig(_Strict):
@@ -87,7 +88,7 @@ class ModelConfig(BaseModel):
     # Low-precision GEMMs of the model's linear layers (recscale.models.quant); a declared field, so
     # not one of the model's own parameters (those are ``model_extra``).
     quant: QuantConfig | None = None
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _known(self) -> ModelConfig:
@@ -277,7 +278,7 @@ class DMTConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)  # torch and numpy take 64-bit seeds
     data: DataConfig
     model: ModelConfig
     train: TrainConfig = TrainConfig()

@@ -24,7 +24,7 @@ LABEL = "label"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class DenseFeature(_Strict):

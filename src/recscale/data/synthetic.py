@@ -85,7 +85,7 @@ class DeepTeacher(BaseModel, extra="forbid"):
     width: int = Field(64, ge=1)
 
 
-class SyntheticSpec(BaseModel, extra="forbid"):
+class SyntheticSpec(BaseModel, extra="forbid", allow_inf_nan=False):
     """Size, shape and difficulty of the synthetic dataset."""
 
     seed: int = Field(0, ge=0)

@@ -18,7 +18,7 @@ from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER, module_flops
 class ModelParams(BaseModel):
     """Base of every model's hyperparameters: unknown keys are an error."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class RecModel(nn.Module, ABC):

@@ -74,7 +74,7 @@ class FeatureSet:
     num_dense: int
 
 
-class EmbeddingConfig(pydantic.BaseModel, extra="forbid"):
+class EmbeddingConfig(pydantic.BaseModel, extra="forbid", allow_inf_nan=False):
     """How features become the embedding matrix X0 (B, n, d)."""
 
     dim: int = Field(16, gt=0)  # the one global embedding dim d
