@@ -212,3 +212,17 @@ def test_restart_resumes_from_the_last_checkpoint(tmp_path, launcher):
     steps = [r["step"] for r in _logged(run_dir) if r["split"] == "train"]
     assert steps == list(range(1, 61))  # what the killed attempt did after step 20 was dropped, then redone
     assert json.loads((run_dir / "report.json").read_text())["steps"] == 60
+
+
+def test_resume_drops_log_lines_that_are_not_records(tmp_path):
+    """A metrics.jsonl edited by hand (a list, a string step, bad bytes) used to stop a resume with an
+    internal error after the checkpoint was loaded; such lines go, as a line cut short by a kill does."""
+    from recscale.train.state import RunLog
+
+    log = RunLog(tmp_path, main=True)
+    good = [{"split": "train", "step": s, "loss": 0.5} for s in (10, 20, 30)]
+    lines = [json.dumps(r) for r in good] + ["[1]", '{"step": "x"}', '{"loss": 1}', '{"step": 1', "\udcff"]
+    log.path.write_text("\n".join(lines[:2] + lines[3:] + lines[2:3]) + "\n", errors="surrogateescape")
+    log.truncate(20)
+    log.close()
+    assert [json.loads(x) for x in log.path.read_text().splitlines()] == good[:2]

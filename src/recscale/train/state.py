@@ -81,12 +81,14 @@ class RunLog:
         if self.tb is None or not self.path.is_file():
             return
         keep = []
-        for line in self.path.read_text().splitlines():
+        for line in self.path.read_text(errors="replace").splitlines():
             try:
-                if json.loads(line)["step"] <= step:
-                    keep.append(line + "\n")
+                record = json.loads(line)
             except json.JSONDecodeError:  # a line cut short by the kill
                 continue
+            # Anything else that is not one of our records (an edited file) goes too: the log is rewritten.
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+                keep.append(line + "\n")
         atomic_write_text(self.path, "".join(keep))
 
     def close(self) -> None:
