@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -30,10 +31,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _make_parent(path: Path, is_dir: bool) -> None:
+    """Create ``path``'s parent. Errors name ``path``, not a temporary: a directory where a file goes
+    (EISDIR), or a file where a directory goes, on the way or at ``path`` (ENOTDIR; mkdir says EEXIST)."""
+    if path.exists() and path.is_dir() != is_dir:
+        code = errno.ENOTDIR if is_dir else errno.EISDIR
+        raise OSError(code, os.strerror(code), str(path))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from None
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary file in the same directory, fsync, then rename over ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(path, is_dir=False)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, FILE_MODE)
@@ -60,7 +73,7 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     ``path`` is replaced only after the new one is complete.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(path, is_dir=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         os.chmod(tmp, DIR_MODE)
