@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from recscale.train.metrics import binary_entropy, ctr_metrics
+from recscale.train.metrics import binary_entropy, ctr_metrics, normalized_entropy
 
 
 def pairwise_auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -42,3 +42,10 @@ def test_ne_is_one_for_the_base_rate():
 def test_binary_entropy_edges():
     assert binary_entropy(0.0) == 0.0 and binary_entropy(1.0) == 0.0
     assert binary_entropy(0.5) == pytest.approx(math.log(2))
+
+
+def test_normalized_entropy_of_one_class_labels_is_nan_not_an_error():
+    """A synthetic valid split of one class crashed the report's Bayes-floor NE with a ZeroDivisionError
+    after training; the model's NE and the floor's now share one definition."""
+    assert math.isnan(normalized_entropy(0.3, 0.0)) and math.isnan(normalized_entropy(0.3, 1.0))
+    assert normalized_entropy(0.3, 0.25) == pytest.approx(0.3 / binary_entropy(0.25))

@@ -10,7 +10,7 @@ from torch import nn
 from recscale.data.dataset import ArrayDataset, iterate
 from recscale.data.synthetic import SyntheticSpec, bayes_logloss
 from recscale.distributed.gather import eval_batches, gather_scores
-from recscale.train.metrics import binary_entropy, ctr_metrics
+from recscale.train.metrics import ctr_metrics, normalized_entropy
 from recscale.train.precision import Precision, autocast
 
 # Evaluation needs no gradients, so it takes larger batches than training (fewer, cheaper steps).
@@ -49,4 +49,4 @@ def evaluate(
 def bayes_floor(spec: SyntheticSpec, split: str, ds: ArrayDataset) -> dict[str, float]:
     """The synthetic teacher's LogLoss on ``split`` (no model can beat it) and its NE on ``ds``'s CTR."""
     floor = bayes_logloss(spec, split)
-    return {"bayes_logloss": floor, "bayes_ne": floor / binary_entropy(float(np.mean(ds.labels())))}
+    return {"bayes_logloss": floor, "bayes_ne": normalized_entropy(floor, float(np.mean(ds.labels())))}

@@ -20,6 +20,12 @@ def binary_entropy(p: float) -> float:
     return -(p * math.log(p) + (1 - p) * math.log(1 - p))
 
 
+def normalized_entropy(logloss: float, ctr: float) -> float:
+    """LogLoss over the entropy of the labels' CTR; NaN where the labels have one class (no entropy)."""
+    base = binary_entropy(ctr)
+    return logloss / base if base > 0 else float("nan")
+
+
 def ctr_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     """Metrics of one evaluation pass. logits, labels: (N,) -> {auc, logloss, ne, calibration, rows}."""
     logits, labels = logits.double().flatten(), labels.double().flatten()
@@ -28,12 +34,11 @@ def ctr_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
         raise ValueError("no rows to evaluate")
     logloss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).item()
     ctr = labels.mean().item()
-    base = binary_entropy(ctr)
     has_both = 0.0 < ctr < 1.0
     return {
         "auc": binary_auroc(torch.sigmoid(logits), labels.long()).item() if has_both else float("nan"),
         "logloss": logloss,
-        "ne": logloss / base if base > 0 else float("nan"),
+        "ne": normalized_entropy(logloss, ctr),
         "calibration": torch.sigmoid(logits).mean().item() / ctr if ctr > 0 else float("nan"),
         "rows": n,
     }
