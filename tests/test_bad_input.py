@@ -217,6 +217,11 @@ CASES = [
         lambda c: c.train("model.embedding.small_dim_features=[nope]"),
         ("small_dim_features", "nope"),
     ),
+    Case(
+        "an empty list separator",
+        lambda c: c.train("data.schema.sparse=[{name: user, multi: true, sep: ''}]"),
+        ("sep", "at least 1"),
+    ),
     Case("an infinite learning rate", lambda c: c.train("train.dense_optimizer.lr=inf"), ("lr", "finite")),
     Case("a seed past 64 bits", lambda c: c.train("seed=99999999999999999999999"), ("seed", "less than")),
     Case(
@@ -422,6 +427,18 @@ CASES = [
         ("b.csv",),
     ),
     Case("inspect: unknown format", lambda c: ["data", "inspect", str(c.good), "--format", "xls"], ("xls",)),
+    Case(
+        "prepare: a bad training file leaves no --out behind",
+        lambda c: [
+            "data",
+            "prepare",
+            str(c.cfg),
+            "--out",
+            str(c.tmp / "new"),
+            f"data.train={c.csv('h.csv', HEADER + chr(10))}",
+        ],  # fmt: skip
+        ("h.csv",),
+    ),
     Case("sweep: missing file", lambda c: ["sweep", str(c.tmp / "gone.yaml")], ("gone.yaml", "not found")),
     Case("sweep: not a mapping", lambda c: ["sweep", c.yaml("[1, 2]\n")], ("c.yaml", "mapping")),
     Case(

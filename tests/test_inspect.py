@@ -85,6 +85,10 @@ def test_inspect_libsvm_fields_and_bag(tmp_path):
     assert bag["options"] == {"mode": "bag"}
     assert columns(bag)["features"] == {"name": "features", "type": "multi", "cardinality": 3, "missing": 1}
 
+    # A file of labels alone (a CSV of one column read as libsvm) has no features to inspect.
+    with pytest.raises(DataError, match="no libsvm features"):
+        inspect_file(write(tmp_path / "c.txt", ["1", "0", "1"]), "libsvm")
+
 
 def test_inspect_parquet(tmp_path):
     table = pa.table(

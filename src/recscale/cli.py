@@ -208,6 +208,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     import time
 
     from recscale.config import load_config
+    from recscale.io import removed_on_failure
     from recscale.train.data import prepare_run_data
 
     cfg = load_config(args.config, args.overrides)
@@ -222,7 +223,10 @@ def cmd_prepare(args: argparse.Namespace) -> None:
             f"--out {out} is a file; name a directory for the prepared data (it is created if missing)"
         )
     t0 = time.perf_counter()
-    _, splits, stats = prepare_run_data(cfg.data, out, resume=False, main=True, progress=sys.stderr.isatty())
+    with removed_on_failure(out):
+        _, splits, stats = prepare_run_data(
+            cfg.data, out, resume=False, main=True, progress=sys.stderr.isatty()
+        )
     seconds = time.perf_counter() - t0
     for name, ds in splits.items():
         skipped = stats[name].skipped if name in stats else 0

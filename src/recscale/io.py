@@ -95,3 +95,16 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextmanager
+def removed_on_failure(path: Path, enabled: bool = True) -> Iterator[None]:
+    """Remove the directory ``path`` if the block fails and ``path`` did not exist before it, so a
+    failed command leaves nothing half-made behind."""
+    created = enabled and not Path(path).exists()
+    try:
+        yield
+    except BaseException:
+        if created:
+            shutil.rmtree(path, ignore_errors=True)
+        raise

@@ -218,6 +218,11 @@ def _libsvm_options(path: Path, options: dict) -> tuple[dict, Schema]:
     lines = pc.ascii_trim_whitespace(lines_of(head, path, first))
     lines = lines.filter(pc.not_equal(lines, ""))[:1000]
     counts = np.unique(pc.list_value_length(pc.ascii_split_whitespace(lines)).to_numpy() - 1)
+    if counts.size == 0 or counts.max() < 1:
+        raise DataError(
+            f"{path}: no libsvm features in its first lines (a line is 'label id:value ...'); "
+            "is this the right --format?"
+        )
     mode = options.get("mode", "fields" if len(counts) == 1 else "bag")
     if mode == "bag":
         sparse = [SparseFeature(name="features", multi=True, weighted=True)]

@@ -42,7 +42,7 @@ class SparseFeature(_Strict):
     multi: bool = False
     weighted: bool = False
     # Separator of ids inside one CSV cell for multi-id features, e.g. "a|b|c".
-    sep: str = "|"
+    sep: str = Field("|", min_length=1)
     # Vocabulary: ids seen fewer than min_count times in training map to the OOV id 0.
     min_count: int = Field(1, ge=1)
     # Optional cap on the vocabulary (most frequent ids kept).

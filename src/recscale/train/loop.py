@@ -20,7 +20,6 @@ Run directory::
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -40,7 +39,7 @@ from recscale.distributed import comms
 from recscale.distributed.balance import Balance, CostModel, Padding, balanced_parts
 from recscale.distributed.env import heartbeat, init_distributed
 from recscale.errors import CheckpointError, ConfigError, RecscaleError
-from recscale.io import atomic_write_text
+from recscale.io import atomic_write_text, removed_on_failure
 from recscale.models.base import RecModel, TrainableModel
 from recscale.models.blocks import Calibration
 from recscale.models.blocks.sequence import SequenceEncoder
@@ -102,13 +101,8 @@ class Trainer:
         check_batch_split(cfg, self.env.world_size)
         # Restarted by torchrun (--max-restarts): continue from the last complete checkpoint.
         resume = resume or (self.env.restart_count > 0 and (self.dir / "config.yaml").is_file())
-        created = not self.dir.exists()
-        try:
+        with removed_on_failure(self.dir, enabled=self.main):  # a run that never started leaves no directory
             self._setup(resume)
-        except BaseException:
-            if created and self.main:  # a run that never started leaves no directory behind
-                shutil.rmtree(self.dir, ignore_errors=True)
-            raise
 
     def _setup(self, resume: bool) -> None:
         cfg, t = self.cfg, self.cfg.train
