@@ -389,3 +389,19 @@ def test_int8_dense_rounds_each_row_to_half_a_step_and_needs_its_scale():
     assert ((back - w).abs() <= scale[:, None, None] / 2 + 1e-12).all() and torch.equal(back[3], w[3])
     with pytest.raises(CheckpointError, match="top.w has no fp32 scale"):
         _dequantize_dense({"top.w": q}, "here")
+
+
+def test_a_model_trained_on_synthetic_data_serves(tmp_path):
+    """Synthetic ids are integers, so their vocabularies are int; the warm-up's row of nulls gives a
+    multi-id field no ids at all, and the empty lookup used to fail on the types before it was cast:
+    the server never started for `make demo`'s kind of run."""
+    run, model = tmp_path / "run", tmp_path / "model"
+    assert main(["train", str(CONFIGS / "demo.yaml"), "--out", str(run), "train.max_steps=2",
+                 "data.synthetic.rows={train: 512, valid: 256, test: 256}", "train.progress=false"]) == 0  # fmt: skip
+    assert main(["export", str(run), "--out", str(model)]) == 0
+    scorer = Scorer(model, max_rows=8)
+    with TestClient(create_app(scorer, ServeOptions())) as c:  # the lifespan warms up on a row of nulls
+        names = scorer.parser.arrow_schema.names
+        row = {n: (0.5 if n.startswith("d") else [1, 2] if n.startswith("m") else 3) for n in names}
+        r = c.post("/score", json={"rows": [row, dict.fromkeys(names)]})
+    assert r.status_code == 200 and len(r.json()["scores"]) == 2

@@ -194,7 +194,11 @@ class Preprocessor:
 
         Each call builds the vocabulary's hash set: call it on many values at once."""
         vocab = self.vocabs[name]
-        if len(values) and vocab.type != values.type:
+        if not len(
+            values
+        ):  # e.g. a multi-id field whose rows are all empty: index_in would still match types
+            return np.empty(0, np.int64)
+        if vocab.type != values.type:
             # A vocabulary fitted on int ids mapped against string ids (or back): compare as text.
             vocab, values = pc.cast(vocab, pa.string()), pc.cast(values, pa.string())
         idx = pc.index_in(values, value_set=vocab)
