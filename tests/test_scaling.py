@@ -284,6 +284,70 @@ def test_results_of_several_sweeps_merge_into_one_family(tmp_path, capsys):
         load_results([first, clash])
 
 
+HEADER = "family,run,train_flops,valid_logloss,bayes_logloss\n"
+GOOD = "w,w-0,1e12,0.5,0.38\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (HEADER + GOOD + "w,w-1,2e12,abc,0.38\n", ":3: column valid_logloss is not a number ('abc')"),
+        (HEADER + GOOD + "w,w-1,2e12\n", ":3: 3 cells where the header has 5"),
+        (HEADER + GOOD + "w,w-1,2e12,0.4,0.38,x\n", ":3: 6 cells where the header has 5"),
+        (HEADER + GOOD + "w,w-\xe9,2e12,0.4,0.38\n", ":3: not UTF-8 text (byte 0xe9"),  # written as Latin-1
+        (HEADER + "w,w-1,,0.4,0.38\n", ":2: column train_flops is not a finite number ('')"),
+        (HEADER + "w,w-1,inf,0.4,0.38\n", ":2: column train_flops is not a finite number ('inf')"),
+        (HEADER + "w,w-1,1e12,0.4,n/a\n", ":2: column bayes_logloss is not a number ('n/a')"),
+        (HEADER + ",w-1,1e12,0.4,0.38\n", ":2: column family is empty"),
+        ("", ": not a sweep results CSV (needs the columns"),
+        (HEADER, ": no runs, only a header"),
+        ("family,run,valid_logloss\nw,w-1,0.4\n", ": not a sweep results CSV (needs the columns"),
+    ],
+    ids=[
+        "not-a-number",
+        "short-row",
+        "long-row",
+        "not-utf8",
+        "blank-flops",
+        "inf-flops",
+        "bad-floor",
+        "no-family",
+        "empty-file",
+        "header-only",
+        "missing-column",
+    ],
+)
+def test_malformed_results_are_one_line_errors(tmp_path, capsys, text, message):
+    """A bad cell, a short or long row, a file that is not UTF-8: one line naming the file and line."""
+    path = tmp_path / "results.csv"
+    path.write_bytes(text.encode("latin-1"))
+    assert main(["scaling", "fit", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert f"{path}{message}" in err
+
+
+def test_diverged_runs_are_left_out_of_the_fit(tmp_path, capsys):
+    """A run with a nan or inf LogLoss diverged: the fit leaves it out and says so, instead of a nan mean
+    (or a crash) for its point and family; a family left with no runs is dropped, with a note."""
+    compute, loss = power_law_points(np.random.default_rng(0), 0.0)
+    rows = [sweep_row("w", f"s{i}", 100, 0, c, y) for i, (c, y) in enumerate(zip(compute, loss, strict=True))]
+    rows += [sweep_row("w", "s0", 100, 1, compute[0], math.nan)]  # the smallest model's second seed
+    rows += [sweep_row("d", "s0", 100, 0, 1e12, math.inf)]  # a family whose only run diverged
+    results = write_results(tmp_path / "results.csv", rows)
+    assert main(["scaling", "fit", str(results)]) == 0
+    out = capsys.readouterr().out
+    assert "w: left out 1 run with a non-finite valid_logloss (diverged): w-s0-n100\n" in out
+    assert "d: dropped, every run has a non-finite valid_logloss (diverged): d-s0-n100\n" in out
+    assert "w: 8 frontier points" in out and "w: 1.00e+12: +0.00%" in out and "nan" not in out
+    (fam,) = load_results([results, results])  # the same diverged run in two files is one run
+    assert fam.seeds.tolist() == [1] * 8 and fam.loss[0] == pytest.approx(loss[0])
+    diverged = write_results(tmp_path / "diverged.csv", rows[-2:])
+    assert main(["scaling", "fit", str(diverged)]) == 2
+    err = capsys.readouterr().err
+    assert "every run has a non-finite valid_logloss" in err and len(err.strip().splitlines()) == 1
+
+
 LENGTHS = {
     "wukong": {
         "model": {"name": "wukong", "k": 4, "n_l": 4},

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import fnmatch
+import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,15 +184,64 @@ class FamilyRuns:
         return np.array(keep, dtype=np.int64)
 
 
+_NEED = ("family", "train_flops", "valid_logloss", "bayes_logloss")
+
+
 def _read_rows(path: Path) -> list[dict[str, str]]:
+    """The rows of a results CSV, each with ``_where`` (FILE:LINE); RecscaleError naming the file and line
+    for a file that is not UTF-8 or not CSV, a row with the wrong number of cells, or a cell the fit reads
+    as a number that is not one (so ``float`` of those cells is safe afterwards)."""
     if not path.is_file():
         raise RecscaleError(f"{path}: no such results file (a sweep writes OUT/results.csv)")
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    need = {"family", "train_flops", "valid_logloss", "bayes_logloss"}
-    if not rows or not need <= set(rows[0]):
-        raise RecscaleError(f"{path}: not a sweep results CSV (needs the columns {', '.join(sorted(need))})")
+    data = path.read_bytes()
+    try:  # decoded whole, so the error's offset is the file's (an incremental decoder counts per chunk)
+        text = data.decode("utf-8").removeprefix("\ufeff")  # a spreadsheet's byte-order mark is no column
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise RecscaleError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); save it as UTF-8"
+        ) from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader, None)
+        # Blank lines are no rows, as for DictReader; line_num is the line a row ends on.
+        cells = [(reader.line_num, row) for row in reader if row]
+    except csv.Error as e:
+        raise RecscaleError(f"{path}:{reader.line_num}: not CSV ({e}); fix that line") from None
+    if header is None or not set(_NEED) <= set(header):
+        raise RecscaleError(f"{path}: not a sweep results CSV (needs the columns {', '.join(sorted(_NEED))})")
+    if not cells:
+        raise RecscaleError(f"{path}: no runs, only a header; fit it once its sweep has finished a run")
+    rows = []
+    for line, row in cells:
+        where = f"{path}:{line}"
+        if len(row) != len(header):  # a cut-off write, or an unquoted comma: the cells would shift columns
+            raise RecscaleError(
+                f"{where}: {len(row)} cells where the header has {len(header)}; fix or remove that row"
+            )
+        r = dict(zip(header, row, strict=True), _where=where)
+        if not r["family"]:
+            raise RecscaleError(f"{where}: column family is empty; fix or remove that row")
+        _number(r, "train_flops", finite=True)
+        _number(r, "valid_logloss")  # nan or inf: a run that diverged, which load_results leaves out
+        if r["bayes_logloss"]:  # blank: the teacher's floor is not known
+            _number(r, "bayes_logloss")
+        rows.append(r)
     return rows
+
+
+def _number(r: dict[str, str], column: str, finite: bool = False) -> None:
+    """RecscaleError naming the row unless the cell is a number (a finite one with ``finite``)."""
+    value = r[column]
+    try:
+        ok = math.isfinite(float(value)) or not finite
+    except ValueError:
+        ok = False
+    if not ok:
+        raise RecscaleError(
+            f"{r['_where']}: column {column} is not a {'finite ' if finite else ''}number ({value!r}); "
+            "fix or remove that row"
+        )
 
 
 def _point_key(r: dict[str, str], row: str) -> str:
@@ -199,45 +249,66 @@ def _point_key(r: dict[str, str], row: str) -> str:
     point from sweeps whose families are merged is one point; else its ``point`` (``run`` in CSVs from
     before seeds and lengths), else the row itself (``row``: its file and line)."""
     if r.get("knobs") and r.get("examples"):
-        return f"{r['model']} {r['knobs']} {r['examples']}"
+        return f"{r.get('model')} {r['knobs']} {r['examples']}"
     return r.get("point") or r.get("run") or row
+
+
+class Families(list[FamilyRuns]):
+    """``load_results``' families, and ``left_out``: the runs of each family (by name, in order of first
+    appearance) left out for a non-finite LogLoss, including families dropped for having no run left."""
+
+    def __init__(self, families: list[FamilyRuns], left_out: dict[str, list[str]]) -> None:
+        super().__init__(families)
+        self.left_out = left_out
 
 
 def load_results(
     paths: str | Path | list[str | Path], merge: dict[str, str] | None = None, drop: list[str] | None = None
-) -> list[FamilyRuns]:
+) -> Families:
     """Families (in order of first appearance) from one or more sweeps' results CSVs; the runs of a
     point are averaged over their seeds.
 
     ``merge`` renames families (old -> new) so sweeps of one study (say, a later sweep that adds a
     longer length) fit as one family; ``drop`` leaves out the families matching these shell patterns.
     A run found in several files (same family, model, knobs, examples and seed) counts once, and
-    must have the same LogLoss in each."""
+    must have the same LogLoss in each. Runs whose LogLoss is not finite (they diverged) are left out,
+    and listed in ``left_out``: one would make its point's mean, and the family's fit, nan."""
     merge, drop = merge or {}, drop or []
     rows: list[dict[str, str]] = []
     seen: dict[tuple[str, ...], tuple[Path, str]] = {}
     for path in map(Path, paths if isinstance(paths, list) else [paths]):
-        for i, r in enumerate(_read_rows(path)):
+        for r in _read_rows(path):
             if any(fnmatch.fnmatchcase(r["family"], pattern) for pattern in drop):
                 continue
             r = dict(r, family=merge.get(r["family"], r["family"]))
             if r.get("knobs") and r.get("examples") and r.get("seed"):
-                key = (r["family"], r["model"], r["knobs"], r["examples"], r["seed"])
+                key = (r["family"], r.get("model", ""), r["knobs"], r["examples"], r["seed"])
                 if key in seen:
                     first, loss = seen[key]
-                    if float(loss) != float(r["valid_logloss"]):
+                    a, b = float(loss), float(r["valid_logloss"])
+                    if a != b and not (math.isnan(a) and math.isnan(b)):  # one run that diverged in both
                         raise RecscaleError(
                             f"{path}: run {r.get('run') or r.get('point')} is also in {first} with another valid_logloss "
                             f"({r['valid_logloss']} against {loss}): not the same run; merge only sweeps of one study"
                         )
                     continue
                 seen[key] = (path, r["valid_logloss"])
-            rows.append(dict(r, _key=_point_key(r, f"{path}:{i}")))
+            rows.append(dict(r, _key=_point_key(r, r["_where"])))
     if not rows:
         raise RecscaleError("no runs left to fit: --drop left out every family")
+    left_out: dict[str, list[str]] = {}
+    for r in rows:
+        if not math.isfinite(float(r["valid_logloss"])):
+            left_out.setdefault(r["family"], []).append(r.get("run") or r.get("point") or r["_where"])
+    finite = [r for r in rows if math.isfinite(float(r["valid_logloss"]))]
+    if not finite:
+        raise RecscaleError(
+            f"no runs left to fit: every run has a non-finite valid_logloss (diverged): "
+            f"{_names([run for runs in left_out.values() for run in runs])}; rerun them (say, at a lower learning rate)"
+        )
     families = []
-    for name in dict.fromkeys(r["family"] for r in rows):
-        mine = sorted((r for r in rows if r["family"] == name), key=lambda r: float(r["train_flops"]))
+    for name in dict.fromkeys(r["family"] for r in finite):
+        mine = sorted((r for r in finite if r["family"] == name), key=lambda r: float(r["train_flops"]))
         points: dict[str, list[dict[str, str]]] = {}
         for r in mine:
             points.setdefault(r["_key"], []).append(r)
@@ -255,7 +326,12 @@ def load_results(
                 run_loss=np.array([float(r["valid_logloss"]) for r in mine]),
             )
         )
-    return families
+    return Families(families, left_out)
+
+
+def _names(runs: list[str], most: int = 5) -> str:
+    """A list of runs for one line: the first ``most``, and how many more."""
+    return ", ".join(runs[:most]) + (f" and {len(runs) - most} more" if len(runs) > most else "")
 
 
 def _fmt_ci(v: float, ci: tuple[float, float]) -> str:
@@ -268,6 +344,14 @@ def report(families: list[FamilyRuns], pin_floor: bool = False) -> tuple[str, di
     lines = ["loss(C) = L_inf + a_C0 * (C / C0)^(-b), C = training FLOPs, fitted to each family's "
              "compute-optimal frontier; 95% confidence intervals"
              + ("; L_inf pinned to the Bayes floor" if pin_floor else "")]  # fmt: skip
+    kept = {f.name for f in families}
+    for name, runs in (families.left_out if isinstance(families, Families) else {}).items():
+        what = (
+            f"left out {len(runs)} run{'s' * (len(runs) > 1)} with"
+            if name in kept
+            else "dropped, every run has"
+        )
+        lines.append(f"{name}: {what} a non-finite valid_logloss (diverged): {_names(runs)}")
     fits = {}
     for fam in families:
         front = fam.frontier()
