@@ -94,7 +94,10 @@ def test_probe_api_lowers_and_restores(run) -> None:
 def test_probe_user_errors(run, tmp_path, capsys) -> None:
     for argv, words in [
         (["precision", "probe", str(run), "--formats", "mxfp5"], "unknown format mxfp5"),
-        (["precision", "probe", str(run), "--tolerance", "-1"], "--tolerance -1"),
+        (
+            ["precision", "probe", str(run), "--tolerance", "-1"],
+            "argument --tolerance: must be a finite number >= 0, got -1",
+        ),
         (["precision", "probe", str(run), "--data", str(tmp_path / "x.csv")], "no such file"),
         (["precision", "probe", str(tmp_path)], "not a recscale run directory"),
     ]:

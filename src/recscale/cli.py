@@ -69,6 +69,7 @@ def print_report(report: dict) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from recscale.config import load_config
     from recscale.distributed.env import shutdown
+    from recscale.distributed.launch import host_split
     from recscale.train.loop import Trainer, check_batch_split
     from recscale.train.runs import resume_config
 
@@ -86,8 +87,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         cfg = resume_config(out, args.config, args.overrides)
     else:
         cfg = load_config(args.config, args.overrides)
-    if args.nproc is not None:
-        check_batch_split(cfg, args.nproc)  # once, here, rather than once per rank after the launch
+    if args.nproc is not None:  # checked once, here, rather than by every rank after the launch
+        host_split(args.nproc, args.local_world_size)
+        check_batch_split(cfg, args.nproc)
         _launch(args, out)
         return
     if args.local_world_size is not None or args.max_restarts:
@@ -190,14 +192,11 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
 def cmd_shard_plan(args: argparse.Namespace) -> None:
     from recscale.config import load_config
+    from recscale.distributed.launch import host_split
     from recscale.train.shard_plan import shard_plan
 
     cfg = load_config(args.config, args.overrides)
-    local = args.local_world_size or args.nproc
-    if args.nproc % local:
-        raise RecscaleError(
-            f"shard plan: --nproc {args.nproc} is not a multiple of --local-world-size {local}"
-        )
+    _, local = host_split(args.nproc, args.local_world_size)
     doc = shard_plan(cfg, args.nproc, local, Path(args.out))
     pred = doc["predicted"]
     cost = f"; predicted max-rank cost {pred['cost_ms']} ms" if pred else ""

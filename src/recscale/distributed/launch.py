@@ -43,15 +43,20 @@ _SETTLE_S = 3.0
 _WORKER_GRACE_S = 5
 
 
-def launch(command: list[str], nproc: int, local_world_size: int | None, max_restarts: int) -> None:
-    """Run ``python *command`` (e.g. ``-m recscale.cli train ...``) as ``nproc`` ranks,
-    ``local_world_size`` of them per host."""
+def host_split(nproc: int, local_world_size: int | None) -> tuple[int, int]:
+    """(hosts, ranks per host) of ``nproc`` ranks, ``local_world_size`` per host (None: one host)."""
     local = local_world_size or nproc
     if nproc < 1 or local < 1 or nproc % local:
         raise RecscaleError(
             f"--nproc {nproc} cannot be split into hosts of --local-world-size {local} ranks each"
         )
-    hosts = nproc // local
+    return nproc // local, local
+
+
+def launch(command: list[str], nproc: int, local_world_size: int | None, max_restarts: int) -> None:
+    """Run ``python *command`` (e.g. ``-m recscale.cli train ...``) as ``nproc`` ranks,
+    ``local_world_size`` of them per host."""
+    hosts, local = host_split(nproc, local_world_size)
     env = dict(os.environ)
     # As torchrun does, but shared out: N processes on C cores get C // N threads each.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
