@@ -405,3 +405,21 @@ def test_a_model_trained_on_synthetic_data_serves(tmp_path):
         row = {n: (0.5 if n.startswith("d") else [1, 2] if n.startswith("m") else 3) for n in names}
         r = c.post("/score", json={"rows": [row, dict.fromkeys(names)]})
     assert r.status_code == 200 and len(r.json()["scores"]) == 2
+
+
+def test_a_served_history_keeps_its_most_recent_max_len_ids(tmp_path):
+    """Training cuts a history to its last max_len ids (the readers); the server used to embed the whole
+    list: other scores, or a 500 where the causal encoder's positions ran out."""
+    run, model = tmp_path / "run", tmp_path / "model"
+    assert main(["train", str(CONFIGS / "demo.yaml"), "--out", str(run), "train.max_steps=2",
+                 "data.synthetic.rows={train: 512, valid: 256, test: 256}", "data.synthetic.num_history=1",
+                 "data.synthetic.history_max_len=8", "model.embedding.sequence={encoder: causal}",
+                 "train.progress=false"]) == 0  # fmt: skip
+    assert main(["export", str(run), "--out", str(model)]) == 0
+    scorer = Scorer(model, max_rows=8)
+    names = scorer.parser.arrow_schema.names
+    row = {n: (0.5 if n.startswith("d") else [1, 2] if n.startswith("m") else 3) for n in names}
+    history = [int(v) for v in scorer.pre.vocabs["h0"].to_pylist()[:30]]
+    rows = [row | {"h0": history}, row | {"h0": history[-8:]}, row | {"h0": history[:8]}]
+    p = scorer.probabilities(scorer.parser.parse(json.dumps({"rows": rows}).encode()))
+    assert p[0] == pytest.approx(p[1], rel=1e-5) and abs(p[0] - p[2]) > 1e-4, p
