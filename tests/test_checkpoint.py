@@ -107,3 +107,18 @@ def test_prune_keeps_the_newest(tmp_path):
 
 def test_world_is_single_process():
     assert dist.get_world_size() == 1
+
+
+@pytest.mark.parametrize(
+    "key, why",
+    [("momentum1", "one accumulator per row of each column shard"), ("w", "another model or config")],
+)
+def test_a_tensor_of_another_size_is_named_not_called_damaged(tmp_path, key, why):
+    """A column-sharded run's row-wise Adagrad state has one row per row of each column shard: resumed
+    at another world size it no longer fits, and DCP's message called the intact checkpoint damaged."""
+    saved = {"model": {key: torch.zeros(4)}, "progress": {}}
+    save_checkpoint(tmp_path / "step_00000001", saved)
+    with pytest.raises(
+        CheckpointError, match=rf"/model/{key} was saved with size \[4\], this run has \[2\]; .*{why}"
+    ):
+        load_checkpoint(tmp_path / "step_00000001", {"model": {key: torch.zeros(2)}, "progress": {}})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,25 @@ def save_checkpoint(path: Path, state: dict[str, Any], rank: int = 0) -> None:
 OPTIONAL_ENTRIES = ("calibration.scale", "calibration.bias")
 
 
+def _check_sizes(path: Path, wanted: dict[str, Any], saved: dict[str, Any]) -> None:
+    """A whole tensor whose saved (global) size is not this model's: one line naming it, before DCP's own
+    message, which calls an intact checkpoint damaged."""
+    for key, tensor in wanted.items():
+        size = getattr(saved.get(key), "size", None)
+        with warnings.catch_warnings():  # TorchRec's tables are ShardedTensors, which torch deprecates
+            warnings.simplefilter("ignore", FutureWarning)
+            own = list(tensor.size()) if isinstance(tensor, torch.Tensor) else None
+        if size is None or own is None or list(size) == own:
+            continue
+        why = (
+            "row-wise Adagrad keeps one accumulator per row of each column shard, so a column-sharded run "
+            "resumes only with the same column shards: its world size and sharding"
+            if key.endswith("momentum1")
+            else "the checkpoint belongs to another model or config"
+        )
+        raise CheckpointError(f"{path}: {key} was saved with size {list(size)}, this run has {own}; {why}")
+
+
 def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     """Load into ``template`` (a state of the same structure, with tensors of the right shapes/sharding).
 
@@ -166,6 +186,7 @@ def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     tensors, _ = split_state(template)
     # Entries newer than the checkpoint keep the template's value (see OPTIONAL_ENTRIES).
     wanted = {k: v for k, v in tensors.items() if k in saved_keys or not k.endswith(OPTIONAL_ENTRIES)}
+    _check_sizes(path, wanted, saved_keys)
     try:
         dcp.load(wanted, storage_reader=reader, planner=TensorsOnlyPlanner())
     except CheckpointError:
