@@ -220,3 +220,17 @@ def test_an_output_path_in_the_way_is_named_as_given(tmp_path, capsys, where):
         "is a directory where a file" if where == "a directory" else "a part of the path is a file"
     ) in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f"] and not any((tmp_path / "d").iterdir())
+
+
+def test_the_summary_prints_the_held_out_report_half(capsys):
+    """With data.report_fraction the held-out half is the number nothing was tuned on; the summary
+    printed only the selection half."""
+    from recscale.cli import print_report
+
+    m = {"auc": 0.9, "logloss": 0.3, "ne": 0.5, "calibration": 1.0, "rows": 10}
+    print_report({"model": "lr", "steps": 1, "examples_per_s": 1, "mflops_per_example": 0.0, "run_dir": "r",
+                  "parameters": {"dense": 1, "sparse": 1}, "valid": m, "report": m | {"rows": 11}})  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert any(x.startswith("valid  auc 0.9") for x in lines) and any(
+        x.startswith("report auc") for x in lines
+    )

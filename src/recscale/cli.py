@@ -47,11 +47,11 @@ def print_report(report: dict) -> None:
     p = report["parameters"]
     lines.append(f"parameters: dense {p['dense']:,}  sparse {p['sparse']:,}  ·  {report['mflops_per_example']:.3f} "
                  "MFLOP/example (forward)")  # fmt: skip
-    for split in ("valid", "test"):
+    for split in ("valid", "report", "test"):  # report: valid's held-out half (data.report_fraction)
         if split in report:
             m = report[split]
             lines.append(
-                f"{split:5s}  "
+                f"{split:6s} "
                 + "  ".join(f"{k} {_fmt(m[k])}" for k in ("auc", "logloss", "ne", "calibration", "rows"))
             )
     if "bayes_logloss" in report:
