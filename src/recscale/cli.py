@@ -31,6 +31,10 @@ def _quiet() -> None:
     warnings.filterwarnings(
         "ignore", r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel", UserWarning
     )
+    # TorchRec's sharded tables are ShardedTensors; torch warns wherever one is touched (export, checkpoints).
+    warnings.filterwarnings(
+        "ignore", r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning
+    )
     import logging
 
     for name in ("torchrec", "torch.distributed", "torch.fx", "fbgemm_gpu"):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -150,9 +149,7 @@ def _check_sizes(path: Path, wanted: dict[str, Any], saved: dict[str, Any]) -> N
     message, which calls an intact checkpoint damaged."""
     for key, tensor in wanted.items():
         size = getattr(saved.get(key), "size", None)
-        with warnings.catch_warnings():  # TorchRec's tables are ShardedTensors, which torch deprecates
-            warnings.simplefilter("ignore", FutureWarning)
-            own = list(tensor.size()) if isinstance(tensor, torch.Tensor) else None
+        own = list(tensor.size()) if isinstance(tensor, torch.Tensor) else None
         if size is None or own is None or list(size) == own:
             continue
         why = (
