@@ -376,3 +376,14 @@ def test_worker_processes_yield_the_same_batches(tmp_path):
     a = [b.sparse["g"].values().tolist() for b in iterate(ds, batches, num_workers=0)]
     b = [b.sparse["g"].values().tolist() for b in iterate(ds, batches, num_workers=2)]
     assert a == b
+
+
+@pytest.mark.parametrize("rows, world", [(5, 4), (2001, 2), (7, 3), (4, 4)])
+def test_a_batch_that_does_not_split_evenly_gives_every_rank_rows(rows, world):
+    """The one batch of a split smaller than the global batch: slices one row apart, every row once
+    (ceil-sized slices left the last ranks none: 5 rows over 4 ranks crashed the last rank)."""
+    parts = [epoch_batches(rows, 4096, shuffle=True, seed=0, epoch=0, drop_last=False, rank=r, world_size=world)
+             for r in range(world)]  # fmt: skip
+    sizes = [len(p[0]) for p in parts]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+    assert sorted(np.concatenate([p[0] for p in parts]).tolist()) == list(range(rows))

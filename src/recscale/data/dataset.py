@@ -172,7 +172,8 @@ def epoch_batches(
     """Row indices of each batch of one epoch for this rank.
 
     ``batch_size`` is the *global* batch; rank r takes the r-th contiguous slice of it, so W ranks
-    together see exactly the batches a single process with the same global batch sees.
+    together see exactly the batches a single process with the same global batch sees. A batch that
+    does not split evenly (the last, with ``drop_last=False``) gives the ranks slices one row apart.
     """
     if shuffle:
         g = torch.Generator().manual_seed(seed * 100_003 + epoch)
@@ -185,8 +186,8 @@ def epoch_batches(
         bounds.append((n_full * batch_size, rows))
     out = []
     for lo, hi in bounds:
-        per = -(-(hi - lo) // world_size)
-        out.append(np.sort(order[lo:hi][rank * per : (rank + 1) * per]))
+        size = hi - lo
+        out.append(np.sort(order[lo:hi][rank * size // world_size : (rank + 1) * size // world_size]))
     return out
 
 

@@ -131,6 +131,11 @@ class Trainer:
         )
         self.ema = DenseEMA(self.built.trainable_dense(), t.ema_decay) if t.ema_decay else None
         n = len(self.train_ds)
+        if n < self.env.world_size:
+            raise ConfigError(
+                f"the training split has {n} rows, fewer than the {self.env.world_size} ranks: each rank "
+                "trains on a part of every batch; train on fewer ranks or more rows"
+            )
         self.steps_per_epoch = n // t.batch_size + (1 if n % t.batch_size and n < t.batch_size else 0)
         self.total_steps = min(t.epochs * self.steps_per_epoch, t.max_steps or 10**18)
         self.progress = Progress()
@@ -314,7 +319,10 @@ class Trainer:
             n, t.batch_size, shuffle=True, seed=self.cfg.seed, epoch=p.epoch, drop_last=n >= t.batch_size,
             rank=0 if balanced else env.rank, world_size=1 if balanced else env.world_size,
         )[p.batch :]  # fmt: skip
-        sizes: list[int | None] = [len(b) if balanced else None for b in batches]
+        # A training split smaller than the global batch is one batch the ranks hold unequal parts of:
+        # like a balanced one, it needs its global size for the loss to be the global mean.
+        partial = n < t.batch_size and env.world_size > 1
+        sizes: list[int | None] = [len(b) if balanced else (n if partial else None) for b in batches]
         if balanced:
             names = [f.name for f in self.pre.schema.sparse if f.sequence]
             cost = cost_model(balance, self.built.model, self.built.flops_per_example, names)
