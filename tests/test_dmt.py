@@ -355,3 +355,21 @@ def test_towers_other_than_hosts_is_one_line(tmp_path, capsys):
     assert main(["train", str(demo), *small, "dmt.towers=3", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "error: dmt.towers=3: DMT runs one tower per host and this job has 1 hosts"
+
+
+@pytest.mark.dist
+def test_a_dmt_run_resumed_on_another_topology_says_so(tmp_path, capsys):
+    """Towers are hosts: at another topology the model differs, and the error said only 'damaged'."""
+    from recscale.cli import main
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    run = tmp_path / "dmt"
+    assert main(["train", str(configs / "demo.yaml"), "--nproc", "2", "--local-world-size", "1", "--out", str(run),
+                 "data.synthetic.rows={train: 1024, valid: 256, test: 256}", "train.batch_size=256",
+                 "train.max_steps=2", "dmt={}", "train.progress=false"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["train", "--resume", "--out", str(run), "train.max_steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "resumes only at the hosts and ranks it was trained on" in err and len(err.strip().splitlines()) == 1
+    )

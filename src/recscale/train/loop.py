@@ -195,7 +195,15 @@ class Trainer:
         if ckpts:
             # Adam's state is created lazily; create it so the checkpoint has tensors to load into.
             self.built.dense.init_state()
-            state = load_checkpoint(ckpts[-1], self._state())
+            try:
+                state = load_checkpoint(ckpts[-1], self._state())
+            except CheckpointError as e:
+                if self.cfg.dmt is None:
+                    raise
+                raise CheckpointError(  # the likely cause: towers are hosts, so another topology is another model
+                    f"{e}. A DMT run resumes only at the hosts and ranks it was trained on "
+                    "(the same --nproc and --local-world-size)"
+                ) from None
             try:  # state.json passed its schema; its values may still not fit (edited by hand)
                 self.opt.load_state_dict(state["optim"])
                 self.progress = Progress(**state["progress"])
