@@ -423,3 +423,22 @@ def test_a_served_history_keeps_its_most_recent_max_len_ids(tmp_path):
     rows = [row | {"h0": history}, row | {"h0": history[-8:]}, row | {"h0": history[:8]}]
     p = scorer.probabilities(scorer.parser.parse(json.dumps({"rows": rows}).encode()))
     assert p[0] == pytest.approx(p[1], rel=1e-5) and abs(p[0] - p[2]) > 1e-4, p
+
+
+def test_fp16_stored_tables_export_as_the_fp32_their_manifest_names(tmp_path):
+    """model.embedding.storage=fp16 exported fp16 tensors under a manifest saying 'tables: fp32'; they
+    are now fp32 tensors of the same values (scores unchanged), and `--tables fp16` halves them."""
+    from recscale.serve.artifact import read_artifact
+    from recscale.train.runs import load_trained
+
+    run, model = tmp_path / "run", tmp_path / "model"
+    assert main(["train", str(CONFIGS / "demo.yaml"), "--out", str(run), "train.max_steps=2",
+                 "data.synthetic.rows={train: 512, valid: 256, test: 256}", "model.embedding.storage=fp16",
+                 "train.progress=false"]) == 0  # fmt: skip
+    assert main(["export", str(run), "--out", str(model)]) == 0
+    art = read_artifact(model)
+    name = "embedding.ebc.embedding_bags.t_s0.weight"
+    trained = load_trained(run)[2].model.state_dict()[name].local_shards()[0].tensor  # one process: one shard
+    assert art.manifest.tables == "fp32" and art.config.model.embedding.storage == "fp32"
+    assert trained.dtype == torch.float16 and art.tensors[name].dtype == torch.float32
+    assert torch.equal(art.tensors[name], trained.float())

@@ -144,8 +144,14 @@ def export_run(
     from recscale.train.runs import load_trained
 
     cfg, pre, built = load_trained(run_dir)
-    model = inference_model(cfg, pre, "fp32")
     trained = {k: _full(k, v) for k, v in built.model.state_dict().items()}  # type: ignore[attr-defined]
+    if cfg.model.embedding.storage == "fp16":
+        # Tables trained in fp16 storage export as fp32 tables holding the same values, so the manifest's
+        # format says what the file holds and scores equal the run's; --tables fp16 halves them again.
+        emb = cfg.model.embedding.model_copy(update={"storage": "fp32"})
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"embedding": emb})})
+        trained = {k: v.float() if k.startswith(_TABLES) else v for k, v in trained.items()}
+    model = inference_model(cfg, pre, "fp32")
     load_weights(model, trained, "fp32", f"{run_dir}'s checkpoint")
     if tables != "fp32":
         quantize_embeddings(model, dtype=_QUANT_DTYPES[tables], inplace=True)
