@@ -281,6 +281,22 @@ def test_batcher_merges_concurrent_requests_and_answers_each_its_own(scorer, tra
     assert len(calls) < len(batches) and max(calls) <= 64  # merged, never past max_batch
 
 
+def test_a_request_cancelled_while_it_waits_does_not_stop_the_batcher(scorer, trained):
+    """A cancelled request's future cannot take a result: setting it raised in the scoring thread, which
+    ended, and every later request waited forever."""
+    body = json.dumps({"rows": _rows(trained["valid"])[:3]}).encode()
+    batcher = Batcher(scorer, ServeOptions(max_batch=64, max_wait_ms=300))
+    try:
+        gone = batcher.submit(scorer.parser.parse(body))
+        assert gone.cancel()  # its handler was cancelled while the batch still gathered
+        kept = batcher.submit(scorer.parser.parse(body))
+        assert len(kept.result(timeout=30)) == 3
+        later = batcher.submit(scorer.parser.parse(body))  # the thread is still there to score it
+        assert len(later.result(timeout=30)) == 3
+    finally:
+        batcher.stop()
+
+
 def _start_serve(trained, *extra: str, workers: int = 1) -> tuple[subprocess.Popen, str]:
     """``recscale serve`` on a free port (--port 0: the first line names it), once each of its
     ``workers`` processes has answered /readyz."""
@@ -292,6 +308,8 @@ def _start_serve(trained, *extra: str, workers: int = 1) -> tuple[subprocess.Pop
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C as in a terminal, even where the tests run in the background (SIGINT ignored there).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -333,6 +351,24 @@ def test_serve_command_finishes_in_flight_requests_on_sigterm(trained):
         client.join(timeout=30)
         assert len(answer) == 1 and len(answer[0]["scores"]) == 1  # answered, not dropped
         assert proc.wait(timeout=60) == -signal.SIGTERM  # uvicorn re-raises the signal once shut down
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_second_ctrl_c_exits_at_once_without_a_traceback(trained):
+    """The first SIGINT drains (a request is held in the batching wait); the second exits without
+    draining, and uvicorn used to log the cancelled lifespan's traceback as it did."""
+    proc, url = _start_serve(trained, "--max-wait-ms", "3000")
+    try:
+        req = urllib.request.Request(f"{url}/score", data=json.dumps({"rows": [GOOD]}).encode())
+        threading.Thread(target=lambda: urllib.request.urlopen(req, timeout=30), daemon=True).start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "Traceback" not in err and err.strip().endswith("interrupted"), err
     finally:
         if proc.poll() is None:
             proc.kill()

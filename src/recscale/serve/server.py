@@ -21,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
 import os
 import queue
+import signal
 import socket
 import threading
 import time
@@ -110,7 +112,11 @@ class Batcher:
     def _run(self) -> None:
         while (first := self._queue.get()) is not None:
             jobs, stop = self._gather(first)
-            self._score(jobs)
+            # A request cancelled while it waited (its handler was cancelled) is not scored: setting its
+            # result would raise in this thread and end it, and every later request would hang.
+            jobs = [job for job in jobs if job[1].set_running_or_notify_cancel()]
+            if jobs:
+                self._score(jobs)
             if stop:
                 break
 
@@ -301,10 +307,18 @@ def serve(
     def config(app: Any, **extra: Any) -> uvicorn.Config:
         return uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30, **extra)
 
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # A second Ctrl-C exits without draining, as asked; uvicorn would then log the cancelled
+            # lifespan as an error with its traceback.
+            if self.should_exit and sig == signal.SIGINT:
+                logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
+            super().handle_exit(sig, frame)
+
     if opts.workers == 1:
         assert app is not None
         _set_threads(opts)
-        uvicorn.Server(config(app)).run(sockets=[sock])
+        Server(config(app)).run(sockets=[sock])
         return
     worker = _WorkerApp(str(model_dir), max_rows, opts)
     # The supervisor kills a worker that does not answer its ping within timeout_worker_healthcheck (uvicorn's
