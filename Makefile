@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints.txt torch fbgemm-gpu-cpu
-	$(PIP) install -q -c constraints.txt -e ".[dev,bench]"
+	$(PIP) install -q -c constraints.txt -e ".[cpu,dev,bench]"
 	@# Last and without its dependencies: torchrec's metadata asks for the CUDA fbgemm-gpu (we
 	@# run on fbgemm-gpu-cpu), and a later install would print pip's resolver ERROR about it.
 	$(PIP) install -q --no-deps -c constraints.txt torchrec

@@ -153,6 +153,9 @@ def main() -> None:
     seeds = " ".join(map(str, args.seeds))
     data = f"--data frappe --epochs {args.epochs} " if frappe else ""
     cmd = f"python bench/precision.py {data}--models {' '.join(args.models)} --settings {' '.join(args.settings)} --seeds {seeds}"
+    # Without --out a rerun would write the default table, docs/precision.
+    if Path(args.out).resolve() != (REPO / "docs" / "precision").resolve():
+        cmd += f" --out {args.out}"
     text = "\n".join([*lines, "", f"Seeds {seeds}, mean ± std. Command: `{cmd}`"])
     out.with_suffix(".md").write_text(text + "\n")
     print(text)

@@ -250,9 +250,10 @@ def main() -> None:
             f"| {pub.get('AUC', '')} | {pub.get('Logloss', '')} |"
         )
     seeds = " ".join(map(str, args.seeds))
-    cmd = f"python bench/quality.py {args.suite} --seeds {seeds}" + (
-        f" --models {' '.join(chosen)}" if args.models else ""
-    )
+    # With its --out: without it, a rerun would write the suite's default table.
+    cmd = f"python bench/quality.py {args.suite} --seeds {seeds}"
+    cmd += f" --models {' '.join(chosen)}" if args.models else ""
+    cmd += f" --out {args.out}" if args.out else ""
     text = "\n".join([*lines, "", f"Mean ± std over seeds {seeds}. Command: `{cmd}`"])
     out.with_suffix(".md").write_text(text + "\n")
     print(text)
