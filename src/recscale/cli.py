@@ -256,7 +256,7 @@ def cmd_scaling_fit(args: argparse.Namespace) -> None:
             )
         merge.update({name: new for name in old.split(",")})
     families = load_results(args.results, merge, args.drop)
-    text, fits = report(families, pin_floor=args.pin_floor)
+    text, fits = report(families, pin_floor=args.pin_floor, left_out=families.left_out)
     print(text)
     if args.out:
         print(f"plot: {plot_scaling(families, fits, args.out)}")

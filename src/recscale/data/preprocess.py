@@ -194,9 +194,8 @@ class Preprocessor:
 
         Each call builds the vocabulary's hash set: call it on many values at once."""
         vocab = self.vocabs[name]
-        if not len(
-            values
-        ):  # e.g. a multi-id field whose rows are all empty: index_in would still match types
+        # No ids at all (a multi-id field whose rows are all empty): index_in would still demand equal types.
+        if not len(values):
             return np.empty(0, np.int64)
         if vocab.type != values.type:
             # A vocabulary fitted on int ids mapped against string ids (or back): compare as text.

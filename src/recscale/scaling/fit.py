@@ -338,14 +338,17 @@ def _fmt_ci(v: float, ci: tuple[float, float]) -> str:
     return f"{v:.4g} [{ci[0]:.4g}, {ci[1]:.4g}]"
 
 
-def report(families: list[FamilyRuns], pin_floor: bool = False) -> tuple[str, dict[str, PowerLawFit]]:
+def report(
+    families: list[FamilyRuns], pin_floor: bool = False, left_out: dict[str, list[str]] | None = None
+) -> tuple[str, dict[str, PowerLawFit]]:
     """A text report (frontier fits with 95% intervals, relative LogLoss changes) and the fits that
-    succeeded; ``pin_floor``: L_inf fixed at each family's Bayes floor (see ``fit_power_law``)."""
+    succeeded; ``pin_floor``: L_inf fixed at each family's Bayes floor (see ``fit_power_law``);
+    ``left_out``: the diverged runs ``load_results`` left out (``Families.left_out``), named first."""
     lines = ["loss(C) = L_inf + a_C0 * (C / C0)^(-b), C = training FLOPs, fitted to each family's "
              "compute-optimal frontier; 95% confidence intervals"
              + ("; L_inf pinned to the Bayes floor" if pin_floor else "")]  # fmt: skip
     kept = {f.name for f in families}
-    for name, runs in (families.left_out if isinstance(families, Families) else {}).items():
+    for name, runs in (left_out or {}).items():
         what = (
             f"left out {len(runs)} run{'s' * (len(runs) > 1)} with"
             if name in kept
