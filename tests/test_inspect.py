@@ -57,6 +57,12 @@ def test_inspect_csv_infers_types(tmp_path):
     assert cols["note"]["cardinality"] == 2 and cols["note"]["missing"] == 1
 
 
+def test_inspect_refuses_duplicate_header_columns(tmp_path):
+    path = write(tmp_path / "t.csv", ["label,a,b,a", "1,x,y,z"])
+    with pytest.raises(DataError, match=r"t\.csv line 1: the header names column\(s\) 'a' more than once"):
+        inspect_file(path)
+
+
 def test_inspect_max_rows(tmp_path):
     path = write(tmp_path / "t.csv", ["label,a"] + [f"{i % 2},{i}" for i in range(100)])
     report = inspect_file(path, max_rows=10)

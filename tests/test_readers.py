@@ -400,6 +400,20 @@ def test_missing_column_is_named_with_the_file_columns(tmp_path):
         read_batches(tmp_path / "t.parquet", "parquet", make_schema(sparse=["city"]))
 
 
+def test_duplicate_header_columns_are_an_error(tmp_path):
+    # Read by name, a column named twice was silently one of the two.
+    path = write(tmp_path / "t.csv", ["label,a,b,a,b,c", "1,x,y,z,w,v"])
+    with pytest.raises(DataError, match=r"t\.csv line 1: .*'a', 'b' more than once; rename or remove"):
+        read_batches(path, "csv", make_schema(sparse=["a"]))
+    tsv = write(tmp_path / "t.tsv", ["label\ta\ta", "1\tx\ty"])
+    with pytest.raises(DataError, match=r"t\.tsv line 1: .*'a' more than once"):
+        read_batches(tsv, "csv", make_schema(sparse=["a"]), {"delimiter": "\t"})
+    root = write_movielens(tmp_path / "ml", ["1\t10\t5\t1"])
+    write(root / "ml.user", ["user_id:token\tage:token\tage:float", "1\t24\t3"])
+    with pytest.raises(DataError, match=r"ml\.user line 1: .*'age' more than once \(with types token and"):
+        read_batches(root, "movielens", ML_SCHEMA)
+
+
 def test_options_are_validated():
     assert set(options_model("libsvm").model_fields) == {"mode"}
     with pytest.raises(ConfigError, match="delimtier"):

@@ -99,6 +99,12 @@ class AtomicFile:
                 raise DataError(
                     f"{path} line 1: column '{raw}' is not name:type with type token, token_seq or float"
                 )
+            if name in types:
+                raise DataError(
+                    f"{path} line 1: the header names column '{name}' more than once (with types "
+                    f"{types[name]} and {kind}); rename or remove the duplicate so that each column "
+                    "name is unique"
+                )
             types[name] = kind
         return cls(path, types)
 
