@@ -161,6 +161,21 @@ def test_retrieval_build_and_query_from_the_command_line(tmp_path: Path, shared_
     assert "ids.json: its sha256 does not match" in capsys.readouterr().err
 
 
+def test_retrieval_build_refuses_k_above_candidates(tmp_path: Path, shared_data: Path, capsys) -> None:
+    """--k above --candidates was accepted, and queries then returned only --candidates items."""
+    from recscale.cli import main
+
+    out = tmp_path / "rt"
+    argv = ["retrieval", "build", str(shared_data / "movielens-100k"), "--out", str(out), "--epochs", "1"]
+    assert main([*argv, "--k", "20", "--candidates", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: retrieval build: --k 20 is more than --candidates 5, the items the ranker chooses from, "
+        "so queries would return only 5; give --k <= --candidates\n"
+    )
+    assert not out.exists()
+
+
 def test_recscale_serve_answers_a_retrieval_model(tmp_path: Path, shared_data: Path) -> None:
     from fastapi.testclient import TestClient
 

@@ -170,6 +170,11 @@ def cmd_retrieval_build(args: argparse.Namespace) -> None:
     from recscale.retrieval.recipe import build_pipeline
     from recscale.serve.retrieval_artifact import Catalog, save_retrieval
 
+    if args.k > args.candidates:
+        raise RecscaleError(
+            f"retrieval build: --k {args.k} is more than --candidates {args.candidates}, the items the "
+            f"ranker chooses from, so queries would return only {args.candidates}; give --k <= --candidates"
+        )
     data = read_movielens(Path(args.data))
     pipe, spec = build_pipeline(data, args.index, args.epochs, args.seed, args.candidates, args.k)
     save_retrieval(Path(args.out), pipe, spec, Catalog(data.user_keys, data.item_keys, data.users))
