@@ -69,6 +69,17 @@ def test_inspect_reports_pooling_and_histogram(tmp_path):
     assert "access_histogram" not in cols["label"] and "pooling" not in inspect_file(path)["columns"][1]
 
 
+def test_inspect_histogram_of_no_ids_is_all_zeros(tmp_path):
+    """A file with no rows (or an id column all missing) reported [1.0, 0, ...]: shares of no ids."""
+    (tmp_path / "empty.csv").write_text("label,user,tags\n")
+    (tmp_path / "missing.csv").write_text("label,user,tags\n1,,\n0,,\n")
+    for name in ("empty.csv", "missing.csv"):
+        cols = {c["name"]: c for c in inspect_file(tmp_path / name, tables=True)["columns"]}
+        assert cols["user"]["access_histogram"] == cols["tags"]["access_histogram"] == [0.0] * HIST_BINS
+    # The planner's features stay shares summing to 1 (its cost models know no other histogram).
+    assert access_histogram(np.array([], dtype=np.int64)) == (1.0,) + (0.0,) * (HIST_BINS - 1)
+
+
 def test_synthetic_tables_follow_their_spec():
     g = np.random.default_rng(0)
     flat, lengths, ids = synthetic_table("a", 10_000, 16, 8.0, 0.0, g)
