@@ -450,6 +450,27 @@ CASES = [
         lambda c: ["dmt", "partition", str(c.tmp / "gone"), "--towers", "2"],
         ("not a recscale run directory",),
     ),
+    # A run without a checkpoint: the error said "to evaluate" whichever command loaded the run.
+    Case(
+        "dmt partition: no checkpoint",
+        lambda c: ["dmt", "partition", str(c.run), "--towers", "2"],
+        ("no complete checkpoint to partition into DMT towers", "train the run first"),
+        setup=lambda c: [shutil.rmtree(c.run / d) for d in ("ckpt", "best")],
+        watch=run_dir,
+    ),
+    Case(
+        "export: no checkpoint",
+        lambda c: ["export", str(c.run), "--out", str(c.tmp / "new")],
+        ("no complete checkpoint to export",),
+        setup=lambda c: [shutil.rmtree(c.run / d) for d in ("ckpt", "best")],
+    ),
+    Case(
+        "precision probe: no checkpoint",
+        lambda c: ["precision", "probe", str(c.run), "--data", str(c.good)],
+        ("no complete checkpoint to probe",),
+        setup=lambda c: [shutil.rmtree(c.run / d) for d in ("ckpt", "best")],
+        watch=run_dir,
+    ),
 ]
 
 

@@ -272,7 +272,9 @@ def cmd_dmt_partition(args: argparse.Namespace) -> None:
     from recscale.io import atomic_write_text
     from recscale.train.runs import load_training_sample
 
-    embedding, batch, pre = load_training_sample(Path(args.run_dir), args.rows)
+    embedding, batch, pre = load_training_sample(
+        Path(args.run_dir), args.rows, "to partition into DMT towers"
+    )
     stats = feature_stats(embedding, batch, pre.num_embeddings)
     report = partition_report(stats, args.towers, args.tolerance)
     out = Path(args.out) if args.out else Path(args.run_dir) / f"dmt_towers_{args.towers}.json"

@@ -143,7 +143,7 @@ def export_run(
     """Export a trained run's best (else latest) model to the model directory ``out``."""
     from recscale.train.runs import load_trained
 
-    cfg, pre, built = load_trained(run_dir)
+    cfg, pre, built = load_trained(run_dir, "to export")
     trained = {k: _full(k, v) for k, v in built.model.state_dict().items()}  # type: ignore[attr-defined]
     if cfg.model.embedding.storage == "fp16":
         # Tables trained in fp16 storage export as fp32 tables holding the same values, so the manifest's

@@ -148,7 +148,7 @@ def probe(
         raise RecscaleError(f"precision probe: --tolerance {tolerance}; give an AUC drop >= 0, e.g. 0.0005")
     formats = list(dict.fromkeys([*formats, target]))
     run_config(run_dir)  # a directory that is not a run is named first
-    cfg, pre, built = load_trained(run_dir)
+    cfg, pre, built = load_trained(run_dir, "to probe")
     model = cast(RecModel, built.model)  # flat: load_trained refuses DMT runs
     dequantize_model(model)  # a run trained with model.quant: measure against its fp32 computation
     names = linear_names(model)

@@ -108,8 +108,9 @@ def _refuse_changes(run_dir: Path, saved: RunConfig, cfg: RunConfig) -> None:
         )
 
 
-def load_trained(run_dir: Path) -> tuple[RunConfig, Preprocessor, Built]:
-    """The run's config, preprocessing and best (else latest) model, in this process."""
+def load_trained(run_dir: Path, purpose: str = "to evaluate") -> tuple[RunConfig, Preprocessor, Built]:
+    """The run's config, preprocessing and best (else latest) model, in this process. ``purpose`` ends
+    the error for a run without a checkpoint: "no complete checkpoint to evaluate"."""
     run_dir = Path(run_dir)
     cfg, pre = load_run(run_dir)
     if cfg.dmt is not None:
@@ -127,7 +128,7 @@ def load_trained(run_dir: Path) -> tuple[RunConfig, Preprocessor, Built]:
     ckpts = list_checkpoints(run_dir / "ckpt")
     source = best if (best / ".metadata").is_file() else (ckpts[-1] if ckpts else None)
     if source is None:
-        raise CheckpointError(f"{run_dir}: no complete checkpoint to evaluate; train the run first")
+        raise CheckpointError(f"{run_dir}: no complete checkpoint {purpose}; train the run first")
     load_checkpoint(source, {"model": built.module.state_dict()})
     if source != best and cfg.train.ema_decay:  # a training checkpoint: its dense average is the model
         with torch.no_grad():
@@ -135,9 +136,12 @@ def load_trained(run_dir: Path) -> tuple[RunConfig, Preprocessor, Built]:
     return cfg, pre, built
 
 
-def load_training_sample(run_dir: Path, rows: int) -> tuple[EmbeddingLayer, Batch, Preprocessor]:
-    """A trained flat run's embedding layer, its first ``rows`` training rows and its preprocessing."""
-    _, pre, built = load_trained(run_dir)
+def load_training_sample(
+    run_dir: Path, rows: int, purpose: str
+) -> tuple[EmbeddingLayer, Batch, Preprocessor]:
+    """A trained flat run's embedding layer, its first ``rows`` training rows and its preprocessing
+    (``purpose`` as for ``load_trained``)."""
+    _, pre, built = load_trained(run_dir, purpose)
     split = Path(run_dir) / "data" / "train"
     if not (split / "meta.json").is_file():
         raise RecscaleError(
