@@ -259,6 +259,41 @@ def test_report_fraction_holds_valid_rows_out_of_every_selection(tmp_path):
     assert other.report_ds is not None and np.array_equal(other.report_ds.index, tr.report_ds.index)
 
 
+def test_nan_metrics_are_written_as_json_null(tmp_path):
+    """AUC, NE and calibration of a valid set of one class are NaN: metrics.jsonl and report.json wrote
+    them as bare NaN, which is not JSON (jq, JSON.parse and strict parsers refuse the file)."""
+    rows = [f"{i % 2},{i % 7},{i % 11}" for i in range(64)]
+    (tmp_path / "train.csv").write_text("\n".join(["label,user,item", *rows]) + "\n")
+    (tmp_path / "valid.csv").write_text("\n".join(["label,user,item", *(f"0,{r[2:]}" for r in rows)]) + "\n")
+    (tmp_path / "run.yaml").write_text(
+        f"data:\n  format: csv\n  train: {tmp_path / 'train.csv'}\n  valid: {tmp_path / 'valid.csv'}\n"
+        "  schema: {label: label, sparse: [{name: user}, {name: item}]}\n  num_workers: 0\n"
+        "model: {name: lr}\n"
+        "train: {batch_size: 16, max_steps: 2, eval_every: 1, log_every: 1, progress: false}\n"
+    )
+    report = Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()
+    assert np.isnan(report["valid"]["auc"])  # the returned report (the printed summary) keeps its NaN
+
+    def strict(text: str) -> dict:
+        def refuse(constant: str) -> None:
+            raise AssertionError(f"{constant} is not JSON")
+
+        return json.loads(text, parse_constant=refuse)
+
+    logged = [strict(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in logged if r["split"] == "valid"]
+    assert len(evals) == 2 and all(r["auc"] is r["ne"] is r["calibration"] is None for r in evals)
+    assert all(isinstance(r["logloss"], float) for r in evals)
+    assert [r["step"] for r in logged if r["split"] == "train"] == [1, 2]
+    valid = strict((tmp_path / "r" / "report.json").read_text())["valid"]
+    assert valid["auc"] is valid["ne"] is valid["calibration"] is None and valid["rows"] == 64
+
+    from recscale.train.state import strict_json
+
+    nested = {"a": [1.0, float("inf"), (float("-inf"), 2)], "b": {"c": float("nan")}, "s": "NaN"}
+    assert json.loads(strict_json(nested)) == {"a": [1.0, None, [None, 2]], "b": {"c": None}, "s": "NaN"}
+
+
 def test_fp16_table_storage_trains_resumes_and_is_refused_for_replicated_tables(tmp_path):
     """model.embedding.storage=fp16: fbgemm's fused kernel stores and updates fp16 rows (its row-wise
     Adagrad state stays fp32), the checkpoint holds fp16 tables and resumes; replicated tables refuse it."""

@@ -10,16 +10,15 @@ Run directory::
     config.yaml         the resolved config
     preprocess.json     the fitted preprocessing artifact (written once the splits are materialised)
     data/{split}/       materialised splits (a cache; safe to delete)
-    metrics.jsonl       one JSON object per logged train window and per evaluation
+    metrics.jsonl       one JSON object per logged train window and per evaluation (NaN metrics: null)
     tb/                 TensorBoard logs
     ckpt/step_N/        checkpoints (model, optimizers, data position, RNG)
     best/               the best model by the early-stopping metric
-    report.json         the final report
+    report.json         the final report (standard JSON too: a NaN metric is null)
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Iterator
@@ -60,7 +59,7 @@ from recscale.train.optim import lr_factor
 from recscale.train.precision import autocast, warn_if_emulated
 from recscale.train.regularizers import DenseEMA, EmbeddingL2, TableDecay
 from recscale.train.runs import check_resume
-from recscale.train.state import Progress, RunLog, rng_state, set_rng_state
+from recscale.train.state import Progress, RunLog, rng_state, set_rng_state, strict_json
 
 
 def cost_model(
@@ -440,7 +439,7 @@ class Trainer:
             split = "valid" if self.valid_ds is not None else "train"
             report |= bayes_floor(self.cfg.data.synthetic, split, self.valid_ds or self.train_ds)
         if self.main:
-            atomic_write_text(self.dir / "report.json", json.dumps(report, indent=2))
+            atomic_write_text(self.dir / "report.json", strict_json(report, indent=2))
         self.log.close()
         if dist.is_initialized():
             dist.barrier()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,22 @@ def set_rng_state(s: dict[str, str]) -> None:
     torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(s["torch"]), dtype=np.uint8).copy()))
 
 
+def strict_json(obj: Any, indent: int | None = None) -> str:
+    """``obj`` as standard JSON, which has no NaN or Infinity: a non-finite float (AUC or NE of labels of
+    one class, the loss of a diverged run) is written as null."""
+
+    def finite(x: Any) -> Any:
+        if isinstance(x, float):
+            return x if math.isfinite(x) else None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [finite(v) for v in x]
+        return x
+
+    return json.dumps(finite(obj), indent=indent, allow_nan=False)
+
+
 class RunLog:
     """metrics.jsonl and TensorBoard, written by rank 0 only."""
 
@@ -71,7 +88,7 @@ class RunLog:
         if self.tb is None:
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(strict_json(record) + "\n")
         for k, v in record.items():
             if isinstance(v, int | float) and k not in ("step", "epoch"):
                 self.tb.add_scalar(f"{record.get('split', 'train')}/{k}", v, record["step"])
