@@ -79,6 +79,7 @@ def train(model: str, setting: str, seed: int, out: Path, frappe_epochs: int | N
         exe = Path(sys.executable).with_name("recscale")
         subprocess.run([str(exe), *cmd[1:]], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     report = json.loads((out / "report.json").read_text())
+    valid = {k: float("nan") if v is None else v for k, v in report["valid"].items()}  # null: a NaN metric
     windows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     comm = [w["comm"] for w in windows if w["split"] == "train" and "comm" in w]
     steps = sum(1 for w in windows if w["split"] == "train") * LOG_EVERY
@@ -87,8 +88,8 @@ def train(model: str, setting: str, seed: int, out: Path, frappe_epochs: int | N
         for kind in ("all_to_all", "all_reduce")
     }
     return {
-        "model": model, "setting": setting, "seed": seed, "auc": report["valid"]["auc"],
-        "logloss": report["valid"]["logloss"], "examples_per_s": report["examples_per_s"],
+        "model": model, "setting": setting, "seed": seed, "auc": valid["auc"],
+        "logloss": valid["logloss"], "examples_per_s": report["examples_per_s"],
         "a2a_bytes_per_step": per_step["all_to_all"], "allreduce_bytes_per_step": per_step["all_reduce"],
         "command": shlex.join(cmd).replace(f" --out {out}", ""),
     }  # fmt: skip

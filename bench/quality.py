@@ -214,7 +214,8 @@ def main() -> None:
                 )
                 continue
             r = run_one(config, seeded, run_dir)
-            m = r[suite.get("split", "valid")]
+            # report.json writes a NaN metric (one-class labels, a diverged run) as null
+            m = {k: float("nan") if v is None else v for k, v in r[suite.get("split", "valid")].items()}
             rows.append({
                 "model": model, "seed": seed, "auc": m["auc"], "logloss": m["logloss"], "ne": m["ne"],
                 "dense_params": r["parameters"]["dense"], "sparse_params": r["parameters"]["sparse"],
