@@ -6,6 +6,7 @@ import pyarrow.csv as pacsv
 import pytest
 import torch
 
+from recscale.cli import main
 from recscale.config import load_config
 from recscale.errors import ConfigError
 from recscale.train.checkpoint import load_checkpoint
@@ -259,7 +260,7 @@ def test_report_fraction_holds_valid_rows_out_of_every_selection(tmp_path):
     assert other.report_ds is not None and np.array_equal(other.report_ds.index, tr.report_ds.index)
 
 
-def test_nan_metrics_are_written_as_json_null(tmp_path):
+def test_nan_metrics_are_written_as_json_null(tmp_path, capsys):
     """AUC, NE and calibration of a valid set of one class are NaN: metrics.jsonl and report.json wrote
     them as bare NaN, which is not JSON (jq, JSON.parse and strict parsers refuse the file)."""
     rows = [f"{i % 2},{i % 7},{i % 11}" for i in range(64)]
@@ -287,6 +288,10 @@ def test_nan_metrics_are_written_as_json_null(tmp_path):
     assert [r["step"] for r in logged if r["split"] == "train"] == [1, 2]
     valid = strict((tmp_path / "r" / "report.json").read_text())["valid"]
     assert valid["auc"] is valid["ne"] is valid["calibration"] is None and valid["rows"] == 64
+    # recscale eval prints the same metrics as one JSON line
+    assert main(["eval", str(tmp_path / "r"), "--data", str(tmp_path / "valid.csv")]) == 0
+    printed = strict(capsys.readouterr().out)
+    assert printed["auc"] is None and printed["rows"] == 64
 
     from recscale.train.state import strict_json
 

@@ -118,8 +118,9 @@ def _launch(args: argparse.Namespace, out: Path) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     from recscale.train.runs import eval_run
+    from recscale.train.state import strict_json
 
-    print(json.dumps(eval_run(Path(args.run_dir), args.data, args.format)))
+    print(strict_json(eval_run(Path(args.run_dir), args.data, args.format)))
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -193,9 +194,12 @@ def cmd_retrieval_query(args: argparse.Namespace) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> None:
     from recscale.data.inspect import inspect_file
+    from recscale.train.state import strict_json
 
     print(
-        json.dumps(inspect_file(args.path, args.format, max_rows=args.max_rows, tables=args.tables), indent=2)
+        strict_json(
+            inspect_file(args.path, args.format, max_rows=args.max_rows, tables=args.tables), indent=2
+        )
     )
 
 
@@ -288,11 +292,12 @@ def cmd_precision_probe(args: argparse.Namespace) -> None:
 
     from recscale.io import atomic_write_text
     from recscale.train.probe import DEFAULT_FORMATS, probe, table
+    from recscale.train.state import strict_json
 
     formats = args.formats or DEFAULT_FORMATS
     plan = probe(Path(args.run_dir), args.data, args.rows, formats, args.target, args.tolerance)
     out = Path(args.out) if args.out else Path(args.run_dir) / "precision_plan.json"
-    atomic_write_text(out, json.dumps(plan, indent=2))
+    atomic_write_text(out, strict_json(plan, indent=2))
     print(table(plan))
     layers = json.dumps(plan["model.quant"]["layers"], separators=(",", ":"))
     print(f"plan: {out}  (train with it: {shlex.quote(f'model.quant.layers={layers}')})")
