@@ -61,6 +61,11 @@ def test_inspect_refuses_duplicate_header_columns(tmp_path):
     path = write(tmp_path / "t.csv", ["label,a,b,a", "1,x,y,z"])
     with pytest.raises(DataError, match=r"t\.csv line 1: the header names column\(s\) 'a' more than once"):
         inspect_file(path)
+    pq.write_table(pa.Table.from_arrays([pa.array([1]), pa.array([2])], ["a", "a"]), tmp_path / "t.parquet")
+    with pytest.raises(
+        DataError, match=r"t\.parquet: the parquet schema names column\(s\) 'a' more than once"
+    ):
+        inspect_file(tmp_path / "t.parquet")
 
 
 def test_inspect_max_rows(tmp_path):

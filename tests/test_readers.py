@@ -412,6 +412,13 @@ def test_duplicate_header_columns_are_an_error(tmp_path):
     write(root / "ml.user", ["user_id:token\tage:token\tage:float", "1\t24\t3"])
     with pytest.raises(DataError, match=r"ml\.user line 1: .*'age' more than once \(with types token and"):
         read_batches(root, "movielens", ML_SCHEMA)
+    # A parquet file may repeat a name too: pyarrow raised KeyError on the read by name.
+    pq.write_table(pa.Table.from_arrays([pa.array([1]), pa.array([2]), pa.array([3])], ["label", "a", "a"]),
+                   tmp_path / "t.parquet")  # fmt: skip
+    with pytest.raises(
+        DataError, match=r"t\.parquet: the parquet schema names column\(s\) 'a' more than once"
+    ):
+        read_batches(tmp_path / "t.parquet", "parquet", make_schema(sparse=["a"]))
 
 
 def test_options_are_validated():

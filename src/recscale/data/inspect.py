@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from recscale.data.access import histogram_of_counts
 from recscale.data.readers import FORMATS, ReadStats, read_batches, validate_options
@@ -35,6 +34,7 @@ from recscale.data.readers.base import (
 )
 from recscale.data.readers.criteo import COLUMNS as CRITEO_COLUMNS
 from recscale.data.readers.movielens import KEYS, RATING, files_of
+from recscale.data.readers.parquet import open_parquet
 from recscale.data.readers.text import (
     column_of,
     first_line,
@@ -269,11 +269,7 @@ def inspect_file(
         names, batches, stats = _csv_tables(path, options.get("delimiter", ","))
         columns = [_Column(n, LABEL if n == LABEL else None, tables) for n in names]
     elif fmt == "parquet":
-        check_file(path)
-        try:
-            file = pq.ParquetFile(path)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise DataError(f"{path} is not a readable parquet file: {e}") from None
+        file = open_parquet(path)
         columns = [
             _Column(f.name, LABEL if f.name == LABEL else _parquet_kind(f.type), tables)
             for f in file.schema_arrow

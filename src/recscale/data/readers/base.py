@@ -6,6 +6,7 @@ a bad row (at most a few per batch), never on the happy path.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +110,18 @@ def check_file(path: Path) -> None:
         raise DataError(f"{path} is a directory; this format reads one file")
     if path.stat().st_size == 0:
         raise DataError(f"{path} is empty (0 bytes)")
+
+
+def check_unique_columns(where: str, names: Sequence[str]) -> None:
+    """A file naming a column twice is an error: a read by name would take one of them, or fail inside
+    pyarrow. ``where`` says what names them (``FILE line 1: the header``, ``FILE: the parquet schema``)."""
+    twice = [n for n, count in Counter(names).items() if count > 1]
+    if twice:
+        listed = ", ".join(repr(n) for n in twice)
+        raise DataError(
+            f"{where} names column(s) {listed} more than once; "
+            "rename or remove the duplicates so that each column name is unique"
+        )
 
 
 def missing_columns_error(path: Path, missing: Sequence[str], columns: Sequence[str]) -> DataError:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from recscale.data.readers.base import (
     BadRows,
     check_file,
+    check_unique_columns,
     consecutive,
     convert,
     is_list,
@@ -39,11 +40,7 @@ def read(
     path: Path, schema: Schema, options: Options, bad: BadRows, chunk_rows: int
 ) -> Iterator[pa.RecordBatch]:
     """Check the file and its columns now; return the stream of raw-layout batches."""
-    check_file(path)
-    try:
-        file = pq.ParquetFile(path)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise DataError(f"{path} is not a readable parquet file: {e}") from None
+    file = open_parquet(path)
     arrow = file.schema_arrow
     wanted = source_columns(schema)
     for f in schema.sparse:
@@ -53,6 +50,17 @@ def read(
     if missing:
         raise missing_columns_error(path, missing, arrow.names)
     return _batches(file, schema, bad, chunk_rows, wanted)
+
+
+def open_parquet(path: Path) -> pq.ParquetFile:
+    """``path`` opened, a DataError unless it is a parquet file whose column names are unique."""
+    check_file(path)
+    try:
+        file = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path} is not a readable parquet file: {e}") from None
+    check_unique_columns(f"{path}: the parquet schema", file.schema_arrow.names)
+    return file
 
 
 def _batches(

@@ -4,7 +4,6 @@ line numbers for errors and dropped rows."""
 from __future__ import annotations
 
 import io
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -16,7 +15,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from recscale.data.chunks import ordered_map
-from recscale.data.readers.base import Locate, Problem, convert
+from recscale.data.readers.base import Locate, Problem, check_unique_columns, convert
 from recscale.data.schema import Schema
 from recscale.errors import DataError
 
@@ -102,19 +101,8 @@ def read_header(path: Path, delimiter: str, quote: bool) -> list[str]:
             f"{path} line 1: not a {delimiter!r}-delimited header ({reason}); check data.format"
         ) from None
     names = table.column_names
-    _check_unique_columns(path, names)
+    check_unique_columns(f"{path} line 1: the header", names)
     return names
-
-
-def _check_unique_columns(path: Path, names: Sequence[str]) -> None:
-    """A header naming a column twice is an error: a read by name would silently take one of them."""
-    twice = [n for n, count in Counter(names).items() if count > 1]
-    if twice:
-        listed = ", ".join(repr(n) for n in twice)
-        raise DataError(
-            f"{path} line 1: the header names column(s) {listed} more than once; "
-            "rename or remove the duplicates so that each column name is unique"
-        )
 
 
 def _nonempty_lines(chunk: bytes | bytearray) -> np.ndarray:
