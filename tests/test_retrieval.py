@@ -176,6 +176,39 @@ def test_retrieval_build_refuses_k_above_candidates(tmp_path: Path, shared_data:
     assert not out.exists()
 
 
+def test_retrieval_build_refuses_an_out_that_is_no_retrieval_model(
+    tmp_path: Path, shared_data: Path, capsys
+) -> None:
+    """--out of a training run (or any other non-empty directory) was deleted and replaced by the retrieval
+    model; querying a directory that is no retrieval model said "the retrieval model is incomplete: delete it"."""
+    from recscale.cli import main
+
+    run = tmp_path / "run"
+    (run / "ckpt").mkdir(parents=True)
+    (run / "config.yaml").write_text("seed: 0\n")
+    argv = ["retrieval", "build", str(shared_data / "movielens-100k"), "--epochs", "1"]
+    assert main([*argv, "--out", str(run)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {run}: exists and is not a retrieval model; name a new directory (it is created)\n"
+    )
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt", "config.yaml"]
+    assert main(["retrieval", "query", str(run), "196"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {run}: not a retrieval model (no manifest.json); build one with "
+        "`recscale retrieval build DATA --out DIR`\n"
+    )
+    scoring = tmp_path / "scoring"
+    scoring.mkdir()
+    (scoring / "manifest.json").write_text('{"format": "recscale-model", "version": 1}')
+    assert main(["retrieval", "query", str(scoring), "196"]) == 2
+    assert "is an exported scoring model, not a retrieval model; serve it with `recscale serve`" in (
+        capsys.readouterr().err
+    )
+    assert main([*argv, "--out", str(scoring)]) == 2
+    assert "exists and is not a retrieval model" in capsys.readouterr().err
+    assert (scoring / "manifest.json").is_file()
+
+
 def test_recscale_serve_answers_a_retrieval_model(tmp_path: Path, shared_data: Path) -> None:
     from fastapi.testclient import TestClient
 

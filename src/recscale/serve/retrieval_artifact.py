@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -72,10 +73,22 @@ def _entry(blob: bytes) -> FileEntry:
     return FileEntry(sha256=hashlib.sha256(blob).hexdigest(), bytes=len(blob))
 
 
+def check_out(out: Path) -> None:
+    """``out`` may receive a retrieval model: it is new, empty, or a retrieval model to replace (never a
+    run directory, an exported scoring model or any other directory, which would be deleted)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_retrieval_dir(out))):
+        raise CheckpointError(
+            f"--out {out}: exists and is not a retrieval model; name a new directory (it is created)"
+        )
+
+
 def save_retrieval(
     out: Path, model: RetrieveRank, spec: RetrievalSpec, catalog: Catalog | None = None
 ) -> None:
-    """Write ``model`` (built to ``spec``), and ``catalog`` if given, into the new or replaced directory ``out``."""
+    """Write ``model`` (built to ``spec``), and ``catalog`` if given, into the new or replaced directory
+    ``out`` (``check_out``)."""
+    check_out(out)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     ids = None
     if catalog is not None:
@@ -90,13 +103,18 @@ def save_retrieval(
         (tmp / MANIFEST).write_text(manifest.model_dump_json(indent=2))
 
 
+def _format(manifest_path: Path) -> object:
+    """The ``format`` a manifest file names (None if it is unreadable or names none)."""
+    try:
+        manifest = json.loads(read_regular_file(manifest_path, 1 << 20, KIND))
+    except (CheckpointError, OSError, ValueError):
+        return None
+    return manifest.get("format") if type(manifest) is dict else None
+
+
 def is_retrieval_dir(model_dir: Path) -> bool:
     """Whether ``model_dir``'s manifest names the retrieval format (anything unreadable: False)."""
-    try:
-        manifest = json.loads(read_regular_file(Path(model_dir) / MANIFEST, 1 << 20, KIND))
-    except (CheckpointError, OSError, ValueError):
-        return False
-    return type(manifest) is dict and manifest.get("format") == "recscale-retrieval"
+    return _format(Path(model_dir) / MANIFEST) == "recscale-retrieval"
 
 
 def load_retrieval(model_dir: Path) -> RetrieveRank:
@@ -117,6 +135,16 @@ def load_retriever(model_dir: Path) -> tuple[RetrieveRank, Catalog]:
 
 def _load(model_dir: Path) -> tuple[RetrieveRank, Catalog | None]:
     path = model_dir / MANIFEST
+    if not os.path.lexists(path):
+        raise CheckpointError(
+            f"{model_dir}: not a retrieval model (no {MANIFEST}); build one with "
+            "`recscale retrieval build DATA --out DIR`"
+        )
+    if _format(path) == "recscale-model":
+        raise CheckpointError(
+            f"{model_dir}: is an exported scoring model, not a retrieval model; serve it with `recscale serve` "
+            "(POST /score), or build a retrieval model with `recscale retrieval build`"
+        )
     try:
         manifest = RetrievalManifest.model_validate_json(read_regular_file(path, 1 << 20, KIND))
     except ValidationError as e:
