@@ -301,3 +301,23 @@ def test_model_quant_in_the_run_config() -> None:
         with pytest.raises(ConfigError) as e:
             load_config(demo, [override])
         assert key in str(e.value) and len(str(e.value).splitlines()) == 1, str(e.value)
+
+
+def test_model_quant_where_without_a_format_is_refused() -> None:
+    """model.quant={where: [...]} without a format, or a format with an empty where, lowered no layer and
+    trained in fp32 without a word."""
+    demo = CONFIGS / "demo.yaml"
+    for override, says in [
+        ('model.quant={where: ["head.*"]}', "model.quant: where ['head.*'] selects the layers that compute in "
+                                            "format, and format is not set; give model.quant.format"),
+        ("model.quant={format: mxfp4, where: []}", "model.quant: where is empty, so no layer would compute in "
+                                                   "mxfp4"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            load_config(demo, [override])
+        assert says in str(e.value) and len(str(e.value).splitlines()) == 1, str(e.value)
+    # A probe's plan (layers, no format) and a format over every layer still load.
+    assert load_config(demo, ['model.quant.layers={"head.0": mxfp4}']).model.quant.layers == {
+        "head.0": "mxfp4"
+    }
+    assert load_config(demo, ["model.quant.format=mxfp4"]).model.quant.where == ["*"]

@@ -30,7 +30,7 @@ from typing import Any, Literal, cast, get_args
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 from torch import Tensor, nn
 
 from recscale.errors import ConfigError
@@ -216,6 +216,21 @@ class QuantConfig(BaseModel):
     where: list[str] = ["*"]
     layers: dict[str, FormatName] = {}
     gradients: bool = False  # also fake-quantize each layer's output gradient in backward
+
+    @model_validator(mode="after")
+    def _where_needs_format(self) -> QuantConfig:
+        # Either way no layer would be lowered by ``where``, and the run would train in fp32 unsaid.
+        if self.format is None and self.where != ["*"]:
+            raise ValueError(
+                f"where {self.where} selects the layers that compute in format, and format is not set; "
+                f"give model.quant.format ({', '.join(get_args(FormatName)[:3])}, ...)"
+            )
+        if self.format is not None and not self.where:
+            raise ValueError(
+                f"where is empty, so no layer would compute in {self.format}; give patterns of layer names "
+                "(['*'] for every linear layer)"
+            )
+        return self
 
 
 def linear_names(model: nn.Module) -> list[str]:
