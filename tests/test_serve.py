@@ -233,6 +233,27 @@ def test_bad_requests_get_a_4xx_with_one_line(client, body, status, words):
     assert words in reason and "\n" not in reason, reason
 
 
+def test_bad_request_counts_wrong_fields_not_union_branches() -> None:
+    """A value that is neither a string nor an integer fails both members of the union: one wrong field was
+    reported as "(and 1 more errors)", three as "(and 4 more errors)"."""
+    from recscale.data.schema import DenseFeature, Schema, SparseFeature
+    from recscale.serve.rows import RequestError, RowParser
+
+    parser = RowParser(
+        Schema(dense=[DenseFeature(name="x")], sparse=[SparseFeature(name=n) for n in "abc"]), 8
+    )
+    good = {"x": 1.0, "a": 1, "b": "2", "c": None}
+
+    def reason(row: dict) -> str:
+        with pytest.raises(RequestError) as e:
+            parser.parse(json.dumps({"rows": [row]}).encode())
+        return str(e.value)
+
+    assert reason(good | {"a": True}) == "rows[0].a: must be a string, an integer or null, got True"
+    assert reason(good | {"a": True, "b": 1.5}).endswith("got True (and 1 more error)")
+    assert reason({"a": True, "b": 1.5, "c": [], "x": "1"}).endswith(" (and 3 more errors)")
+
+
 def _mutations(rng: random.Random, n: int) -> list[bytes]:
     good = json.dumps({"rows": [GOOD, GOOD | {"tags": None, "x": None}]}).encode()
     values = [None, True, -1, 2**70, 1e308, "", "é", [], [[]], {}, {"a": 1}, "\x00", [None], [1.5]]

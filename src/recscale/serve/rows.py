@@ -94,7 +94,9 @@ class RowParser:
 
     def _reason(self, e: ValidationError) -> RequestError:
         err = e.errors()[0]
-        more = f" (and {e.error_count() - 1} more errors)" if e.error_count() > 1 else ""
+        # A value that fits no member of a union (string | integer) fails once per member: count fields.
+        others = len({x["loc"][:3] for x in e.errors()}) - 1
+        more = f" (and {others} more error{'s' if others > 1 else ''})" if others else ""
         if err["type"] in ("json_invalid", "json_type"):
             return RequestError(400, f"the body is not valid JSON: {one_line(err['msg'])}")
         loc = err["loc"]
