@@ -16,7 +16,7 @@ from recscale.data.schema import LABEL
 from recscale.serve.artifact import WEIGHTS, read_artifact
 from recscale.serve.export import inference_model, load_weights
 from recscale.serve.rows import RowParser
-from recscale.train.precision import autocast
+from recscale.train.precision import Precision, autocast
 
 DEFAULT_MAX_ROWS = 4096
 
@@ -29,7 +29,10 @@ class Scorer:
         self.manifest, self.config, self.pre = art.manifest, art.config, art.pre
         self.model = inference_model(art.config, art.pre, art.manifest.tables)
         load_weights(self.model, art.tensors, art.manifest.tables, str(Path(model_dir) / WEIGHTS))
-        self.precision: str = art.manifest.dense
+        # The dense network computes as the run's own evaluation did (a bf16 run under bf16 autocast, so an
+        # fp32 export scores exactly as `recscale eval`), and under bf16 autocast for bf16 weights.
+        bf16 = art.manifest.dense == "bf16" or art.config.train.precision == "bf16"
+        self.precision: Precision = "bf16" if bf16 else "fp32"
         self.parser = RowParser(art.pre.schema, max_rows)
         self._keys = art.pre.schema.sparse_names
         self._weighted = any(f.weighted for f in art.pre.schema.sparse)
@@ -43,7 +46,7 @@ class Scorer:
         kjt = KeyedJaggedTensor(
             keys=self._keys, values=values, lengths=lengths, weights=weights if self._weighted else None
         )
-        with autocast("bf16" if self.precision == "bf16" else "fp32", dense.device):
+        with autocast(self.precision, dense.device):
             return self.model(dense, kjt).float()
 
     def probabilities(self, batch: pa.RecordBatch) -> np.ndarray:
