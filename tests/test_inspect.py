@@ -121,6 +121,25 @@ def test_inspect_parquet(tmp_path):
     ]
 
 
+def test_inspect_parquet_odd_column_types(tmp_path):
+    # Nested columns were an internal error (no 'unique' kernel); fixed-size lists are multi-id columns.
+    table = pa.table(
+        {
+            "label": [1, 0],
+            "s": [{"a": 1}, {"a": 2}],
+            "n": [[[1]], [[2], [3]]],
+            "f": pa.array([[1, 2], [2, 3]], pa.list_(pa.int32(), 2)),
+            "d": pa.array(["x", "y"]).dictionary_encode(),
+        }
+    )
+    pq.write_table(table, tmp_path / "t.parquet")
+    cols = columns(inspect_file(tmp_path / "t.parquet", tables=True))
+    assert cols["s"] == {"name": "s", "type": "unsupported", "arrow_type": "struct<a: int64>"}
+    assert cols["n"]["type"] == "unsupported" and cols["n"]["arrow_type"].startswith("list<element: list<")
+    assert (cols["f"]["type"], cols["f"]["cardinality"], cols["f"]["pooling"]) == ("multi", 3, 2.0)
+    assert (cols["d"]["type"], cols["d"]["cardinality"]) == ("sparse", 2)
+
+
 def test_inspect_real_frappe_and_movielens(shared_data):
     frappe = inspect_file(shared_data / "frappe" / "valid.csv")
     assert frappe["rows"] == 57_722 and frappe["positive_rate"] == pytest.approx(19_063 / 57_722)

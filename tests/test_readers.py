@@ -268,6 +268,51 @@ def test_parquet_misaligned_weights_are_bad_rows(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    "column, schema, message",
+    [
+        (
+            [[[1], [2]]] * 2,
+            make_schema(multi=["h"]),
+            r"column 'h' is list<element: list<.*must hold a list of ids",
+        ),
+        (
+            [{"a": 1}] * 2,
+            make_schema(multi=["h"]),
+            r"column 'h' is struct<a: int64>; it must hold a list of ids",
+        ),
+        ([True, False], make_schema(multi=["h"]), r"column 'h' is bool; it must hold a list of ids"),
+        ([[1], [2]], make_schema(sparse=["h"]), r"column 'h' is list<.*one id per row .*set multi: true"),
+        (
+            [[1.0], [2.0]],
+            make_schema(dense=["h"]),
+            r"column 'h' is list<.*one number per row \(a dense feature\)",
+        ),
+    ],
+)
+def test_parquet_column_of_the_wrong_type_is_one_line(tmp_path, column, schema, message):
+    # A column no conversion can read was an internal error (ArrowNotImplementedError) mid-read.
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"label": [1, 0], "h": column}), path)
+    with pytest.raises(DataError, match=r"t\.parquet: " + message):
+        read_batches(path, "parquet", schema)
+
+
+def test_parquet_fixed_size_and_dictionary_columns(tmp_path):
+    path = tmp_path / "t.parquet"
+    table = pa.table(
+        {
+            "label": [1, 0],
+            "u": pa.array(["a", "b"]).dictionary_encode(),
+            "h": pa.array([[1, 2], [3, 4]], pa.list_(pa.int32(), 2)),
+            "g": pa.array(["1|2", "3"]).dictionary_encode(),
+        }
+    )
+    pq.write_table(table, path)
+    t = read_all(path, "parquet", make_schema(sparse=["u"], multi=["h", "g"])).to_pydict()
+    assert (t["u"], t["h"], t["g"]) == (["a", "b"], [["1", "2"], ["3", "4"]], [["1", "2"], ["3"]])
+
+
 def test_not_a_parquet_file(tmp_path):
     path = write(tmp_path / "t.parquet", ["label,a", "1,2"])
     with pytest.raises(DataError, match="not a readable parquet file"):

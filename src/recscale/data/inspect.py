@@ -6,7 +6,8 @@ distinct non-null values (for multi-id columns: distinct ids) and missing values
 
 Inferred schemas: csv/parquet: a column named ``label`` is the label; numeric columns holding a
 non-integer value (parquet: float columns) are dense; text cells containing ``|`` (parquet: list
-columns) are multi; the rest sparse. criteo: its fixed layout. libsvm: ``fields`` mode with one
+columns) are multi; the rest sparse (parquet: a struct, map or list of lists is ``unsupported``,
+reported with its type and no statistics). criteo: its fixed layout. libsvm: ``fields`` mode with one
 feature per token position (``f1``, ``f2``, ...) when the first lines agree on a token count,
 else ``bag`` mode (one weighted multi feature ``features``). movielens: every joined column,
 ``float`` ones dense (but ``rating``, the label's source), ``token_seq`` ones multi; split ``all``.
@@ -48,6 +49,7 @@ from recscale.errors import DataError
 
 LIBSVM_LINE = re.compile(rb"^\S+(\s+[^\s:]+:\S+)+\s*$")
 MULTI_SEP = "|"
+UNSUPPORTED = "unsupported"  # a parquet column no feature can read (struct, map, list of lists)
 # Merge the per-batch distinct values every this many batches (bounds the duplicates held).
 MERGE_EVERY = 64
 
@@ -128,9 +130,14 @@ class _Column:
         # Rows whose label training rejects (to_label's rule), and the first few reasons.
         self.bad_labels, self.bad_label_examples = 0, list[str]()
         self.numeric, self.integral, self.has_sep = True, True, False
+        self.arrow_type = ""  # parquet: the column's type (reported for an UNSUPPORTED one)
 
     def add(self, values: pa.Array) -> None:
         self.rows += len(values)
+        if self.kind == UNSUPPORTED:
+            return
+        if isinstance(values, pa.DictionaryArray):
+            values = values.dictionary_decode()
         if is_list(values.type):  # missing = null or empty list
             filled = pc.sum(pc.greater(pc.list_value_length(values), 0)).as_py() or 0
             self.missing += len(values) - filled
@@ -170,6 +177,8 @@ class _Column:
 
     def report(self) -> dict[str, Any]:
         kind = self.kind
+        if kind == UNSUPPORTED:
+            return {"name": self.name, "type": kind, "arrow_type": self.arrow_type}
         if kind is None:
             kind = "multi" if self.has_sep else "dense" if self.numeric and not self.integral else "sparse"
         cardinality = self.distinct.count()
@@ -274,6 +283,8 @@ def inspect_file(
             _Column(f.name, LABEL if f.name == LABEL else _parquet_kind(f.type), tables)
             for f in file.schema_arrow
         ]
+        for c, f in zip(columns, file.schema_arrow, strict=True):
+            c.arrow_type = str(f.type)
         batches = file.iter_batches()
     else:
         if fmt == "criteo":
@@ -314,6 +325,10 @@ def inspect_file(
 
 
 def _parquet_kind(dtype: pa.DataType) -> str:
-    if is_list(dtype):
+    if pa.types.is_dictionary(dtype):
+        dtype = dtype.value_type
+    if is_list(dtype) and not pa.types.is_nested(dtype.value_type):
         return "multi"
+    if pa.types.is_nested(dtype):  # a struct, map or list of lists: no feature reads it
+        return UNSUPPORTED
     return "dense" if pa.types.is_floating(dtype) else "sparse"

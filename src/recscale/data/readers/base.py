@@ -198,7 +198,8 @@ def to_dense(cells: pa.Array, name: str, dtype: pa.DataType = FLOAT32) -> tuple[
 
 
 def is_list(dtype: pa.DataType) -> bool:
-    return pa.types.is_list(dtype) or pa.types.is_large_list(dtype)
+    """A list column of any layout: list, large_list or fixed_size_list."""
+    return pa.types.is_list(dtype) or pa.types.is_large_list(dtype) or pa.types.is_fixed_size_list(dtype)
 
 
 def to_ids(cells: pa.Array) -> pa.Array:

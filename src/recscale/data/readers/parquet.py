@@ -1,14 +1,17 @@
 """Parquet files, streamed by row groups, cast to the raw layout.
 
 Columns are looked up by the schema's names (the label column by ``schema.label``). Integer ids
-become strings. A multi-id feature is a list column (ints or strings), its weights (if weighted)
-the list<float> column ``{name}__w``; or a string column split like CSV cells. Errors and dropped
-rows name 1-based data rows.
+become strings. A multi-id feature is a list column (ints or strings; list, large_list or
+fixed_size_list), its weights (if weighted) the list<float> column ``{name}__w``; or a string column
+split like CSV cells. Dictionary-encoded columns are read as their values. A column whose type its
+feature cannot read (a struct, a list where one value is read, ...) is a one-line error before any row
+is read. Errors and dropped rows name 1-based data rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -49,6 +52,7 @@ def read(
     missing = [c for c in wanted if c not in arrow.names]
     if missing:
         raise missing_columns_error(path, missing, arrow.names)
+    _check_types(path, arrow, schema)
     return _batches(file, schema, bad, chunk_rows, wanted)
 
 
@@ -63,12 +67,47 @@ def open_parquet(path: Path) -> pq.ParquetFile:
     return file
 
 
+def _check_types(path: Path, arrow: pa.Schema, schema: Schema) -> None:
+    """DataError naming the first schema column whose Parquet type its feature cannot read: a list or
+    struct where one value is read (the label, dense and single-id features), and for a multi-id
+    feature anything but a list of plain values or a string column of ids joined by its ``sep``."""
+    multi = {f.name: f.sep for f in schema.sparse if f.multi}
+    role = {schema.label: "the label"} | dict.fromkeys(schema.dense_names, "a dense feature")
+    for name in source_columns(schema):
+        dtype = _plain(arrow.field(name).type)
+        if name in multi:
+            if is_list(dtype) and not pa.types.is_nested(_plain(dtype.value_type)):
+                continue
+            if pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
+                continue
+            need = f"a list of ids (integers or strings) or a string of ids joined by {multi[name]!r}"
+        elif not pa.types.is_nested(dtype):
+            continue
+        elif name in role:
+            need = f"one number per row ({role[name]})"
+        else:
+            need = "one id per row (to read a list column, set multi: true on its sparse feature)"
+        raise DataError(f"{path}: column {name!r} is {arrow.field(name).type}; it must hold {need}")
+
+
+def _plain(dtype: pa.DataType) -> pa.DataType:
+    """A dictionary-encoded type's value type (how the column is read); other types as they are."""
+    return dtype.value_type if pa.types.is_dictionary(dtype) else dtype
+
+
+def _column(batch: pa.RecordBatch, name: str) -> pa.Array:
+    """Column ``name`` of ``batch``, a dictionary-encoded one as its plain values (what the conversions
+    take)."""
+    column = batch.column(name)
+    return column.dictionary_decode() if isinstance(column, pa.DictionaryArray) else column
+
+
 def _batches(
     file: pq.ParquetFile, schema: Schema, bad: BadRows, chunk_rows: int, wanted: list[str]
 ) -> Iterator[pa.RecordBatch]:
     row = 1
     for batch in file.iter_batches(batch_size=chunk_rows, columns=wanted):
-        arrays, problems = convert(batch.column, schema)
+        arrays, problems = convert(partial(_column, batch), schema)
         keep = bad.keep(batch.num_rows, problems, consecutive(row))
         row += batch.num_rows
         yield make_batch(arrays, schema, keep)
