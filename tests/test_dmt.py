@@ -304,8 +304,36 @@ def test_assignments_are_balanced_and_checked():
         assert sorted(len(t) for t in towers) == [2, 2, 3] and sorted(sum(towers, [])) == names
     with pytest.raises(ConfigError, match="have no tower"):
         resolve_assignment({"f0": 0}, names, 2, 0)
-    with pytest.raises(ConfigError, match="one per host"):
+    with pytest.raises(
+        ConfigError, match=r"towers \[0\], but DMT runs one tower per host and this job has 2"
+    ):
         resolve_assignment({f: 0 for f in names}, names, 2, 0)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("not json", "is not JSON"),
+        ('{"towers": 2}', 'no "assignment" object'),
+        ("[1, 2]", 'no "assignment" object'),
+        ('{"assignment": {"f0": "x", "f1": 0}}', "towers must be integers >= 0; got 'f0': \"x\""),
+        ('{"assignment": {"f0": -1, "f1": 0}}', "towers must be integers >= 0; got 'f0': -1"),
+        ('{"assignment": {"f0": 0.5, "f1": 0}}', "towers must be integers >= 0; got 'f0': 0.5"),
+    ],
+)
+def test_malformed_assignment_file_is_one_line(tmp_path, text, message):
+    # These were internal errors (JSONDecodeError, KeyError, TypeError) on every rank.
+    path = tmp_path / "towers.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"dmt.assignment {path}.*{message}"):
+        resolve_assignment(str(path), ["f0", "f1"], 2, 0)
+
+
+def test_assignment_file_for_another_host_count_says_so(tmp_path):
+    path = tmp_path / "towers.json"
+    path.write_text(json.dumps({"assignment": {"f0": 0, "f1": 1}}))
+    with pytest.raises(ConfigError, match=r"this job has 1 host: .*--towers 1`, or run this one on 2 hosts"):
+        resolve_assignment(str(path), ["f0", "f1"], 1, 0)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:

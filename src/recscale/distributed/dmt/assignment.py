@@ -30,12 +30,7 @@ def resolve_assignment(
     elif assignment == "random":
         mapping = random_assignment(features, towers, seed)
     elif isinstance(assignment, str):
-        path = Path(assignment)
-        if not path.is_file():
-            raise ConfigError(
-                f"dmt.assignment: {path} is not a file (write one with `recscale dmt partition`)"
-            )
-        mapping = json.loads(path.read_text())["assignment"]
+        mapping = read_assignment(Path(assignment))
     else:
         mapping = assignment
     where = f"dmt.assignment {assignment}" if isinstance(assignment, str) else "dmt.assignment"
@@ -43,6 +38,36 @@ def resolve_assignment(
     if missing or unknown:
         raise ConfigError(f"{where}: features {missing} have no tower; {unknown} are not features")
     out = [[f for f in features if mapping[f] == t] for t in range(towers)]
-    if any(not t for t in out) or max(mapping.values()) >= towers:
-        raise ConfigError(f"{where}: needs towers 0..{towers - 1} (one per host), each with a feature")
+    used = sorted(set(mapping.values()))
+    if used != list(range(towers)):
+        hosts = f"{towers} host{'s' * (towers != 1)}"
+        other = f", or run this one on {len(used)} hosts (--nproc, --local-world-size)"
+        raise ConfigError(
+            f"{where}: puts features in towers {used}, but DMT runs one tower per host and this job has "
+            f"{hosts}: it needs towers 0..{towers - 1}, each with a feature (partition the features for "
+            f"{hosts}: `recscale dmt partition RUN_DIR --towers {towers}`"
+            f"{other if used == list(range(len(used))) and len(used) > 1 else ''})"
+        )
     return out
+
+
+def read_assignment(path: Path) -> dict[str, int]:
+    """The ``assignment`` of a file ``recscale dmt partition`` wrote: feature -> tower (an int >= 0);
+    ConfigError in one line for anything else."""
+    where = f"dmt.assignment {path}"
+    if not path.is_file():
+        raise ConfigError(f"dmt.assignment: {path} is not a file (write one with `recscale dmt partition`)")
+    try:
+        doc = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{where} is not JSON ({e}); write it with `recscale dmt partition`") from None
+    mapping = doc.get("assignment") if isinstance(doc, dict) else None
+    if not isinstance(mapping, dict) or not mapping:
+        raise ConfigError(
+            f'{where}: no "assignment" object of feature -> tower; write it with `recscale dmt partition`'
+        )
+    bad = {f: t for f, t in mapping.items() if not isinstance(t, int) or isinstance(t, bool) or t < 0}
+    if bad:
+        example = ", ".join(f"{f!r}: {json.dumps(t)}" for f, t in list(bad.items())[:3])
+        raise ConfigError(f"{where}: towers must be integers >= 0; got {example}")
+    return mapping
