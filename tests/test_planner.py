@@ -202,6 +202,32 @@ def test_learned_sharding_row_splits_what_fits_no_other_way():
     assert prediction is not None and max(prediction.plan.memory) <= 75 * 1024
 
 
+@pytest.mark.parametrize("local_world", [4, 2])
+def test_learned_memory_cap_counts_the_explicit_tables(local_world):
+    # f4 and f5 (74,800 bytes with their row-wise state) pinned to rank 0 under a cap of 80,000 bytes:
+    # the learned planner used to plan the other tables as if rank 0 were empty (over the cap there).
+    env = DistEnv(0, 4, 0, local_world, torch.device("cpu"), "gloo")
+    tables = {"f4": {"type": "table_wise", "ranks": [0]}, "f5": {"type": "table_wise", "ranks": [0]}}
+    cap = 80_000
+    cfg = DistributedConfig.model_validate(
+        {"sharding": "learned", "learned": {"memory_cap_mb": cap / 2**20}, "tables": tables}
+    )
+    plan, prediction = predicted_plan(lr_model(), env, cfg)
+    held = [0] * 4
+    for ps in plan.plan["embedding.ebc"].values():
+        for m in ps.sharding_spec.shards:
+            held[m.placement.rank()] += m.shard_sizes[0] * (m.shard_sizes[1] * 4 + 4)
+    assert held[0] >= 74_800 and max(held) <= cap
+    assert prediction is not None and prediction.plan.memory == held  # the explicit tables counted
+    cfg = DistributedConfig.model_validate(
+        {"sharding": "learned", "learned": {"memory_cap_mb": 70_000 / 2**20}, "tables": tables}
+    )
+    with pytest.raises(
+        ConfigError, match=r"tables placed by distributed.tables take 0\.0713 MB .* on rank 0"
+    ):
+        predicted_plan(lr_model(), env, cfg)
+
+
 def test_learned_sharding_with_every_table_explicit_plans_nothing():
     env = DistEnv(0, 4, 0, 4, torch.device("cpu"), "gloo")
     tables = {f"f{i}": {"type": "table_wise", "ranks": [i % 4]} for i in range(6)}

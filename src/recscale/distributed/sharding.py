@@ -18,7 +18,7 @@ shards, so every plan at every world size starts from the same weights.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeAlias, cast
 
@@ -57,7 +57,7 @@ from recscale.config import DistributedConfig, TablePlan
 from recscale.distributed.codecs import MXInt8Codec, RowwiseFP8Codec
 from recscale.distributed.dense import dense_wrapper
 from recscale.distributed.env import DistEnv
-from recscale.distributed.planner.features import TableFeatures
+from recscale.distributed.planner.features import STATE_BYTES, WEIGHT_BYTES, TableFeatures
 from recscale.distributed.planner.search import Plan
 from recscale.distributed.topology import Topology
 from recscale.errors import ConfigError
@@ -147,29 +147,62 @@ def predicted_plan(
     explicit = {by_feature[f]: spec for f, spec in cfg.tables.items()}
     prediction = None
     planned = [c for c in configs if c.name not in explicit]
+    builder = _ExplicitPlanner(env)
+    built: dict[str, ParameterSharding] = {}
     if cfg.sharding == "learned" and planned:
         from recscale.distributed.planner.learned import learned_specs
 
-        specs, predicted, features = learned_specs(planned, sample, env.topology, cfg.learned)
+        # The explicit tables first: the learned planner's memory cap counts what they take on each rank.
+        for _, ebc, i, c in _tables_in_order(collections):
+            if c.name in explicit:
+                built[c.name] = _sharding(builder, ebc, c, explicit[c.name], i)
+        reserved = [0] * env.world_size
+        for name, ps in built.items():
+            for rank, rows, cols in _shard_sizes(ps, next(c for c in configs if c.name == name)):
+                reserved[rank] += rows * (cols * WEIGHT_BYTES + STATE_BYTES)
+        specs, predicted, features = learned_specs(planned, sample, env.topology, cfg.learned, reserved)
         explicit = specs | explicit
         prediction = Prediction([c.name for c in planned], predicted, features)
     plan = _planner_plan(model, env, pg) if cfg.sharding == "planner" else ShardingPlan({})
-    builder = _ExplicitPlanner(env)
-    for path, ebc in collections.items():
+    for path, ebc, i, c in _tables_in_order(collections):
         module_plan = plan.plan.setdefault(path, EmbeddingModuleShardingPlan())
-        for i, c in enumerate(table_configs(ebc)):
-            spec = explicit.get(c.name)
-            if spec is None and cfg.sharding != "planner":
-                spec = TablePlan(type=cfg.sharding)
-            if spec is not None and spec.type == "data_parallel" and isinstance(ebc, EmbeddingCollection):
-                raise ConfigError(
-                    f"distributed: the sequence table of {c.feature_names[0]!r} cannot be data_parallel "
-                    "(TorchRec 1.8's replicated EmbeddingCollection fails on CPU); give it another type in "
-                    f"distributed.tables.{c.feature_names[0]}, e.g. {{type: table_wise}}"
-                )
-            if spec is not None:
-                module_plan[c.name] = builder.sharding(c, spec, i)
+        spec = explicit.get(c.name)
+        if spec is None and cfg.sharding != "planner":
+            spec = TablePlan(type=cfg.sharding)
+        if c.name in built:
+            module_plan[c.name] = built[c.name]
+        elif spec is not None:
+            module_plan[c.name] = _sharding(builder, ebc, c, spec, i)
     return plan, prediction
+
+
+def _tables_in_order(
+    collections: dict[str, Collection],
+) -> Iterator[tuple[str, Collection, int, BaseEmbeddingConfig]]:
+    """(module path, collection, index in it, table config) of every table, in model order."""
+    for path, ebc in collections.items():
+        for i, c in enumerate(table_configs(ebc)):
+            yield path, ebc, i, c
+
+
+def _sharding(
+    builder: _ExplicitPlanner, ebc: Collection, c: BaseEmbeddingConfig, spec: TablePlan, index: int
+) -> ParameterSharding:
+    if spec.type == "data_parallel" and isinstance(ebc, EmbeddingCollection):
+        raise ConfigError(
+            f"distributed: the sequence table of {c.feature_names[0]!r} cannot be data_parallel "
+            "(TorchRec 1.8's replicated EmbeddingCollection fails on CPU); give it another type in "
+            f"distributed.tables.{c.feature_names[0]}, e.g. {{type: table_wise}}"
+        )
+    return builder.sharding(c, spec, index)
+
+
+def _shard_sizes(ps: ParameterSharding, table: BaseEmbeddingConfig) -> list[tuple[int, int, int]]:
+    """(rank, rows, columns) of each shard of a planned table; a data_parallel one is whole on every rank."""
+    if ps.sharding_spec is None:
+        return [(r, table.num_embeddings, table.embedding_dim) for r in ps.ranks or []]
+    shards = cast(EnumerableShardingSpec, ps.sharding_spec).shards
+    return [(m.placement.rank(), m.shard_sizes[0], m.shard_sizes[1]) for m in shards]
 
 
 def _planner_plan(model: nn.Module, env: DistEnv, pg: dist.ProcessGroup | None) -> ShardingPlan:

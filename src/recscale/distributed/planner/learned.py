@@ -4,6 +4,7 @@ explicit per-table plans (``TablePlan``) that ``sharding.plan_tables`` turns int
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -40,17 +41,19 @@ def learned_specs(
     sample: KeyedJaggedTensor | None,
     topology: Topology,
     cfg: LearnedConfig,
+    reserved: Sequence[int] | None = None,
 ) -> tuple[dict[str, TablePlan], Plan, list[TableFeatures]]:
     """Table name -> its plan (table_wise on one rank; column shards on distinct ranks: table_column_wise
     where they share a host of several, else column_wise; row blocks: table_row_wise on one host of
     several, else row_wise), the planner's prediction, and the features
     it planned with (in ``tables`` order). The planner also scores its baselines' placements
-    (``baselines.candidates``, TorchRec's planner's among them) and keeps the cheapest predicted."""
+    (``baselines.candidates``, TorchRec's planner's among them) and keeps the cheapest predicted.
+    ``reserved``: bytes per rank the tables placed explicitly take (the memory cap counts them)."""
     features = table_features(tables, sample)
     models = CostModels.load(Path(cfg.cost_models) if cfg.cost_models else SHIPPED)
     cap = math.ceil(cfg.memory_cap_mb * 2**20) if cfg.memory_cap_mb is not None else None
     world, local = topology.world_size, topology.local_world_size
-    plan = LearnedPlanner(models, world, cap, local_world=local).plan(
+    plan = LearnedPlanner(models, world, cap, local_world=local, reserved=reserved).plan(
         features, candidates(features, world, local)
     )
     specs = {c.name: table_plan(plan.ranks_of(t), topology, plan.row_split(t)) for t, c in enumerate(tables)}

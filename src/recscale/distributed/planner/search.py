@@ -92,7 +92,9 @@ class _Unplaceable(Exception):
 
 class LearnedPlanner:
     """Plans tables over ``world`` ranks, ``local_world`` per host (None: one host), holding at most
-    ``memory_cap`` bytes each (None: no cap)."""
+    ``memory_cap`` bytes each (None: no cap), of which ``reserved`` (bytes per rank, default none) are
+    taken already by tables placed before planning (``distributed.tables``): they count towards the cap
+    and the plan's ``memory``."""
 
     def __init__(
         self,
@@ -102,16 +104,23 @@ class LearnedPlanner:
         beam: int = 3,
         steps: int = 8,
         local_world: int | None = None,
+        reserved: Sequence[int] | None = None,
     ) -> None:
         self.models, self.world, self.cap = models, world, memory_cap
         self.beam, self.steps = beam, steps
         self.topology = Topology(world, local_world or world)
+        self.reserved = (
+            np.zeros(world, dtype=np.int64) if reserved is None else np.asarray(reserved, np.int64)
+        )
+        assert self.reserved.shape == (world,), self.reserved
 
     def plan(self, tables: list[TableFeatures], candidates: Sequence[list[Shard]] = ()) -> Plan:
         """The cheapest predicted plan of the search's and ``candidates`` (placements of ``tables``, e.g.
         other planners'; those over the memory cap are passed over), hill-climbed."""
         self.tables = tables
         self._emb: dict[tuple[int, int, int], np.ndarray] = {}
+        if self.cap is not None and self.reserved.max() > self.cap:
+            self._too_big(None)
         self.by_rows = self._row_split_tables()
         plans = [self._search()]
         if self.topology.num_hosts > 1:
@@ -155,7 +164,7 @@ class LearnedPlanner:
         R = self.world
         sums = np.zeros((R, self._emb_of(0, self.tables[0].dim).shape[-1]), dtype=np.float32)
         dims, ids = np.zeros(R), np.zeros(R)
-        mem, count = np.zeros(R, dtype=np.int64), np.zeros(R, dtype=np.int64)
+        mem, count = self.reserved.copy(), np.zeros(R, dtype=np.int64)
         for sh in shards:
             f = self._features(sh.table, sh.width, sh.parts)
             sums[sh.rank] += self._emb_of(sh.table, sh.width, sh.parts)
@@ -210,7 +219,8 @@ class LearnedPlanner:
         total_dim = sum(f.dim for f in self.tables)
         assignments: set[tuple[int, ...]] = set()
         for theta in THRESHOLDS:
-            load, dims, mem, host = np.zeros(H), np.zeros(H), np.zeros(H), [0] * len(self.tables)
+            load, dims, host = np.zeros(H), np.zeros(H), [0] * len(self.tables)
+            mem = self.reserved.reshape(H, L).sum(1).astype(np.float64)
             for t in order:
                 f = self.tables[t]
                 free = [h for h in range(H) if self.cap is None or mem[h] + f.memory() <= self.cap * L]
@@ -228,7 +238,10 @@ class LearnedPlanner:
                 for h in range(H):
                     held = [t for t in range(len(self.tables)) if assigned[t] == h]
                     if held:
-                        sub = LearnedPlanner(self.models, L, self.cap, self.beam, self.steps)
+                        reserved = [int(x) for x in self.reserved[h * L : (h + 1) * L]]
+                        sub = LearnedPlanner(
+                            self.models, L, self.cap, self.beam, self.steps, reserved=reserved
+                        )
                         part = sub.plan([self.tables[t] for t in held])
                         shards += [
                             Shard(held[s.table], s.offset, s.width, h * L + s.rank, s.parts)
@@ -285,7 +298,8 @@ class LearnedPlanner:
     def _column_splits_that_fit(self, f: TableFeatures) -> int | None:
         """The fewest column shards of ``f`` that each fit the memory cap (1 without a cap), or None."""
         ks = self._splits(f)
-        return next((k for k in ks if self.cap is None or f.columns(f.dim // k).memory() <= self.cap), None)
+        room = None if self.cap is None else self.cap - int(self.reserved.min())  # on the emptiest rank
+        return next((k for k in ks if room is None or f.columns(f.dim // k).memory() <= room), None)
 
     def _fewest_splits(self, f: TableFeatures) -> int:
         """The search's first column split of ``f``: the fewest that fit (a row-split table's is unused)."""
@@ -299,22 +313,33 @@ class LearnedPlanner:
             if self._column_splits_that_fit(f) is not None:
                 continue
             assert self.cap is not None  # without a cap every table fits whole
-            if f.row_block(self.world).memory() > self.cap:
+            if f.row_block(self.world).memory() > self.cap - int(self.reserved.max()):  # a block on each rank
                 self._too_big(f)
             out.add(t)
         return frozenset(out)
 
-    def _too_big(self, f: TableFeatures, beside_others: bool = False) -> None:
-        """One line: ``f`` does not fit the cap (split every way it can be), or not beside the others."""
-        cap, total = (self.cap or 0) / 2**20, sum(t.memory() for t in self.tables) / 2**20
+    def _too_big(self, f: TableFeatures | None, beside_others: bool = False) -> None:
+        """One line: ``f`` does not fit the cap (split every way it can be), or not beside the others;
+        ``f`` None: the tables placed before planning (``reserved``) exceed the cap on their own."""
+        cap = (self.cap or 0) / 2**20
+        fixed = self.reserved / 2**20
+        total = sum(t.memory() for t in self.tables) / 2**20 + fixed.sum()
         under = f"under the cap of {cap:.3g} MB per rank on {self.world} ranks"
+        explicit = f", {fixed.sum():.3g} MB of them placed by distributed.tables" if fixed.any() else ""
+        if f is None:
+            r = int(np.argmax(fixed))
+            raise ConfigError(
+                f"distributed.learned.memory_cap_mb: the tables placed by distributed.tables take "
+                f"{fixed[r]:.3g} MB with their optimizer state on rank {r}, over the cap of {cap:.3g} MB "
+                "per rank; raise the cap or spread those tables over more ranks"
+            )
         if beside_others and total > cap * self.world:
-            what = f"all tables ({total:.3g} MB with their optimizer state) do not fit {under}"
+            what = f"all tables ({total:.3g} MB with their optimizer state{explicit}) do not fit {under}"
         else:
             where = "beside the other tables " if beside_others else ""
             what = (
                 f"table {f.name!r} ({f.memory() / 2**20:.3g} MB with its optimizer state) does not fit "
-                f"{where}{under} (all tables: {total:.3g} MB)"
+                f"{where}{under} (all tables: {total:.3g} MB{explicit})"
             )
         raise ConfigError(f"distributed.learned.memory_cap_mb: {what}; raise the cap or use more ranks")
 
