@@ -44,15 +44,22 @@ def test_parquet_list_history_is_read_in_order(tmp_path):
 
 @pytest.mark.parametrize(
     "fmt, where, words",
-    [("csv", "line 3", "empty element"), ("parquet", "row 2", "null element")],
+    [
+        ("csv", "line 3", "empty element"),
+        ("parquet", "row 2", "null or empty element"),
+        ("parquet-strings", "row 2", "null or empty element"),  # "" was read as an id
+    ],
 )
 def test_a_malformed_history_is_one_line_naming_file_and_line(tmp_path, fmt, where, words):
-    path = tmp_path / f"bad.{fmt}"
+    path = tmp_path / f"bad.{fmt.split('-')[0]}"
     if fmt == "csv":
         path.write_text("label,u,h\n1,a,1|2\n0,b,3||4\n")
     else:
         h = pa.array([[1, 2], [3, None]], pa.list_(pa.int64()))
+        if fmt == "parquet-strings":
+            h = pa.array([["1", "2"], ["3", ""]], pa.list_(pa.string()))
         pq.write_table(pa.table({"label": [1, 0], "u": ["a", "b"], "h": h}), path)
+        fmt = "parquet"
     with pytest.raises(DataError) as e:
         _histories(path, fmt)
     msg = str(e.value)

@@ -277,12 +277,15 @@ def list_weights(weights: pa.Array, ids: pa.Array, name: str) -> tuple[pa.Array,
 
 
 def check_sequence(cells: pa.Array, name: str, sep: str) -> Problem | None:
-    """Rows whose ordered id list has an empty element (text ``3||7``, ``3|7|``) or a null one (list
-    column): in a sequence a missing position is malformed, not droppable. An empty cell or list is an
+    """Rows whose ordered id list has an empty element (text ``3||7``, ``3|7|``; a list column's ``""``)
+    or a null one (list column): in a sequence a missing position is malformed, not droppable. An empty cell or list is an
     empty history, which is valid."""
     if is_list(cells.type):
         lengths = pc.fill_null(pc.list_value_length(cells), 0).to_numpy(zero_copy_only=False)
-        bad_items = pc.is_null(pc.list_flatten(cells)).to_numpy(zero_copy_only=False)
+        items = pc.list_flatten(cells)
+        if pa.types.is_string(items.type) or pa.types.is_large_string(items.type):
+            items = pc.if_else(pc.equal(items, ""), None, items)  # "" is no id either
+        bad_items = pc.is_null(items).to_numpy(zero_copy_only=False)
     else:
         text = pc.fill_null(cells, "")
         parts = pc.split_pattern(text, sep)
@@ -292,7 +295,9 @@ def check_sequence(cells: pa.Array, name: str, sep: str) -> Problem | None:
     bad = _rows_with(bad_items, lengths)
     if not bad.any():
         return None
-    how = "a null element" if is_list(cells.type) else f"an empty element (write ids as 3{sep}7{sep}9)"
+    how = (
+        "a null or empty element" if is_list(cells.type) else f"an empty element (write ids as 3{sep}7{sep}9)"
+    )
     return Problem(bad, lambda i: f"sequence feature '{name}' has {how}; an empty cell is an empty history")
 
 
