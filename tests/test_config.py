@@ -71,6 +71,10 @@ def base() -> dict:
             {"train": {"sparse_optimizer": {"name": "lbfgs", "lr": 1}}},
             ["sparse_optimizer", "rowwise_adagrad"],
         ),
+        (  # the learned planner's cap was dropped without a word under another sharding
+            {"distributed": {"learned": {"memory_cap_mb": 1}}},
+            ["distributed", "learned.memory_cap_mb applies to sharding: learned", "table_wise"],
+        ),
     ],
 )
 def test_config_errors_name_the_key(patch, words):

@@ -248,6 +248,17 @@ class DistributedConfig(_Strict):
     # from its history lengths) instead of contiguous slices.
     balance: Literal["none", "tokens", "tokens2", "flops"] = "none"
 
+    @model_validator(mode="after")
+    def _learned_options(self) -> DistributedConfig:
+        # A cap or cost models under another sharding would be dropped without a word.
+        given = [k for k, v in self.learned.model_dump().items() if v is not None]
+        if given and self.sharding != "learned":
+            raise ValueError(
+                f"learned.{given[0]} applies to sharding: learned, and sharding is {self.sharding}; "
+                "set distributed.sharding=learned or drop it"
+            )
+        return self
+
 
 class TowerModuleConfig(_Strict):
     """DMT's tower module: compresses a tower's n_t embeddings to ceil(n_t / compression) before they
