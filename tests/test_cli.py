@@ -195,6 +195,15 @@ def test_a_batch_that_does_not_split_over_nproc_is_refused_before_the_launch(tmp
     assert not (tmp_path / "r").exists()
 
 
+def test_an_out_that_holds_a_run_is_refused_before_the_launch(tmp_path, capsys):
+    """Checked once, here: every rank used to print 'already holds a run', then 'rank N exited with code 2'."""
+    run_dir = tmp_path / "r"
+    (run_dir / "ckpt").mkdir(parents=True)
+    (run_dir / "report.json").write_text("{}")
+    code, _, err = run(capsys, "train", str(CONFIGS / "demo.yaml"), "--out", str(run_dir), "--nproc", "2")
+    assert code == 2 and "already holds a run; pass --resume" in err and len(err.strip().splitlines()) == 1
+
+
 def test_eval_reads_a_directory_where_the_format_reads_one(tmp_path, capsys, shared_data):
     """MovieLens is a directory (ml-100k's files): eval takes the path the config itself gives."""
     ml = shared_data / "movielens-100k"

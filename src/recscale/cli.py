@@ -74,7 +74,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from recscale.config import load_config
     from recscale.distributed.env import shutdown
     from recscale.distributed.launch import host_split
-    from recscale.train.loop import Trainer, check_batch_split
+    from recscale.train.loop import Trainer, check_batch_split, check_run_dir
     from recscale.train.runs import resume_config
 
     if args.resume and args.config is not None and "=" in args.config and not Path(args.config).is_file():
@@ -94,6 +94,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.nproc is not None:  # checked once, here, rather than by every rank after the launch
         host_split(args.nproc, args.local_world_size)
         check_batch_split(cfg, args.nproc)
+        check_run_dir(out, cfg, args.resume)
         _launch(args, out)
         return
     if args.local_world_size is not None or args.max_restarts:

@@ -82,11 +82,23 @@ def cost_model(
 
 
 def check_batch_split(cfg: RunConfig, world_size: int) -> None:
-    """Each rank trains on an equal slice of the global batch."""
+    """The global batch is split over the ranks (in equal slices, or balanced by ``distributed.balance``)."""
     if cfg.train.batch_size % world_size:
         raise ConfigError(
             f"train.batch_size {cfg.train.batch_size} must be a multiple of the {world_size} "
-            "ranks: each rank trains on an equal slice of the global batch"
+            "ranks: the global batch is split over them"
+        )
+
+
+def check_run_dir(run_dir: Path, cfg: RunConfig, resume: bool) -> None:
+    """``run_dir`` can take this run: a new run's directory holds no run; a resumed one matches ``cfg``."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RecscaleError(f"--out {run_dir} is a file; name a directory for the run")
+    if resume:
+        check_resume(run_dir, cfg)
+    elif list_checkpoints(run_dir / "ckpt") or (run_dir / "report.json").exists():
+        raise RecscaleError(
+            f"{run_dir} already holds a run; pass --resume to continue it or choose another --out"
         )
 
 
@@ -150,14 +162,7 @@ class Trainer:
 
     # -------------------------------------------------- setup
     def _prepare_dir(self, resume: bool) -> None:
-        if self.dir.exists() and not self.dir.is_dir():
-            raise RecscaleError(f"--out {self.dir} is a file; name a directory for the run")
-        if resume:
-            check_resume(self.dir, self.cfg)  # before any file is touched
-        elif list_checkpoints(self.dir / "ckpt") or (self.dir / "report.json").exists():
-            raise RecscaleError(
-                f"{self.dir} already holds a run; pass --resume to continue it or choose another --out"
-            )
+        check_run_dir(self.dir, self.cfg, resume)  # before any file is touched
         if self.main:
             self.dir.mkdir(parents=True, exist_ok=True)
             if not resume:
