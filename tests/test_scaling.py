@@ -148,7 +148,7 @@ def test_fit_recovers_a_known_power_law():
     assert noisy.b_ci[1] - noisy.b_ci[0] < 0.3  # the interval says something
 
 
-def test_fit_keeps_the_asymptote_at_or_above_the_floor():
+def test_fit_keeps_the_asymptote_at_or_above_the_floor(tmp_path):
     """Flat, noisy losses: unconstrained, L_inf runs far below any achievable loss; pinned, it sits on the
     floor and the decay is fitted on the remaining two parameters."""
     compute = np.geomspace(1e11, 1e13, 5)
@@ -158,6 +158,11 @@ def test_fit_keeps_the_asymptote_at_or_above_the_floor():
     assert fit.at_floor and fit.l_inf == 0.38 and fit.l_inf_ci == (0.38, 0.38)
     assert fit.b > 0 and fit.b_ci[0] < fit.b < fit.b_ci[1]
     assert not fit_power_law(*power_law_points(np.random.default_rng(0), 0.0), floor=0.38).at_floor
+    # The report says the floor held the fit, not that it was pinned (no --pin-floor was given).
+    rows = [{"family": "w", "train_flops": c, "valid_logloss": y, "bayes_logloss": 0.38}
+            for c, y in zip(compute, loss, strict=True)]  # fmt: skip
+    text, _ = report(load_results(write_results(tmp_path / "results.csv", rows)))
+    assert "L_inf 0.38 (held at the floor: the free fit went below it)" in text and "pinned" not in text
 
 
 def test_fit_pins_the_asymptote_to_the_floor_when_asked():

@@ -376,9 +376,11 @@ def report(
             lines.append(f"{fam.name}: not fitted: {e}")
             continue
         fits[fam.name] = fit
+        # Without --pin-floor a free fit whose L_inf fell below the floor is held there: say which it was.
+        at_floor = "pinned to the floor" if pin_floor else "held at the floor: the free fit went below it"
         lines.append(
             f"{fam.name}: {fit.points} frontier points  L_inf "
-            f"{f'{fit.l_inf:.4g} (pinned to the floor)' if fit.at_floor else _fmt_ci(fit.l_inf, fit.l_inf_ci)}  "
+            f"{f'{fit.l_inf:.4g} ({at_floor})' if fit.at_floor else _fmt_ci(fit.l_inf, fit.l_inf_ci)}  "
             f"a_C0 {_fmt_ci(fit.a_c0, fit.a_c0_ci)}  b {_fmt_ci(fit.b, fit.b_ci)}  "
             f"C0 {fit.c0:.3g}  (a = {fit.a:.4g} for C in FLOPs)  rmse {fit.rmse:.2g}"
         )
