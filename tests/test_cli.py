@@ -215,18 +215,20 @@ def test_eval_reads_a_directory_where_the_format_reads_one(tmp_path, capsys, sha
     assert 0 < json.loads(out)["auc"] < 1
 
 
-@pytest.mark.parametrize("where", ["a directory", "under a file"])
+@pytest.mark.parametrize("where", ["a directory", "under a file", "where no file can be made"])
 def test_an_output_path_in_the_way_is_named_as_given(tmp_path, capsys, where):
-    """--out naming a directory, or running through a file, used to be reported on a temporary file's name
-    (`.plan.json.x1y2.tmp: Is a directory`) or as 'File exists'."""
+    """--out naming a directory, running through a file, or in a directory that takes no files used to be
+    reported on a temporary file's name (`.plan.json.x1y2.tmp: Is a directory`) or as 'File exists'."""
     (tmp_path / "f").write_text("a file")
     (tmp_path / "d").mkdir()
-    out = tmp_path / ("d" if where == "a directory" else "f/plan.json")
+    out = {"a directory": tmp_path / "d", "under a file": tmp_path / "f/plan.json"}.get(
+        where, Path("/proc/p.json")
+    )
     code, _, err = run(capsys, "shard", "plan", str(CONFIGS / "demo.yaml"), "--out", str(out), "--nproc", "2")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert err.startswith(f"error: {out}: ")
-    assert (
-        "is a directory where a file" if where == "a directory" else "a part of the path is a file"
+    assert {"a directory": "is a directory where a file", "under a file": "a part of the path is a file"}.get(
+        where, "No such file or directory"
     ) in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f"] and not any((tmp_path / "d").iterdir())
 

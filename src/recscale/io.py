@@ -43,11 +43,22 @@ def _make_parent(path: Path, is_dir: bool) -> None:
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from None
 
 
+@contextmanager
+def _named(path: Path) -> Iterator[None]:
+    """An OSError creating ``path``'s temporary (a directory that takes no files, such as /proc) names
+    ``path``, the user's path, not the temporary's."""
+    try:
+        yield
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary file in the same directory, fsync, then rename over ``path``."""
     path = Path(path)
     _make_parent(path, is_dir=False)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with _named(path):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
@@ -74,7 +85,8 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     """
     path = Path(path)
     _make_parent(path, is_dir=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    with _named(path):
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         os.chmod(tmp, DIR_MODE)
         yield tmp
