@@ -123,6 +123,11 @@ def test_a_bf16_run_exported_in_fp32_scores_as_its_eval(trained, tmp_path):
     assert np.abs(evaluated - predict(built.module, ds, 64, 0, "fp32").numpy()).max() > 1e-4  # bf16 differs
     logits, _ = Scorer(tmp_path / "m").score_file(valid)
     np.testing.assert_allclose(logits, evaluated, atol=1e-6, rtol=0)
+    # Its bf16 export too: the matrices round as autocast rounds them; vectors (biases, norms) stay fp32,
+    # as they are under autocast (rounded to bf16 too, the logits were ~1.6e-2 off).
+    assert main(["export", str(run), "--out", str(tmp_path / "b"), "--dense", "bf16"]) == 0
+    logits, _ = Scorer(tmp_path / "b").score_file(valid)
+    np.testing.assert_allclose(logits, evaluated, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("tables, dense, tol", [("fp16", "fp32", 1e-3), ("int8", "fp32", 2e-2),
@@ -149,7 +154,8 @@ def test_quantized_variants_score_close_and_store_small_tables(trained, tables, 
     live = getattr(live, "elem", live)
     assert torch.equal(live.view(torch.uint8)[:, :row_bytes], table.view(torch.uint8))
     if dense == "bf16":
-        assert all(t.dtype == torch.bfloat16 for k, t in w.items() if not k.startswith("embedding.ebc."))
+        dense_w = {k: t for k, t in w.items() if not k.startswith("embedding.ebc.")}
+        assert all(t.dtype == (torch.bfloat16 if t.ndim >= 2 else torch.float32) for t in dense_w.values())
     if dense == "int8":
         matrices = [k for k, t in w.items() if not k.startswith("embedding.ebc.") and t.ndim >= 2]
         assert matrices and all(w[k].dtype == torch.int8 and w[k + ".int8_scale"].dtype == torch.float32

@@ -3,9 +3,9 @@
 The inference model is the run's own network, unsharded and in eval mode, rebuilt from the config by
 the model registry. Its tables can be stored quantized through TorchRec's quantized
 ``EmbeddingBagCollection`` (fbgemm's row-wise int8/int4 with a per-row fp16 scale and bias, or fp16),
-which runs on CPU; its dense weights can be stored as bf16 (and then run under bf16 autocast), or as int8:
-each weight matrix row-wise symmetric int8 with an fp32 scale per output row, dequantized to fp32 when
-the model loads (a smaller artifact; compute stays fp32). Vectors (biases, norms) stay fp32.
+which runs on CPU; its dense weight matrices can be stored as bf16 (and then run under bf16 autocast), or as int8: each
+row-wise symmetric int8 with an fp32 scale per output row, dequantized to fp32 when the model loads (a
+smaller artifact; compute stays fp32). Vectors (biases, norms) stay fp32.
 """
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ def weights(model: RecModel, tables: TableFormat, dense: DenseFormat) -> dict[st
             t = t.elem
         if name in widths:
             t = t[:, : widths[name]]
-        elif dense == "bf16" and not name.startswith(_TABLES) and t.is_floating_point():
+        elif dense == "bf16" and _dense_matrix(name, t):
             t = t.to(torch.bfloat16)
-        elif dense == "int8" and _int8_dense(name, t):
+        elif dense == "int8" and _dense_matrix(name, t):
             t, out[name + _SCALE] = quantize_rows(t.detach())
         out[name] = t.detach().contiguous()
     return out
@@ -94,8 +94,10 @@ def weights(model: RecModel, tables: TableFormat, dense: DenseFormat) -> dict[st
 _SCALE = ".int8_scale"  # the per-row fp32 scale saved beside an int8 dense weight
 
 
-def _int8_dense(name: str, t: torch.Tensor) -> bool:
-    """A dense weight matrix (2-D or more, float): stored int8 by ``--dense int8``."""
+def _dense_matrix(name: str, t: torch.Tensor) -> bool:
+    """A dense weight matrix (2-D or more, float): stored bf16 or int8 by ``--dense``. Vectors (biases,
+    norms, the calibration) stay fp32, as a bf16 run computes them under autocast, so its bf16 export
+    scores as its eval does."""
     return not name.startswith(_TABLES) and t.is_floating_point() and t.ndim >= 2
 
 
