@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,35 @@ def test_a_checkpoint_from_before_calibration_loads_with_the_identity(tmp_path):
     assert torch.equal(now["w"], old["w"]) and now["calibration.scale"].item() == 1.0
     with pytest.raises(CheckpointError, match="could not be read"):
         load_checkpoint(tmp_path / "old", {"model": {**now, "v": torch.zeros(2)}})
+
+
+def test_a_resumed_run_without_early_stopping_calibrates_its_final_weights(tmp_path):
+    """Without early stopping the report scores the last weights; best/ holds only the calibrated model an
+    earlier finish wrote, so a resume that trains on must calibrate and report its own final weights."""
+    run = tmp_path / "r"
+    plain = [*SMALL, "train.calibrate=true", "train.early_stopping=null"]
+    first = Trainer(load_config(CONFIGS / "demo.yaml", plain), run).fit()
+    longer = load_config(CONFIGS / "demo.yaml", [*plain, "train.max_steps=16"])
+    report = Trainer(longer, run, resume=True).fit()
+    assert report["steps"] == 16
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["split"] == "valid" and last["step"] == 16
+    assert report["valid"]["auc"] == pytest.approx(last["auc"], abs=1e-6)  # calibration keeps the ranking
+    assert report["valid"]["auc"] != pytest.approx(first["valid"]["auc"], abs=1e-6)
+    assert eval_run(run, None, split="valid")["logloss"] == pytest.approx(
+        report["valid"]["logloss"], rel=1e-6
+    )
+
+
+def test_restoring_a_calibrated_best_trains_on_without_the_calibration(tmp_path):
+    """A resumed run that goes back to best/ (restore_best) after a calibrating finish keeps training the
+    uncalibrated model: the checkpoint written right after the restore has the identity scaling."""
+    run = tmp_path / "r"
+    es = "train.early_stopping={metric: logloss, patience: 10, min_delta: 1.0, restore_best: true}"
+    plain = [*SMALL, "train.calibrate=true", es]
+    assert Trainer(load_config(CONFIGS / "demo.yaml", plain), run).fit()["calibration"]["scale"] != 1.0
+    longer = load_config(CONFIGS / "demo.yaml", [*plain, "train.max_steps=16", "train.keep_checkpoints=9"])
+    Trainer(longer, run, resume=True).fit()  # no evaluation improves by 1.0: step 12 goes back to best/
+    state = {"calibration.scale": torch.zeros(()), "calibration.bias": torch.zeros(())}
+    load_checkpoint(run / "ckpt" / "step_00000012", {"model": state})
+    assert (state["calibration.scale"].item(), state["calibration.bias"].item()) == (1.0, 0.0)

@@ -229,9 +229,15 @@ class Trainer:
         self._barrier()
 
     def load_best(self) -> bool:
+        """Load the best model by the early-stopping metric; False when the run keeps none. Without early
+        stopping best/ holds only what ``_calibrate`` wrote at an earlier finish (the weights of then), so a
+        resumed run must not go back to it; with it, the model comes back uncalibrated (``_calibrate`` refits)."""
         best = self.dir / "best"
-        if (best / ".metadata").is_file():
+        if self.cfg.train.early_stopping is not None and (best / ".metadata").is_file():
             load_checkpoint(best, {"model": self.module.state_dict()})
+            for c in self.module.modules():  # an earlier finish's Platt scaling: training goes on without it
+                if isinstance(c, Calibration):
+                    c.set(1.0, 0.0)
             return True
         return False
 
