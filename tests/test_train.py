@@ -207,6 +207,20 @@ def test_restore_best_on_plateau(tmp_path, restore):
     assert all(torch.equal(after[k], best[k]) for k in best) == restore
 
 
+def test_a_resume_with_more_patience_continues_a_run_that_stopped_early(tmp_path):
+    """train.early_stopping.patience may change on resume: a run stopped after 1 evaluation without
+    improvement trains on under patience 3 until it has had 3, and one resumed with patience 1 again stays."""
+    es = "train.early_stopping={metric: logloss, patience: 1, min_delta: 1.0}"  # only the first eval improves
+    base = [*SMALL_SYNTH, "train.eval_every=5", "train.max_steps=40", es]
+    first = Trainer(load_config(CONFIGS / "demo.yaml", base), tmp_path / "r").fit()
+    assert (first["steps"], first["stopped_early"]) == (10, True)
+    same = Trainer(load_config(CONFIGS / "demo.yaml", base), tmp_path / "r", resume=True).fit()
+    assert (same["steps"], same["stopped_early"]) == (10, True)
+    more = load_config(CONFIGS / "demo.yaml", [*base, "train.early_stopping.patience=3"])
+    report = Trainer(more, tmp_path / "r", resume=True).fit()
+    assert (report["steps"], report["stopped_early"], report["best_step"]) == (20, True, 5)
+
+
 @pytest.mark.slow
 def test_ema_reports_the_average_of_the_dense_weights(tmp_path):
     """train.ema_decay: the model kept and reported is the bias-corrected moving average of the raw

@@ -222,11 +222,28 @@ class Trainer:
                 p, why = self.progress, f"restart {self.env.restart_count} after a failed rank: "
                 print(f"{why if self.env.restart_count else ''}resumed from {ckpts[-1]} "
                       f"(step {p.step}, epoch {p.epoch})", file=sys.stderr)  # fmt: skip
+            self._repatience()
         elif self.main:
             print(f"{self.dir}: no complete checkpoint yet; training from the start", file=sys.stderr)
         if self.main:  # forget what a killed attempt did after its last checkpoint
             remove_partial_checkpoints(self.dir)
         self._barrier()
+
+    def _repatience(self) -> None:
+        """Early stopping under the resumed config's patience (a key a resume may change): a run that stopped
+        early trains on while it has had fewer evaluations without improvement than the new patience (back
+        at its best weights first with ``restore_best``, as that evaluation would have done), and one that has
+        had as many stops."""
+        p, es = self.progress, self.cfg.train.early_stopping
+        if es is None or p.stopped_early == (p.bad_evals >= es.patience):
+            return
+        p.stopped_early = not p.stopped_early
+        if self.main:
+            what = "stops" if p.stopped_early else "trains on"
+            print(f"early stopping: {p.bad_evals} evaluation(s) without improvement since step {p.best_step}, "
+                  f"train.early_stopping.patience={es.patience}: the run {what}", file=sys.stderr)  # fmt: skip
+        if not p.stopped_early and es.restore_best and self.load_best() and self.ema:
+            self.ema.reset()
 
     def load_best(self) -> bool:
         """Load the best model by the early-stopping metric; False when the run keeps none. Without early
