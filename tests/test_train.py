@@ -1,4 +1,5 @@
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +70,21 @@ def test_aborted_run_leaves_nothing_to_trust(tmp_path, monkeypatch):
     assert ck.list_checkpoints(tmp_path / "r" / "ckpt") == []
     assert not (tmp_path / "r" / "best").exists()
     assert not (tmp_path / "r" / "report.json").exists()
+
+
+def test_a_new_run_over_an_attempt_without_a_checkpoint_starts_clean_logs(tmp_path):
+    """An attempt killed before its first checkpoint leaves config.yaml, metrics.jsonl, tb/ (and maybe
+    best/); a new run in that directory (no --resume) replaces them instead of appending to them."""
+    run = tmp_path / "r"
+    cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=6", "train.eval_every=3"])
+    Trainer(cfg, run).fit()
+    shutil.rmtree(run / "ckpt")
+    (run / "report.json").unlink()  # what a kill before the first checkpoint would have left
+    (run / "tb" / "stale.tfevents").write_text("")
+    Trainer(cfg, run).fit()
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and len(steps) == len(set(steps)) + 2  # train and valid records at 3, 6
+    assert not (run / "tb" / "stale.tfevents").exists()
 
 
 @pytest.mark.slow

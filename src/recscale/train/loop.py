@@ -19,6 +19,7 @@ Run directory::
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -164,9 +165,19 @@ class Trainer:
     def _prepare_dir(self, resume: bool) -> None:
         check_run_dir(self.dir, self.cfg, resume)  # before any file is touched
         if self.main:
+            if not resume and (self.dir / "config.yaml").is_file():
+                self._discard_attempt()
             self.dir.mkdir(parents=True, exist_ok=True)
             if not resume:
                 atomic_write_text(self.dir / "config.yaml", self.cfg.to_yaml())
+
+    def _discard_attempt(self) -> None:
+        """A new run in the directory of an attempt that never wrote a checkpoint (killed, or failed): its
+        logs and kept model go, so the new run's metrics.jsonl, tb/ and best/ hold only the new run."""
+        remove_partial_checkpoints(self.dir)
+        (self.dir / "metrics.jsonl").unlink(missing_ok=True)
+        for name in ("tb", "best"):
+            shutil.rmtree(self.dir / name, ignore_errors=True)
 
     def _prepare_data(self, resume: bool) -> None:
         show = self.cfg.train.progress and self.main and sys.stderr.isatty()
