@@ -96,3 +96,15 @@ def test_missing_and_broken_files(tmp_path):
         load_config(tmp_path / "bad.yaml")
     with pytest.raises(ConfigError, match="key=value"):
         load_config(CONFIGS / "demo.yaml", ["train.max_steps"])
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("data.synthetic.rows={valid: 100}", "data.synthetic.rows has no train split"),
+        ("data.synthetic.rows={train: 100}", "data.synthetic.rows has no valid"),
+    ],
+)
+def test_synthetic_rows_without_a_needed_split_are_refused(override, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config(CONFIGS / "demo.yaml", [override, "train.calibrate=true"])

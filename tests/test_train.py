@@ -9,7 +9,7 @@ import torch
 
 from recscale.cli import main
 from recscale.config import load_config
-from recscale.errors import ConfigError
+from recscale.errors import ConfigError, RecscaleError
 from recscale.train.checkpoint import load_checkpoint
 from recscale.train.loop import Trainer
 from recscale.train.runs import eval_run
@@ -85,6 +85,17 @@ def test_a_new_run_over_an_attempt_without_a_checkpoint_starts_clean_logs(tmp_pa
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and len(steps) == len(set(steps)) + 2  # train and valid records at 3, 6
     assert not (run / "tb" / "stale.tfevents").exists()
+
+
+def test_synthetic_data_trains_on_the_splits_its_rows_name(tmp_path):
+    """data.synthetic.rows with a train split only: a run without valid and test (it was an internal
+    KeyError), and eval without --data names the split the run has no rows of."""
+    rows = "data.synthetic.rows={train: 2000}"
+    cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, rows, "train.max_steps=3"])
+    report = Trainer(cfg, tmp_path / "r").fit()
+    assert report["steps"] == 3 and "valid" not in report and "test" not in report
+    with pytest.raises(RecscaleError, match="has no test split"):
+        eval_run(tmp_path / "r", None)
 
 
 @pytest.mark.slow

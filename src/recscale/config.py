@@ -56,6 +56,11 @@ class DataConfig(_Strict):
         if self.format == "synthetic":
             if self.synthetic is None:
                 self.synthetic = SyntheticSpec()
+            if "train" not in self.synthetic.rows:
+                raise ValueError(
+                    "data.synthetic.rows has no train split: give its rows, e.g. "
+                    "data.synthetic.rows={train: 100000, valid: 10000, test: 10000}"
+                )
         else:
             if self.train is None:
                 raise ValueError("data.train is required: the path of the training file")
@@ -314,8 +319,10 @@ class RunConfig(_Strict):
                 "a data_parallel table would be stepped by a torch optimizer on fp16 weights; choose "
                 "another distributed.sharding (e.g. table_wise) or storage fp32"
             )
-        if self.train.calibrate and self.data.format != "synthetic" and self.data.valid is None:
-            raise ValueError("train.calibrate fits on the valid split, and data.valid is not set: give one")
+        synthetic = self.data.synthetic if self.data.format == "synthetic" else None
+        if self.train.calibrate and ("valid" not in synthetic.rows if synthetic else self.data.valid is None):
+            where = "data.synthetic.rows has no valid" if synthetic else "data.valid is not set"
+            raise ValueError(f"train.calibrate fits on the valid split, and {where}: give one")
         return self
 
     def dense_tables(self) -> bool:

@@ -26,11 +26,13 @@ def _syn(data: DataConfig) -> Any:
 
 
 def _splits(data: DataConfig) -> list[tuple[str, str | None]]:
-    """The (split, path) pairs a run uses: train, and valid and test when the config has them."""
+    """The (split, path) pairs a run uses: train, and valid and test when the config has them (synthetic
+    data: when ``data.synthetic.rows`` has them)."""
+    rows = data.synthetic.rows if data.format == "synthetic" and data.synthetic is not None else {}
     return [
         (split, path)
         for split, path in (("train", data.train), ("valid", data.valid), ("test", data.test))
-        if split == "train" or path is not None or data.format == "synthetic"
+        if split == "train" or path is not None or split in rows
     ]
 
 

@@ -428,7 +428,7 @@ class Trainer:
     def _calibrate(self) -> tuple[dict[str, float], dict[str, float]]:
         """Fit the kept model's Platt scaling on the valid split and keep it in best/ (``train.calibrate``);
         returns it and the calibrated model's valid metrics (from the same logits: valid is scored once)."""
-        assert self.valid_ds is not None  # the config requires data.valid (synthetic data always has one)
+        assert self.valid_ds is not None  # the config requires a valid split (RunConfig)
         layers = [m for m in self.module.modules() if isinstance(m, Calibration)]
         for c in layers:  # from the identity, also when a finished run is finished again
             c.set(1.0, 0.0)

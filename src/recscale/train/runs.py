@@ -175,6 +175,12 @@ def eval_run(
         )
     if data_path is None and (fmt or cfg.data.format) != "synthetic":
         raise RecscaleError(f"{run_dir}: give the file to score (--data)")
+    rows = cfg.data.synthetic.rows if data_path is None and cfg.data.synthetic is not None else {}
+    if data_path is None and split not in rows:
+        raise RecscaleError(
+            f"{run_dir} was trained on synthetic data whose data.synthetic.rows has no {split} split "
+            f"(it has {', '.join(rows)}); train a run with {split} rows to score one"
+        )
     data = cfg.data.model_copy(update={"format": fmt or cfg.data.format})
     with tempfile.TemporaryDirectory(prefix="recscale-eval-") as tmp:
         ds, stats = prepare_split(data, pre, split, data_path, Path(tmp) / "eval", progress=False)
