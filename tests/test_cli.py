@@ -154,6 +154,35 @@ def test_a_prepared_dir_that_does_not_match_is_refused(tmp_path, capsys):
     assert code == 2 and "data.prepared" in err
 
 
+def test_a_prepared_dir_keeps_its_dropped_rows_and_refuses_on_bad_row_error(tmp_path, capsys):
+    train = frappe_like(tmp_path / "train.csv", [*GOOD, "x,1,2,3,4,5,6,7,8,9,10", "1,1,2"])
+    data = [f"data.train={train}", f"data.valid={train}"]
+    code, out, err = run(capsys, "data", "prepare", str(CONFIGS / "frappe.yaml"), *data, "data.on_bad_row=skip",
+                         "--out", str(tmp_path / "prep"))  # fmt: skip
+    assert code == 0 and "2 bad rows dropped" in out, err
+    prepared = f"data.prepared={tmp_path / 'prep'}"
+    common = ["train.max_steps=2", "train.batch_size=16", "train.progress=false", "model.name=lr"]
+    # the prepared splits lack rows that on_bad_row: error (the default) stops at
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), *data, prepared, *common,
+                       "--out", str(tmp_path / "strict"))  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "on_bad_row" in err and "dropped 2 bad rows" in err and "train.csv line 66" in err, err
+    # with skip, the run reports the rows the preparation dropped, as a run reading the file does
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), *data, prepared, "data.on_bad_row=skip",
+                       *common, "--out", str(tmp_path / "run"))  # fmt: skip
+    assert code == 0, err
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["skipped_rows"] == {"train": 2, "valid": 2}
+    # and so does a run resumed on its own materialised splits
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), *data, "data.on_bad_row=skip", *common,
+                       "--out", str(tmp_path / "own"))  # fmt: skip
+    assert code == 0, err
+    code, _, err = run(capsys, "train", "--resume", "--out", str(tmp_path / "own"), "train.max_steps=4")
+    assert code == 0, err
+    report = json.loads((tmp_path / "own" / "report.json").read_text())
+    assert report["steps"] == 4 and report["skipped_rows"] == {"train": 2, "valid": 2}
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -38,6 +38,7 @@ from recscale.data.preprocess import (
     values_and_lengths,
     vocabulary_order,
 )
+from recscale.data.readers import ReadStats
 from recscale.data.schema import LABEL, WEIGHT_SUFFIX, Schema, SparseFeature
 from recscale.errors import DataError
 from recscale.io import atomic_dir
@@ -194,11 +195,13 @@ def materialize(
     pre: Preprocessor | None = None,
     fingerprint: Callable[[Preprocessor], str] = lambda _: "",
     progress: bool = False,
+    stats: ReadStats | None = None,
 ) -> Preprocessor:
     """Preprocess ``batches`` into a split directory at ``out_dir`` (written atomically: a failure
     leaves no directory that looks complete). With ``pre`` None the vocabularies are fitted on these
     batches (the training split) and the fitted ``Preprocessor`` is returned; else ``pre`` maps them.
-    ``fingerprint(pre)`` is stored in meta.json."""
+    ``fingerprint(pre)`` is stored in meta.json, and so is what the read of ``batches`` counted in ``stats``
+    (bad rows dropped, sequences cut), so that a later use of the split can report and check them."""
     vocab_fields = [f for f in schema.sparse if f.hash_buckets is None]
     fitting = pre is None
     rows = 0
@@ -273,5 +276,11 @@ def materialize(
             "sparse": [{"name": f.name, "multi": f.multi, "weighted": f.weighted} for f in schema.sparse],
             "fingerprint": fingerprint(pre),
         }
+        if stats is not None:  # complete: the batches are all read
+            meta["read"] = {
+                "skipped": stats.skipped,
+                "examples": stats.examples,
+                "truncated": stats.truncated,
+            }
         (tmp / "meta.json").write_text(json.dumps(meta))
     return pre

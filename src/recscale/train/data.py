@@ -54,12 +54,32 @@ def prepare_split(
 ) -> tuple[ArrayDataset, ReadStats]:
     """Materialise one split under ``out_dir`` unless an identical one is already there."""
     fp = split_fingerprint(data, pre, split, path)
-    stats = ReadStats()
     meta = read_meta(out_dir)
-    if meta is None or meta.get("fingerprint") != fp:
-        batches = _batches(data, pre.schema, split, path, stats)
-        materialize(batches, pre.schema, out_dir, pre=pre, fingerprint=lambda _: fp, progress=progress)
+    if meta is not None and meta.get("fingerprint") == fp and not _dropped_against(data, meta):
+        return ArrayDataset(out_dir), stats_of(meta)
+    stats = ReadStats()
+    batches = _batches(data, pre.schema, split, path, stats)
+    materialize(
+        batches, pre.schema, out_dir, pre=pre, fingerprint=lambda _: fp, progress=progress, stats=stats
+    )
     return ArrayDataset(out_dir), stats
+
+
+def stats_of(meta: dict[str, Any]) -> ReadStats:
+    """What the read of a materialised split counted, as its meta.json keeps it (older splits: nothing)."""
+    read = meta.get("read") or {}
+    return ReadStats(
+        rows=int(meta.get("rows", 0)),
+        skipped=int(read.get("skipped", 0)),
+        examples=list(read.get("examples", [])),
+        truncated=dict(read.get("truncated", {})),
+    )
+
+
+def _dropped_against(data: DataConfig, meta: dict[str, Any]) -> int:
+    """Bad rows a materialised split dropped (it was read with on_bad_row: skip) that this data section,
+    with ``on_bad_row: error``, does not allow to drop; 0 when the split may be used."""
+    return stats_of(meta).skipped if data.on_bad_row == "error" else 0
 
 
 def fit_train_split(
@@ -69,7 +89,7 @@ def fit_train_split(
     stats = ReadStats()
     pre = materialize(
         _batches(data, data.schema, "train", data.train, stats), data.schema, out_dir,
-        fingerprint=lambda p: split_fingerprint(data, p, "train", data.train), progress=progress,
+        fingerprint=lambda p: split_fingerprint(data, p, "train", data.train), progress=progress, stats=stats,
     )  # fmt: skip
     return pre, ArrayDataset(out_dir), stats
 
@@ -155,12 +175,21 @@ def use_prepared(
         raise RecscaleError(
             f"{where} was prepared from other training data or settings (format, options, schema); {again}"
         ) from None
-    splits = {}
+    splits, stats = {}, {}
     for split, path in _splits(data):
         meta = read_meta(prepared / "data" / split)
         if meta is None or meta.get("fingerprint") != split_fingerprint(data, pre, split, path):
             raise RecscaleError(
                 f"{where}: its {split} split is missing or was prepared from another file than data.{split}; {again}"
             )
+        dropped = _dropped_against(data, meta)
+        if dropped:
+            first = stats_of(meta).examples[:1]
+            raise RecscaleError(
+                f"{where}: its {split} split was prepared with data.on_bad_row: skip, which dropped {dropped} bad rows"
+                f"{f' (first: {first[0]})' if first else ''}, but this run sets data.on_bad_row: error; "
+                f"set data.on_bad_row=skip to train without them, or {again}"
+            )
         splits[split] = ArrayDataset(prepared / "data" / split)
-    return pre, splits, {}
+        stats[split] = stats_of(meta)
+    return pre, splits, stats
