@@ -313,6 +313,23 @@ def test_parquet_fixed_size_and_dictionary_columns(tmp_path):
     assert (t["u"], t["h"], t["g"]) == (["a", "b"], [["1", "2"], ["3", "4"]], [["1", "2"], ["3"]])
 
 
+def test_parquet_bytes_that_are_not_utf8_are_bad_rows(tmp_path):
+    path = tmp_path / "t.parquet"
+    ids = pa.array([b"a", b"\xff\xfe", b"b", None], pa.binary())
+    history = pa.array([[b"x"], None, [b"y", b"\xc3"], [b"z"]], pa.list_(pa.binary()))
+    pq.write_table(pa.table({"label": [1, 0, 1, 0], "u": ids, "h": history}), path)
+    schema = make_schema(sparse=["u"], multi=["h"])
+    with pytest.raises(
+        DataError, match=r"t\.parquet row 2: sparse feature 'u' id b'\\xff\\xfe' is not UTF-8"
+    ):
+        read_all(path, "parquet", schema)
+    with pytest.raises(DataError, match=r"t\.parquet row 3: sparse feature 'h' id b'\\xc3' is not UTF-8"):
+        read_all(path, "parquet", make_schema(multi=["h"]))
+    stats = ReadStats()
+    t = read_all(path, "parquet", schema, on_bad_row="skip", stats=stats).to_pydict()
+    assert stats.skipped == 2 and t["u"] == ["a", None] and t["h"] == [["x"], ["z"]]
+
+
 def test_not_a_parquet_file(tmp_path):
     path = write(tmp_path / "t.parquet", ["label,a", "1,2"])
     with pytest.raises(DataError, match="not a readable parquet file"):

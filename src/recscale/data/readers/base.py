@@ -202,9 +202,47 @@ def is_list(dtype: pa.DataType) -> bool:
     return pa.types.is_list(dtype) or pa.types.is_large_list(dtype) or pa.types.is_fixed_size_list(dtype)
 
 
-def to_ids(cells: pa.Array) -> pa.Array:
-    """Single-id cells -> strings (ints become their decimal text), null = missing."""
-    return cells if cells.type == pa.string() else pc.cast(cells, pa.string())
+def _is_bytes(dtype: pa.DataType) -> bool:
+    return (
+        pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype) or pa.types.is_fixed_size_binary(dtype)
+    )
+
+
+def _as_text(values: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
+    """Values (ints, strings, bytes, ...) -> strings; plus a mask of byte values that are not UTF-8 text
+    (None: none), which become null."""
+    try:
+        return pc.cast(values, pa.string()), None
+    except pa.ArrowInvalid:
+        if not _is_bytes(values.type):
+            raise
+    # Slow path, only for a batch holding such a value: find which ones do not decode.
+    bad = np.array([v is not None and not _decodes(v) for v in values.to_pylist()], dtype=bool)
+    kept = pc.if_else(pa.array(~bad), values, pa.scalar(None, values.type))
+    return pc.cast(kept, pa.string()), bad
+
+
+def _decodes(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _not_text(name: str, raw: bytes) -> str:
+    return f"sparse feature '{name}' id {raw!r} is not UTF-8 text"
+
+
+def to_ids(cells: pa.Array, name: str = "") -> tuple[pa.Array, Problem | None]:
+    """Single-id cells -> strings (ints become their decimal text), null = missing; bytes that are not
+    UTF-8 text are bad rows (``name`` is the feature, for messages)."""
+    if cells.type == pa.string():
+        return cells, None
+    ids, bad = _as_text(cells)
+    if bad is None or not bad.any():
+        return ids, None
+    return ids, Problem(bad, lambda i: _not_text(name, cells[i].as_py()))
 
 
 def _rows_with(bad_items: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -252,10 +290,26 @@ def split_ids(
     return ids, weights, Problem(_rows_with(bad_w.bad, lengths), reason)
 
 
-def list_ids(cells: pa.Array) -> pa.Array:
-    """List cells (ints or strings) -> list<string>, null list = []."""
-    ids = pc.cast(cells, pa.list_(pa.string()))
-    return pc.fill_null(ids, pa.scalar([], pa.list_(pa.string())))
+def list_ids(cells: pa.Array, name: str = "") -> tuple[pa.Array, Problem | None]:
+    """List cells (ints, strings or bytes) -> list<string>, null list = []; a list holding bytes that
+    are not UTF-8 text is a bad row (``name`` is the feature, for messages)."""
+    try:
+        ids = pc.cast(cells, pa.list_(pa.string()))
+    except pa.ArrowInvalid:
+        if not _is_bytes(cells.type.value_type):
+            raise
+        flat = pc.list_flatten(cells)
+        lengths = pc.fill_null(pc.list_value_length(cells), 0).to_numpy(zero_copy_only=False)
+        text, bad_items = _as_text(flat)
+        assert bad_items is not None  # the cast failed on bytes: some do not decode
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+
+        def reason(i: int) -> str:
+            j = int(starts[i]) + int(np.argmax(bad_items[starts[i] : starts[i + 1]]))
+            return _not_text(name, flat[j].as_py())
+
+        return _lists(lengths, text), Problem(_rows_with(bad_items, lengths), reason)
+    return pc.fill_null(ids, pa.scalar([], pa.list_(pa.string()))), None
 
 
 def list_weights(weights: pa.Array, ids: pa.Array, name: str) -> tuple[pa.Array, Problem | None]:
@@ -335,10 +389,13 @@ def convert(column: Callable[[str], pa.Array], schema: Schema) -> tuple[list[pa.
     for f in schema.sparse:
         cells = column(f.name)
         if not f.multi:
-            arrays.append(to_ids(cells))
-        elif is_list(cells.type):
-            ids = list_ids(cells)
+            ids, problem = to_ids(cells, f.name)
             arrays.append(ids)
+            problems.append(problem)
+        elif is_list(cells.type):
+            ids, problem = list_ids(cells, f.name)
+            arrays.append(ids)
+            problems.append(problem)
             if f.weighted:
                 weights, problem = list_weights(column(f.name + WEIGHT_SUFFIX), ids, f.name)
                 arrays.append(weights)
