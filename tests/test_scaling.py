@@ -282,6 +282,10 @@ def test_results_of_several_sweeps_merge_into_one_family(tmp_path, capsys):
     assert main(["scaling", "fit", str(first), "--merge", "w_long"]) == 2
     assert "--merge w_long: write NEW=OLD" in capsys.readouterr().err
     assert main(["scaling", "fit", str(first), "--drop", "*"]) == 2
+    # a misspelled family to merge is named, not silently fitted apart
+    assert main(["scaling", "fit", str(first), str(later), "--merge", "w=w_lnog"]) == 2
+    err = capsys.readouterr().err
+    assert "--merge: family 'w_lnog' is in none of the results" in err and "w, w_lr, w_long" in err, err
     clash = write_results(tmp_path / "c.csv", [sweep_row("w", "s", 100, 0, 1e12, 0.49)])
     with pytest.raises(
         RecscaleError, match="c.csv: run w-s-n100 is also in .*a.csv with another valid_logloss"

@@ -262,6 +262,18 @@ class Families(list[FamilyRuns]):
         self.left_out = left_out
 
 
+def _check_merge(families: list[str], merge: dict[str, str]) -> None:
+    """A --merge family that is in none of the results is an error: a misspelled one would fit the family
+    meant apart, without a word. (A --drop pattern may match nothing: commands drop by pattern across sets
+    of files.)"""
+    absent = [old for old in merge if old not in families]
+    if absent:
+        raise RecscaleError(
+            f"--merge: family {absent[0]!r} is in none of the results (their families: {', '.join(families)}); "
+            "check the spelling"
+        )
+
+
 def load_results(
     paths: str | Path | list[str | Path], merge: dict[str, str] | None = None, drop: list[str] | None = None
 ) -> Families:
@@ -276,8 +288,10 @@ def load_results(
     merge, drop = merge or {}, drop or []
     rows: list[dict[str, str]] = []
     seen: dict[tuple[str, ...], tuple[Path, str]] = {}
+    found: dict[str, None] = {}  # every family in the files, in order, before --drop and --merge
     for path in map(Path, paths if isinstance(paths, list) else [paths]):
         for r in _read_rows(path):
+            found[r["family"]] = None
             if any(fnmatch.fnmatchcase(r["family"], pattern) for pattern in drop):
                 continue
             r = dict(r, family=merge.get(r["family"], r["family"]))
@@ -294,6 +308,7 @@ def load_results(
                     continue
                 seen[key] = (path, r["valid_logloss"])
             rows.append(dict(r, _key=_point_key(r, r["_where"])))
+    _check_merge(list(found), merge)
     if not rows:
         raise RecscaleError("no runs left to fit: --drop left out every family")
     left_out: dict[str, list[str]] = {}
