@@ -71,6 +71,10 @@ def base() -> dict:
             {"train": {"sparse_optimizer": {"name": "lbfgs", "lr": 1}}},
             ["sparse_optimizer", "rowwise_adagrad"],
         ),
+        # pydantic reads a boolean as 1 or 0: max_steps: true trained one step
+        ({"train": {"max_steps": True}}, ["train.max_steps", "expected a number, not true"]),
+        ({"model": {"name": "wukong", "num_layers": False}}, ["model.num_layers", "not false"]),
+        ({"model": {"name": "lr", "embedding": {"dim": True}}}, ["model.embedding.dim", "not true"]),
         (  # the learned planner's cap was dropped without a word under another sharding
             {"distributed": {"learned": {"memory_cap_mb": 1}}},
             ["distributed", "learned.memory_cap_mb applies to sharding: learned", "table_wise"],

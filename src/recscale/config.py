@@ -21,14 +21,10 @@ from recscale.errors import ConfigError
 from recscale.models.embedding import EmbeddingConfig
 from recscale.models.quant import QuantConfig
 from recscale.models.registry import model_names, params_class
+from recscale.settings import Settings
 
 
-class _Strict(BaseModel):
-    # inf is no learning rate, decay or tolerance: a run would train to NaN and exit 0
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class DataConfig(_Strict):
+class DataConfig(Settings):
     """Where the data is and how to read it. Relative paths are resolved against the working directory."""
 
     format: Literal["csv", "libsvm", "criteo", "movielens", "parquet", "synthetic"]
@@ -85,7 +81,7 @@ class DataConfig(_Strict):
         return self.schema_
 
 
-class ModelConfig(BaseModel):
+class ModelConfig(Settings):
     """``name`` picks the model from the registry; the other keys are that model's parameters."""
 
     name: str
@@ -93,7 +89,7 @@ class ModelConfig(BaseModel):
     # Low-precision GEMMs of the model's linear layers (recscale.models.quant); a declared field, so
     # not one of the model's own parameters (those are ``model_extra``).
     quant: QuantConfig | None = None
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # the extras: the model's parameters
 
     @model_validator(mode="after")
     def _known(self) -> ModelConfig:
@@ -106,14 +102,14 @@ class ModelConfig(BaseModel):
         return params_class(self.name).model_validate(self.model_extra or {})
 
 
-class OptimizerConfig(_Strict):
+class OptimizerConfig(Settings):
     name: str
     lr: float = Field(gt=0)
     weight_decay: float = Field(0.0, ge=0)
     eps: float = Field(1e-8, gt=0)
 
 
-class EarlyStopping(_Strict):
+class EarlyStopping(Settings):
     metric: Literal["auc", "logloss", "ne"] = "auc"
     patience: int = Field(2, ge=1)
     min_delta: float = Field(0.0, ge=0)
@@ -124,7 +120,7 @@ class EarlyStopping(_Strict):
     restore_best: bool = False
 
 
-class TrainConfig(_Strict):
+class TrainConfig(Settings):
     batch_size: int = Field(4096, ge=1)
     epochs: int = Field(10, ge=1)
     max_steps: int | None = Field(None, ge=1)
@@ -184,7 +180,7 @@ ShardingTypeName = Literal[
 ]
 
 
-class TablePlan(_Strict):
+class TablePlan(Settings):
     """Where one feature's table goes. Unset placements are chosen to balance the ranks."""
 
     type: ShardingTypeName
@@ -208,7 +204,7 @@ class TablePlan(_Strict):
 CommPrecision = Literal["fp32", "fp16", "bf16", "int8", "mx4", "fp8", "mxint8"]
 
 
-class QComms(_Strict):
+class QComms(Settings):
     """``distributed.qcomms``: precision on the wire. On CPU (gloo) fbgemm's codecs take fp16 for every
     sharding type and int8 / mx4 for table- and column-wise all-to-alls; bf16 becomes fp16 on CPU; fp8
     and mxint8 are recscale's row-wise codecs (``distributed/codecs.py``; mxint8 is int8 with one E8M0 byte
@@ -219,14 +215,14 @@ class QComms(_Strict):
     dense: Literal["fp32", "fp16", "bf16"] = "fp32"  # DDP's gradient all-reduce
 
 
-class LearnedConfig(_Strict):
+class LearnedConfig(Settings):
     """``distributed.sharding: learned``: the learned planner's memory cap and cost models."""
 
     memory_cap_mb: float | None = Field(None, gt=0)  # per rank: table weights and optimizer state
     cost_models: str | None = None  # a file of bench/train_cost_models.py; None: the shipped models
 
 
-class DistributedConfig(_Strict):
+class DistributedConfig(Settings):
     """How a multi-process run splits the model: tables sharded by TorchRec, the dense part data-parallel."""
 
     # Every table not listed in ``tables``: one sharding type, or "planner" for TorchRec's planner
@@ -265,7 +261,7 @@ class DistributedConfig(_Strict):
         return self
 
 
-class TowerModuleConfig(_Strict):
+class TowerModuleConfig(Settings):
     """DMT's tower module: compresses a tower's n_t embeddings to ceil(n_t / compression) before they
     leave the host. identity (compression 1) computes exactly what the flat model computes."""
 
@@ -279,7 +275,7 @@ class TowerModuleConfig(_Strict):
         return self
 
 
-class DMTConfig(_Strict):
+class DMTConfig(Settings):
     """Disaggregated Multi-Tower training (docs/DMT.md): one tower of features per host."""
 
     towers: int | Literal["auto"] = "auto"  # must equal the number of hosts; auto = that number
@@ -293,7 +289,7 @@ class DMTConfig(_Strict):
     sharding: Literal["table_wise", "row_wise", "column_wise"] = "table_wise"
 
 
-class RunConfig(_Strict):
+class RunConfig(Settings):
     seed: int = Field(0, ge=0, lt=2**63)  # torch and numpy take 64-bit seeds
     data: DataConfig
     model: ModelConfig

@@ -17,17 +17,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from recscale.settings import Settings
 
 WEIGHT_SUFFIX = "__w"
 LABEL = "label"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class DenseFeature(_Strict):
+class DenseFeature(Settings):
     """A float feature. ``transform`` is applied after ``fill`` replaces missing values."""
 
     name: str
@@ -35,7 +33,7 @@ class DenseFeature(_Strict):
     fill: float = 0.0
 
 
-class SparseFeature(_Strict):
+class SparseFeature(Settings):
     """A categorical feature: one id per row, or a list of ids (``multi``) with optional weights."""
 
     name: str
@@ -71,7 +69,7 @@ class SparseFeature(_Strict):
         return self.max_len is not None
 
 
-class Schema(_Strict):
+class Schema(Settings):
     """The fields of a dataset, in model order."""
 
     # Name of the label column in the source file; readers always output it as ``label``.

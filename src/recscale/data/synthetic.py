@@ -66,6 +66,7 @@ from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_seri
 
 from recscale.data.chunks import rechunk
 from recscale.data.schema import LABEL, DenseFeature, Schema, SparseFeature
+from recscale.settings import Settings
 
 # Rows per random stream: the unit of determinism, independent of the output chunk size.
 BLOCK_ROWS = 16384
@@ -85,7 +86,7 @@ class DeepTeacher(BaseModel, extra="forbid"):
     width: int = Field(64, ge=1)
 
 
-class SyntheticSpec(BaseModel, extra="forbid", allow_inf_nan=False):
+class SyntheticSpec(Settings):
     """Size, shape and difficulty of the synthetic dataset."""
 
     seed: int = Field(0, ge=0)

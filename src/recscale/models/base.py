@@ -6,19 +6,17 @@ from abc import ABC, abstractmethod
 from typing import Protocol, runtime_checkable
 
 import torch
-from pydantic import BaseModel, ConfigDict
 from torch import Tensor, nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.models.blocks.calibration import Calibration
 from recscale.models.embedding import EmbeddingConfig, EmbeddingLayer, FeatureSet
 from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER, module_flops
+from recscale.settings import Settings
 
 
-class ModelParams(BaseModel):
+class ModelParams(Settings):
     """Base of every model's hyperparameters: unknown keys are an error."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class RecModel(nn.Module, ABC):

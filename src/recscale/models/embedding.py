@@ -36,7 +36,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-import pydantic
 import torch
 from pydantic import Field, field_validator
 from torch import Tensor, nn
@@ -48,6 +47,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from recscale.models.blocks.mlp import MLP
 from recscale.models.blocks.sequence import SequenceConfig, SequenceEncoder
 from recscale.models.flops import module_flops
+from recscale.settings import Settings
 
 _Table = TypeVar("_Table", EmbeddingBagConfig, SequenceTableConfig)
 # fbgemm's GPU kernels need every table dim to be a multiple of 4.
@@ -74,7 +74,7 @@ class FeatureSet:
     num_dense: int
 
 
-class EmbeddingConfig(pydantic.BaseModel, extra="forbid", allow_inf_nan=False):
+class EmbeddingConfig(Settings):
     """How features become the embedding matrix X0 (B, n, d)."""
 
     dim: int = Field(16, gt=0)  # the one global embedding dim d

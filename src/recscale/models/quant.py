@@ -32,11 +32,12 @@ from typing import Any, Literal, cast, get_args
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import model_validator
 from torch import Tensor, nn
 
 from recscale.errors import ConfigError
 from recscale.models.flops import linear_flops
+from recscale.settings import Settings
 
 FormatName = Literal[
     "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8",
@@ -205,14 +206,12 @@ class QuantLinear(nn.Linear):
         return f"{super().extra_repr()}, fmt={self.fmt}" + (", gradients=True" if self.gradients else "")
 
 
-class QuantConfig(BaseModel):
+class QuantConfig(Settings):
     """``model.quant``: which linear layers compute in which format.
 
     A layer named in ``layers`` (its dotted module name in the model, e.g. ``interaction.mlp.0``)
     gets that format; any other ``nn.Linear`` whose name matches a ``where`` pattern (fnmatch) gets
     ``format``. ``recscale precision probe`` writes ``layers``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     format: FormatName | None = None
     where: list[str] = ["*"]

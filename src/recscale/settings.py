@@ -1,0 +1,29 @@
+"""The base of every section of a run's config (data, schema, model, training, ...): pydantic, with the
+checks a config needs that pydantic's defaults leave out."""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+
+def _admits_bool(annotation: Any) -> bool:
+    if annotation is bool or annotation is Any:
+        return True
+    return any(_admits_bool(a) for a in get_args(annotation))
+
+
+class Settings(BaseModel):
+    """Unknown keys are errors; numbers are finite (inf is no learning rate, decay or tolerance: a run
+    would train to NaN and exit 0) and are not booleans (pydantic reads ``max_steps: true`` as 1)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            if not _admits_bool(cls.model_fields[info.field_name].annotation):
+                raise ValueError(f"expected a number, not {str(value).lower()}")
+        return value
