@@ -483,6 +483,16 @@ def test_duplicate_header_columns_are_an_error(tmp_path):
         read_batches(tmp_path / "t.parquet", "parquet", make_schema(sparse=["a"]))
 
 
+def test_a_quoted_line_break_is_an_error_not_a_shifted_line_count(tmp_path):
+    """pyarrow joined the two lines into one row: the id held a line break and every later line number
+    was off by one (a chunk boundary inside the cell made two bad rows instead)."""
+    path = write(tmp_path / "t.csv", ["label,a", '1,"u', '1"', "0,y", "2,z"])
+    with pytest.raises(DataError, match=r"t\.csv lines 2-5: a quoted cell holds a line break"):
+        read_all(path, "csv", make_schema(sparse=["a"]))
+    quoted = write(tmp_path / "q.csv", ["label,a", '1,"u,1"', "0,y"])  # quotes without line breaks read
+    assert read_all(quoted, "csv", make_schema(sparse=["a"])).column("a").to_pylist() == ["u,1", "y"]
+
+
 def test_options_are_validated():
     assert set(options_model("libsvm").model_fields) == {"mode"}
     with pytest.raises(ConfigError, match="delimtier"):

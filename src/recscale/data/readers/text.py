@@ -237,6 +237,14 @@ def _parse_chunk(
         last = first + chunk.count(b"\n") - chunk.endswith(b"\n")
         raise DataError(f"{path} lines {first}-{last}: {e}") from None
     lines = cache(lambda: _nonempty_lines(chunk))
+    if dialect[1] and b'"' in chunk and table.num_rows + len(bad_rows) != len(lines()):
+        # A quoted cell spanning lines: pyarrow joins them into one row, every later line number would be
+        # off, and where a chunk ends inside it, the halves are two bad rows.
+        last = first + chunk.count(b"\n") - chunk.endswith(b"\n")
+        raise DataError(
+            f"{path} lines {first}-{last}: a quoted cell holds a line break; cells must fit on one line "
+            "(replace the line breaks inside quotes)"
+        )
     # pyarrow numbers rejected rows 1-based among the chunk's non-empty lines.
     gone = np.array([r.number - 1 for r in bad_rows], dtype=np.int64)
     rejected = [
