@@ -233,6 +233,15 @@ def test_an_out_that_holds_a_run_is_refused_before_the_launch(tmp_path, capsys):
     assert code == 2 and "already holds a run; pass --resume" in err and len(err.strip().splitlines()) == 1
 
 
+def test_inspect_reads_a_csv_with_its_delimiter(tmp_path, capsys):
+    """A ';' file was one column to inspect: it had no way to take data.options.delimiter."""
+    path = tmp_path / "t.csv"
+    path.write_text("label;a;b\n1;x;y\n0;z;w\n")
+    code, out, err = run(capsys, "data", "inspect", str(path), "--delimiter", ";")
+    assert code == 0, err
+    assert [c["name"] for c in json.loads(out)["columns"]] == ["label", "a", "b"]
+
+
 def test_eval_reads_a_directory_where_the_format_reads_one(tmp_path, capsys, shared_data):
     """MovieLens is a directory (ml-100k's files): eval takes the path the config itself gives."""
     ml = shared_data / "movielens-100k"

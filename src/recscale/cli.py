@@ -198,11 +198,9 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     from recscale.data.inspect import inspect_file
     from recscale.train.state import strict_json
 
-    print(
-        strict_json(
-            inspect_file(args.path, args.format, max_rows=args.max_rows, tables=args.tables), indent=2
-        )
-    )
+    options = {"delimiter": args.delimiter} if args.delimiter is not None else None
+
+    print(strict_json(inspect_file(args.path, args.format, options, args.max_rows, args.tables), indent=2))
 
 
 def cmd_shard_plan(args: argparse.Namespace) -> None:
@@ -450,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = dsub.add_parser("inspect", help="schema, row count and per-field cardinality of a data file")
     i.add_argument("path")
     i.add_argument("--format", help="csv, libsvm, criteo, movielens or parquet (default: guessed)")
+    i.add_argument("--delimiter", help="csv: the field separator, as data.options.delimiter (default ,)")
     i.add_argument("--max-rows", type=_int_in(1), help="read only this many rows")
     i.add_argument("--tables", action="store_true",
                    help="also each id column's pooling factor and 17-bin access histogram (learned sharding)")  # fmt: skip
