@@ -107,6 +107,12 @@ def test_sweep_config_errors_are_one_line(tmp_path, capsys):
     assert "family wukong" in err and "n_f" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(RecscaleError, match="sizes"):
         load_sweep(write_sweep(tmp_path, {"dlrm": {"model": {"name": "dlrm"}}}))
+    # A family's overrides came after the sweep's one epoch and could undo it without a word.
+    epochs = {"lr": {"model": {"name": "lr"}, "sizes": [{}], "overrides": ["train.epochs=3"]}}
+    with pytest.raises(
+        RecscaleError, match="family lr's overrides set 'train.epochs=3'; every sweep run trains one"
+    ):
+        load_sweep(write_sweep(tmp_path, epochs))
 
 
 @pytest.mark.parametrize("family", ["..", ".", "+", "", "a/b", "-x"])

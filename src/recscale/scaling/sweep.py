@@ -148,6 +148,15 @@ def _slug(family: str, knobs: dict[str, Any]) -> str:
     return name
 
 
+def _one_epoch(path: Path, where: str, overrides: list[str]) -> None:
+    """Every run of a sweep trains one epoch (longer runs: a family's ``lengths``); the sweep sets it after
+    the sweep's overrides, and a family's own would have undone it without a word."""
+    for item in overrides:
+        if item.partition("=")[0].strip() in ("train.epochs", "train"):
+            raise ConfigError(f"{path}: {where} set {item!r}; every sweep run trains one epoch "
+                              "(a family's lengths train for longer)")  # fmt: skip
+
+
 def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
     """Read and validate a sweep file and every run config it implies (nothing is trained)."""
     path = Path(path)
@@ -161,6 +170,7 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
     if not base_path.is_file():
         raise ConfigError(f"{path}: base config {base_path} not found")
     base = apply_overrides(load_raw(base_path), sweep.overrides)
+    _one_epoch(path, "the overrides", sweep.overrides)
     _set(base, "train.epochs", 1)
     runs, names = [], set()
     seeds: list[int | None] = [*sweep.seeds] or [None]
@@ -168,6 +178,7 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
         for i, knobs in enumerate(spec.points()):
             try:
                 raw = apply_overrides(json.loads(json.dumps(base)), spec.overrides)  # on a deep copy
+                _one_epoch(path, f"family {family}'s overrides", spec.overrides)
                 raw["model"] = {**raw.get("model", {}), **spec.model}
                 for key, value in knobs.items():
                     _set(raw["model"], key, value)
