@@ -350,6 +350,16 @@ def write_movielens(root: Path, inter_rows: list[str]) -> Path:
 ML_SCHEMA = make_schema(sparse=["user_id", "item_id", "gender"], multi=["class"])
 
 
+def test_movielens_key_on_two_rows_is_an_error(tmp_path):
+    """User 2 twice, with two genders: the join took the first row without a word."""
+    root = write_movielens(tmp_path / "ml", ["1\t10\t5\t1", "2\t11\t3\t2"])
+    write(root / "ml.user", ["user_id:token\tage:token\tgender:token", "1\t24\tM", "2\t53\tF", "2\t31\tM"])
+    with pytest.raises(
+        DataError, match=r"ml\.user: 1 key\(s\) on more than one row \('2'\); keep one row per key"
+    ):
+        read_all(root, "movielens", ML_SCHEMA, {"split": "all"})
+
+
 def test_movielens_small_join_label_and_split(tmp_path):
     rows = [f"{1 + i % 3}\t{10 + i % 2}\t{1 + i % 5}\t{1000 - i}" for i in range(10)]
     root = write_movielens(tmp_path / "ml", rows)

@@ -209,6 +209,15 @@ def _load(file: AtomicFile, include: list[str], required: tuple[str, ...], bad: 
     return pa.concat_tables(tables).combine_chunks()
 
 
+def _check_unique_keys(path: Path, keys: pa.ChunkedArray) -> None:
+    """A user or item listed twice (two ages, say) would be joined by its first row without a word."""
+    counts = pc.value_counts(keys)
+    twice = pc.filter(counts.field("values"), pc.greater(counts.field("counts"), 1))
+    if len(twice):
+        listed = ", ".join(repr(k) for k in twice.to_pylist()[:5])
+        raise DataError(f"{path}: {len(twice)} key(s) on more than one row ({listed}); keep one row per key")
+
+
 def _history(ratings: pa.Table, threshold: float, liked: bool, max_len: int) -> tuple[pa.Array, np.ndarray]:
     """Each rating's user history (item ids rated strictly earlier; ``liked``: rated >= threshold),
     oldest first, the last ``max_len`` kept; and a (n,) bool mask of the ratings whose history was cut."""
@@ -274,6 +283,7 @@ def _batches(
             continue
         side_bad = BadRows(files[part].path, "line", bad.on_bad_row, bad.stats)
         side = _load(files[part], [key, *side_names], (key,), side_bad)
+        _check_unique_keys(files[part].path, side.column(key))
         row = pc.index_in(ratings.column(key), value_set=side.column(key))
         columns |= {name: side.column(name).take(row) for name in side_names}
     label = pc.cast(pc.greater_equal(ratings.column(RATING), options.rating_threshold), pa.float32())
