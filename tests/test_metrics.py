@@ -49,3 +49,20 @@ def test_normalized_entropy_of_one_class_labels_is_nan_not_an_error():
     after training; the model's NE and the floor's now share one definition."""
     assert math.isnan(normalized_entropy(0.3, 0.0)) and math.isnan(normalized_entropy(0.3, 1.0))
     assert normalized_entropy(0.3, 0.25) == pytest.approx(0.3 / binary_entropy(0.25))
+
+
+def test_auc_ranks_confident_logits_that_sigmoid_rounds_to_one():
+    # sigmoid(40) and sigmoid(50) are both 1.0 in float64: an AUC of probabilities ties them.
+    logits = torch.tensor([40.0, 50.0, 45.0, -3.0])
+    labels = torch.tensor([0.0, 1.0, 0.0, 1.0])
+    assert ctr_metrics(logits, labels)["auc"] == pytest.approx(pairwise_auc(logits.numpy(), labels.numpy()))
+    assert ctr_metrics(logits, labels)["auc"] == 0.5
+
+
+def test_auc_is_exact_in_float64_and_nan_for_nan_logits():
+    rng = np.random.default_rng(1)
+    labels = (rng.random(2000) < 0.3).astype(np.float64)
+    logits = rng.normal(size=2000) + labels
+    m = ctr_metrics(torch.from_numpy(logits), torch.from_numpy(labels))
+    assert m["auc"] == pytest.approx(pairwise_auc(logits, labels), abs=1e-12)
+    assert math.isnan(ctr_metrics(torch.tensor([float("nan"), 1.0]), torch.tensor([0.0, 1.0]))["auc"])

@@ -2,7 +2,9 @@
 
 NE is the LogLoss divided by the entropy of the background CTR (the LogLoss of always predicting
 the mean label), the metric of Meta's recommendation papers: 1.0 means no better than the base
-rate. AUC uses torchmetrics' exact (threshold-free) binary AUROC.
+rate. AUC is exact (threshold-free): the Mann-Whitney statistic of the logits themselves in float64,
+ties counting one half. Not of sigmoid(logits): in float64 every logit above ~37 becomes 1.0, so a
+confident model's top scores would all tie.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torchmetrics.functional.classification import binary_auroc
 
 
 def binary_entropy(p: float) -> float:
@@ -26,6 +27,20 @@ def normalized_entropy(logloss: float, ctr: float) -> float:
     return logloss / base if base > 0 else float("nan")
 
 
+def auc(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Exact AUC of logits (N,) against 0/1 labels (N,): the fraction of (positive, negative) pairs
+    ranked right, ties one half; NaN where the labels have one class or a logit is NaN."""
+    logits, labels = logits.double().flatten(), labels.double().flatten()
+    positives = labels.sum().item()
+    negatives = labels.numel() - positives
+    if positives == 0 or negatives == 0 or bool(torch.isnan(logits).any()):
+        return float("nan")
+    _, group, counts = torch.unique(logits, return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).double()
+    ranks = (ends - (counts.double() - 1) / 2)[group]  # 1-based, ties share their mean rank
+    return ((ranks * labels).sum().item() - positives * (positives + 1) / 2) / (positives * negatives)
+
+
 def ctr_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     """Metrics of one evaluation pass. logits, labels: (N,) -> {auc, logloss, ne, calibration, rows}."""
     logits, labels = logits.double().flatten(), labels.double().flatten()
@@ -36,7 +51,7 @@ def ctr_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     ctr = labels.mean().item()
     has_both = 0.0 < ctr < 1.0
     return {
-        "auc": binary_auroc(torch.sigmoid(logits), labels.long()).item() if has_both else float("nan"),
+        "auc": auc(logits, labels) if has_both else float("nan"),
         "logloss": logloss,
         "ne": normalized_entropy(logloss, ctr),
         "calibration": torch.sigmoid(logits).mean().item() / ctr if ctr > 0 else float("nan"),
