@@ -284,3 +284,40 @@ def test_dlrm_warns_when_dot_products_cannot_learn() -> None:
         warnings.simplefilter("error")
         build("dlrm", SMALL["dlrm"], sparse_only, embedding=EmbeddingConfig(dim=8, init_std=0.05))
         build("dlrm", SMALL["dlrm"], embedding=EmbeddingConfig(dim=8))  # dense features carry the signal
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("wukong", "fmb_mlp"),
+        ("wukong", "final_mlp"),
+        ("dlrm", "top_mlp"),
+        ("dcnv2", "mlp"),
+        ("dhen", "module_mlp"),
+        ("dhen", "final_mlp"),
+        ("finalmlp", "mlp1"),
+        ("finalmlp", "mlp2"),
+        ("finalmlp", "fs_hidden"),
+        ("masknet", "mlp"),
+        ("autoint", "mlp"),
+        ("xdeepfm", "mlp"),
+        ("xdeepfm", "cin_layers"),
+    ],
+)
+@pytest.mark.parametrize("width", [0, -1])
+def test_layer_widths_below_one_are_config_errors(name: str, key: str, width: int) -> None:
+    # A 0-wide layer trained a model with a constant output; a negative one was a torch error.
+    with pytest.raises(ValidationError, match=f"{key}.0\n.*greater than or equal to 1"):
+        params_class(name).model_validate({key: [width]})
+
+
+def test_xdeepfm_needs_a_cin_layer() -> None:
+    with pytest.raises(ValidationError, match="cin_layers"):  # it was torch.cat() of no tensors mid-forward
+        params_class("xdeepfm").model_validate({"cin_layers": []})
+
+
+def test_din_attention_widths_below_one_are_config_errors() -> None:
+    from recscale.models.blocks.sequence import SequenceConfig
+
+    with pytest.raises(ValidationError, match="attention_hidden.0"):
+        SequenceConfig.model_validate({"attention_hidden": [0]})

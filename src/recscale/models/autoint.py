@@ -8,7 +8,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from recscale.models.base import ModelParams, RecModel
-from recscale.models.blocks import MLP, MultiHeadSelfAttention, Norm
+from recscale.models.blocks import MLP, MultiHeadSelfAttention, Norm, Widths
 from recscale.models.embedding import EmbeddingConfig, FeatureSet
 from recscale.models.registry import register
 
@@ -17,7 +17,7 @@ class AutoIntParams(ModelParams):
     attention_layers: int = Field(3, ge=1)
     heads: int = Field(2, ge=1)
     head_dim: int = Field(16, ge=1)
-    mlp: list[int] = [256, 256]  # the parallel DNN's hidden widths; [] = no DNN
+    mlp: Widths = [256, 256]  # the parallel DNN's hidden widths; [] = no DNN
     norm: Norm = "none"
     dropout: float = Field(0.0, ge=0, lt=1)
 

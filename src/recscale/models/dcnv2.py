@@ -13,7 +13,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from recscale.models.base import ModelParams, RecModel
-from recscale.models.blocks import MLP, CrossNet, Norm
+from recscale.models.blocks import MLP, CrossNet, Norm, Widths
 from recscale.models.embedding import EmbeddingConfig, FeatureSet
 from recscale.models.registry import register
 
@@ -22,7 +22,7 @@ class DCNv2Params(ModelParams):
     num_cross_layers: int = Field(3, ge=1)
     low_rank: int | None = Field(None, ge=1)  # None = full-rank W; r = W ≈ U Vᵀ of rank r
     structure: Literal["stacked", "parallel"] = "parallel"
-    mlp: list[int] = [256, 256]  # the deep network's hidden widths
+    mlp: Widths = [256, 256]  # the deep network's hidden widths
     norm: Norm = "none"
     dropout: float = Field(0.0, ge=0, lt=1)
 

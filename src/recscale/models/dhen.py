@@ -22,7 +22,14 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from recscale.models.base import ModelParams, RecModel
-from recscale.models.blocks import MLP, CrossNet, DotInteraction, LinearCompressBlock, MultiHeadSelfAttention
+from recscale.models.blocks import (
+    MLP,
+    CrossNet,
+    DotInteraction,
+    LinearCompressBlock,
+    MultiHeadSelfAttention,
+    Widths,
+)
 from recscale.models.embedding import EmbeddingConfig, FeatureSet
 from recscale.models.registry import register
 
@@ -34,8 +41,8 @@ class DHENParams(ModelParams):
     num_embeddings: int = Field(16, ge=1)  # n_out of every layer
     modules: list[Interaction] = Field(["dot", "self_attention", "linear"], min_length=1)
     heads: int = Field(2, ge=1)  # self_attention heads; must divide the embedding dim
-    module_mlp: list[int] = [256]  # hidden widths of the "mlp" module
-    final_mlp: list[int] = [256]
+    module_mlp: Widths = [256]  # hidden widths of the "mlp" module
+    final_mlp: Widths = [256]
     dropout: float = Field(0.0, ge=0, lt=1)
 
     @model_validator(mode="after")

@@ -23,7 +23,7 @@ from pydantic import Field
 from torch import Tensor
 
 from recscale.models.base import ModelParams, RecModel
-from recscale.models.blocks import MLP, DotInteraction, Norm
+from recscale.models.blocks import MLP, DotInteraction, Norm, Widths
 from recscale.models.embedding import EmbeddingConfig, FeatureSet
 from recscale.models.registry import register
 
@@ -32,7 +32,7 @@ STALL_INIT_STD = 1e-2  # below this, dot products of two fresh embeddings give v
 
 class DLRMParams(ModelParams):
     interaction: Literal["dot", "cat"] = "dot"
-    top_mlp: list[int] = [256, 128]
+    top_mlp: Widths = [256, 128]
     norm: Norm = "none"
     dropout: float = Field(0.0, ge=0, lt=1)
 

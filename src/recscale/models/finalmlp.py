@@ -13,18 +13,18 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from recscale.models.base import ModelParams, RecModel
-from recscale.models.blocks import MLP, BilinearFusion, FeatureSelection, Norm
+from recscale.models.blocks import MLP, BilinearFusion, FeatureSelection, Norm, Widths
 from recscale.models.embedding import EmbeddingConfig, EmbeddingLayer, FeatureSet
 from recscale.models.registry import register
 
 
 class FinalMLPParams(ModelParams):
-    mlp1: list[int] = [256, 256]
-    mlp2: list[int] = [256]
+    mlp1: Widths = [256, 256]
+    mlp2: Widths = [256]
     # Sparse features whose embeddings condition each stream's gate; [] = a learned shared vector.
     fs1_context: list[str] = []
     fs2_context: list[str] = []
-    fs_hidden: list[int] = [64]  # hidden widths of the gate MLPs
+    fs_hidden: Widths = [64]  # hidden widths of the gate MLPs
     fusion_heads: int = Field(1, ge=1)
     norm: Norm = "none"
     dropout: float = Field(0.0, ge=0, lt=1)

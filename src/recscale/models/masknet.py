@@ -15,7 +15,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from recscale.models.base import ModelParams, RecModel
-from recscale.models.blocks import MLP, MaskBlock, Norm
+from recscale.models.blocks import MLP, MaskBlock, Norm, Widths
 from recscale.models.embedding import EmbeddingConfig, FeatureSet
 from recscale.models.registry import register
 
@@ -25,7 +25,7 @@ class MaskNetParams(ModelParams):
     num_blocks: int = Field(3, ge=1)
     block_dim: int = Field(64, ge=1)  # output width of each MaskBlock
     reduction_ratio: float = Field(1.0, gt=0)  # mask aggregation width / masked width
-    mlp: list[int] = [64]  # hidden widths of the head on the block output(s)
+    mlp: Widths = [64]  # hidden widths of the head on the block output(s)
     norm: Norm = "none"
     dropout: float = Field(0.0, ge=0, lt=1)
 

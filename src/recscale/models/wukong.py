@@ -17,7 +17,7 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from recscale.models.base import ModelParams, RecModel
-from recscale.models.blocks import MLP, FullFM, LinearCompressBlock, Norm, OptimizedFM, as_compute
+from recscale.models.blocks import MLP, FullFM, LinearCompressBlock, Norm, OptimizedFM, Widths, as_compute
 from recscale.models.embedding import EmbeddingConfig, FeatureSet
 from recscale.models.registry import register
 
@@ -28,8 +28,8 @@ class WukongParams(ModelParams):
     n_l: int = Field(8, ge=1)  # embeddings from the linear compress block per layer
     k: int = Field(8, ge=1)  # compressed embeddings of the optimized FM (columns of Y)
     fm: Literal["optimized", "full"] = "optimized"  # X (Xᵀ Y), n·k features; or X Xᵀ, n·n features
-    fmb_mlp: list[int] = [128]  # hidden widths of each FMB's MLP (its output layer is n_f·d)
-    final_mlp: list[int] = [128]
+    fmb_mlp: Widths = [128]  # hidden widths of each FMB's MLP (its output layer is n_f·d)
+    final_mlp: Widths = [128]
     norm: Norm = "none"  # on the hidden layers of every MLP (FMB and final), as the baselines' knob
     dropout: float = Field(0.0, ge=0, lt=1)
 

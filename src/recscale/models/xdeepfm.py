@@ -10,15 +10,15 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from recscale.models.base import ModelParams, RecModel
-from recscale.models.blocks import CIN, MLP, Norm
+from recscale.models.blocks import CIN, MLP, Norm, Widths
 from recscale.models.embedding import EmbeddingConfig, FeatureSet
 from recscale.models.registry import register
 
 
 class XDeepFMParams(ModelParams):
-    cin_layers: list[int] = [16, 16]  # feature maps per CIN layer
+    cin_layers: Widths = Field([16, 16], min_length=1)  # feature maps per CIN layer
     split_half: bool = True
-    mlp: list[int] = [256, 256]
+    mlp: Widths = [256, 256]
     norm: Norm = "none"
     dropout: float = Field(0.0, ge=0, lt=1)
 

@@ -12,7 +12,7 @@ from recscale.models.blocks.fusion import BilinearFusion
 from recscale.models.blocks.gating import FeatureSelection
 from recscale.models.blocks.lcb import LinearCompressBlock
 from recscale.models.blocks.mask import MaskBlock
-from recscale.models.blocks.mlp import MLP, Norm
+from recscale.models.blocks.mlp import MLP, Norm, Widths
 
 __all__ = [
     "CIN",
@@ -29,6 +29,7 @@ __all__ = [
     "MultiHeadSelfAttention",
     "Norm",
     "OptimizedFM",
+    "Widths",
     "as_compute",
     "fm_pairwise",
 ]

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+from pydantic import Field
 from torch import nn
 
 from recscale.models.blocks.dropout import Dropout
 from recscale.models.flops import linear_flops
 
 Norm = Literal["none", "batch", "layer"]
+# Hidden widths in a config: each at least 1 (a 0-wide layer makes a constant output; a negative one a torch error).
+Widths = list[Annotated[int, Field(ge=1)]]
 
 
 class MLP(nn.Sequential):

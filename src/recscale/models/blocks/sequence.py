@@ -23,7 +23,7 @@ from pydantic import Field
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from recscale.models.blocks.mlp import MLP
+from recscale.models.blocks.mlp import MLP, Widths
 from recscale.models.flops import linear_flops, matmul_flops
 
 
@@ -35,7 +35,7 @@ class SequenceConfig(pydantic.BaseModel, extra="forbid"):
     encoder: Literal["din", "causal", "causal_din"] = "din"
     # The single-id feature whose embedding is the candidate for target attention (e.g. item_id).
     target: str | None = None
-    attention_hidden: list[int] = [32]  # DIN's scoring MLP
+    attention_hidden: Widths = [32]  # DIN's scoring MLP
     softmax: bool = False  # normalise DIN's weights over the history (the paper does not)
     layers: int = Field(1, ge=1)  # causal blocks
     heads: int = Field(2, ge=1)
