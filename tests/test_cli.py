@@ -283,3 +283,20 @@ def test_the_summary_prints_the_held_out_report_half(capsys):
     assert any(x.startswith("valid  auc 0.9") for x in lines) and any(
         x.startswith("report auc") for x in lines
     )
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["model.name=dhen", "model.heads=3"], "DHEN heads (3) must divide the embedding dim (16)"),
+        (["model.name=finalmlp", "model.fs1_context=[nope]"], "FinalMLP context features ['nope']"),
+        (["model.name=xdeepfm", "model.cin_layers=[3, 4]"], "split_half"),
+    ],
+)
+def test_model_parameters_that_do_not_fit_are_one_config_line(tmp_path, capsys, overrides, words):
+    # These were "internal error ValueError: ... report it", raised while building the model.
+    code, _, err = run(capsys, "train", str(CONFIGS / "demo.yaml"), "--out", str(tmp_path / "r"),
+                       "data.synthetic.rows={train: 500, valid: 100, test: 100}", "train.max_steps=1",
+                       *overrides)  # fmt: skip
+    assert code == 2 and err.startswith("error: model (") and "internal error" not in err, err
+    assert words in err and len(err.strip().splitlines()) == 1

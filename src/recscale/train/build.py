@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,7 +93,8 @@ def planner_sample(cfg: RunConfig, ds: ArrayDataset) -> KeyedJaggedTensor | None
 
 
 def check_features(cfg: RunConfig, features: FeatureSet) -> None:
-    """Feature names the config gives the embedding layer exist (a ConfigError naming the key)."""
+    """Feature names the config gives the embedding layer exist and the model's parameters fit these
+    features and each other (a ConfigError naming the key)."""
     emb = cfg.model.embedding
     try:
         check_feature_options([f.name for f in features.sparse if f.max_len is None], emb)
@@ -108,6 +110,17 @@ def check_features(cfg: RunConfig, features: FeatureSet) -> None:
             )
     if sequences and cfg.dmt is not None:
         raise ConfigError(f"dmt: sequence features {sequences} are not supported with DMT towers; drop dmt")
+    # What a model's constructor refuses (DHEN heads that do not divide the dim, a FinalMLP context that
+    # is no feature, ...), found on a table-free copy: one line naming model, not an internal error.
+    one_row = FeatureSet(
+        tuple(dataclasses.replace(f, num_embeddings=1) for f in features.sparse), features.num_dense
+    )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the real build warns
+            build_model(cfg.model.name, one_row, emb, cfg.model.params, device=torch.device("meta"))
+    except ValueError as e:
+        raise ConfigError(f"model ({cfg.model.name}): {e}") from None
 
 
 def flat_model(cfg: RunConfig, features: FeatureSet) -> RecModel:
