@@ -25,6 +25,8 @@ from recscale.models.blocks.cast import batched_weight
 from recscale.models.wukong import WukongLayer
 from recscale.train.precision import autocast
 
+WARMUP = 5  # step pairs dropped before the min and median
+
 
 def stacked(layer: WukongLayer, x: Tensor) -> Tensor:
     """Yᵀ X (the FM's first product), W_L X (the LCB) and the residual's W_r X as one per-example product."""
@@ -61,6 +63,8 @@ def main() -> None:
     p.add_argument("variant", choices=sorted(VARIANTS))
     p.add_argument("--steps", type=int, default=40)
     args = p.parse_args()
+    if args.steps <= WARMUP:
+        p.error(f"--steps must be more than the {WARMUP} warm-up steps")
     model, n, d = dense_model("wukong", torch.device("cpu"))
     torch.manual_seed(1)
     x0, y = torch.randn(4096, n, d), torch.randint(0, 2, (4096,)).float()
@@ -80,9 +84,9 @@ def main() -> None:
         for name, forward in forwards.items():
             times[name].append(step(forward))
     for name, ts in times.items():
-        ts = ts[5:]
+        ts = ts[WARMUP:]
         print(f"{name:14s} min {min(ts) * 1e3:6.1f} ms  median {statistics.median(ts) * 1e3:6.1f} ms")
-    base, new = (times[name][5:] for name in forwards)
+    base, new = (times[name][WARMUP:] for name in forwards)
     print(f"speed-up of {args.variant}: min {min(base) / min(new):.2f}x, median "
           f"{statistics.median(base) / statistics.median(new):.2f}x")  # fmt: skip
 
