@@ -169,6 +169,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900, help="seconds per training run")
     ap.add_argument("--fuxictr-venv", default="/tmp/fuxictr-venv")
     args = ap.parse_args()
+    if args.rows < 2 * BATCH:  # examples/s is taken over the epoch's steps after the first
+        ap.error(f"--rows must be at least {2 * BATCH} (two steps of {BATCH}): the rate skips the first step")
     venv = Path(args.fuxictr_venv)
     if not (venv / "bin" / "python").exists():
         subprocess.run(["bash", str(PEER / "setup.sh"), str(venv)], check=True)
