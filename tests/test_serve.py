@@ -172,6 +172,8 @@ def _copy(src: Path, dst: Path) -> Path:
 
 @pytest.mark.parametrize("edit, words", [
     (lambda m: (m / WEIGHTS).write_bytes(_flip((m / WEIGHTS).read_bytes(), 1000)), ["weights.safetensors", "sha256"]),
+    # one byte appended: the size differs from the manifest's (it was called larger than any artifact)
+    (lambda m: (m / WEIGHTS).write_bytes((m / WEIGHTS).read_bytes() + b"x"), ["weights.safetensors", "bytes where"]),
     (lambda m: (m / "config.yaml").write_text((m / "config.yaml").read_text().replace("dim: 16", "dim: 32")),
      ["config.yaml", "sha256"]),
     (lambda m: (m / "preprocess.json").unlink(), ["preprocess.json", "missing"]),

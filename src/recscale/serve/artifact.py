@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -148,6 +150,16 @@ def verified_bytes(path: Path, entry: FileEntry, cap: int, kind: str, fix: str) 
     if entry.bytes > cap:
         raise CheckpointError(
             f"{path.parent / MANIFEST}: gives {path.name} {entry.bytes:,} bytes, more than recscale writes; {fix}"
+        )
+    try:  # a regular file of another size than the manifest gives: say so (read_regular_file, capped at that
+        # size, would call it larger than anything recscale writes)
+        st = os.lstat(path)
+    except OSError:
+        st = None  # missing or unreadable: read_regular_file says which
+    if st is not None and stat.S_ISREG(st.st_mode) and st.st_size != entry.bytes:
+        raise CheckpointError(
+            f"{path}: {st.st_size:,} bytes where {MANIFEST} gives {entry.bytes:,}: the file was changed or "
+            f"damaged after export; {fix}"
         )
     data = read_regular_file(path, entry.bytes, kind)  # the size the manifest gives: a longer file is refused
     if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
