@@ -75,6 +75,8 @@ def base() -> dict:
         ({"train": {"max_steps": True}}, ["train.max_steps", "expected a number, not true"]),
         ({"model": {"name": "wukong", "num_layers": False}}, ["model.num_layers", "not false"]),
         ({"model": {"name": "lr", "embedding": {"dim": True}}}, ["model.embedding.dim", "not true"]),
+        # a check of the model's parameters together was named 'model.config', a key that does not exist
+        ({"model": {"name": "dhen", "modules": ["dot", "dot"]}}, ["invalid config: model: DHEN modules"]),
         (  # the learned planner's cap was dropped without a word under another sharding
             {"distributed": {"learned": {"memory_cap_mb": 1}}},
             ["distributed", "learned.memory_cap_mb applies to sharding: learned", "table_wise"],

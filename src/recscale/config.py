@@ -335,10 +335,12 @@ class RunConfig(Settings):
         )
 
 
-def format_validation_error(e: ValidationError) -> str:
+def format_validation_error(e: ValidationError, section: str = "") -> str:
+    """One line of ``e``'s errors, each named by its dotted key under ``section`` (e.g. ``model``)."""
     parts = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"] if x not in ("function-after",)) or "config"
+        key = ".".join(str(x) for x in err["loc"] if x not in ("function-after",))
+        loc = ".".join(k for k in (section, key) if k) or "config"
         loc = loc.replace("schema_", "schema")
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
@@ -352,8 +354,8 @@ def validate_config(raw: dict) -> RunConfig:
         cfg = RunConfig.model_validate(raw)
         cfg.model.params  # noqa: B018 - validates the model's own parameters
     except ValidationError as e:
-        where = "model." if e.title != "RunConfig" else ""
-        raise ConfigError(f"invalid config: {where}{format_validation_error(e)}") from None
+        section = "model" if e.title != "RunConfig" else ""
+        raise ConfigError(f"invalid config: {format_validation_error(e, section)}") from None
     return cfg
 
 
