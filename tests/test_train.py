@@ -334,7 +334,7 @@ def test_nan_metrics_are_written_as_json_null(tmp_path, capsys):
     printed = strict(capsys.readouterr().out)
     assert printed["auc"] is None and printed["rows"] == 64
 
-    from recscale.train.state import strict_json
+    from recscale.io import strict_json
 
     nested = {"a": [1.0, float("inf"), (float("-inf"), 2)], "b": {"c": float("nan")}, "s": "NaN"}
     assert json.loads(strict_json(nested)) == {"a": [1.0, None, [None, 2]], "b": {"c": None}, "s": "NaN"}

@@ -118,8 +118,8 @@ def _launch(args: argparse.Namespace, out: Path) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    from recscale.io import strict_json
     from recscale.train.runs import eval_run
-    from recscale.train.state import strict_json
 
     print(strict_json(eval_run(Path(args.run_dir), args.data, args.format)))
 
@@ -196,7 +196,7 @@ def cmd_retrieval_query(args: argparse.Namespace) -> None:
 
 def cmd_inspect(args: argparse.Namespace) -> None:
     from recscale.data.inspect import inspect_file
-    from recscale.train.state import strict_json
+    from recscale.io import strict_json
 
     options = {"delimiter": args.delimiter} if args.delimiter is not None else None
 
@@ -290,9 +290,8 @@ def cmd_dmt_partition(args: argparse.Namespace) -> None:
 def cmd_precision_probe(args: argparse.Namespace) -> None:
     import shlex
 
-    from recscale.io import atomic_write_text
+    from recscale.io import atomic_write_text, strict_json
     from recscale.train.probe import DEFAULT_FORMATS, probe, table
-    from recscale.train.state import strict_json
 
     formats = args.formats or DEFAULT_FORMATS
     plan = probe(Path(args.run_dir), args.data, args.rows, formats, args.target, args.tolerance)

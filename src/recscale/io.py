@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import errno
+import json
+import math
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 def _umask() -> int:
@@ -51,6 +54,22 @@ def _named(path: Path) -> Iterator[None]:
         yield
     except OSError as e:
         raise OSError(e.errno, e.strerror, str(path)) from None
+
+
+def strict_json(obj: Any, indent: int | None = None) -> str:
+    """``obj`` as standard JSON, which has no NaN or Infinity: a non-finite float (AUC or NE of labels of
+    one class, the loss of a diverged run) is written as null."""
+
+    def finite(x: Any) -> Any:
+        if isinstance(x, float):
+            return x if math.isfinite(x) else None
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [finite(v) for v in x]
+        return x
+
+    return json.dumps(finite(obj), indent=indent, allow_nan=False)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

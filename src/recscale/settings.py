@@ -8,10 +8,11 @@ from typing import Any, get_args
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 
-def _admits_bool(annotation: Any) -> bool:
-    if annotation is bool or annotation is Any:
+def _admits(annotation: Any, kinds: tuple[type, ...]) -> bool:
+    """Whether a field of ``annotation`` takes a value of one of ``kinds`` (through unions, Annotated, ...)."""
+    if annotation in kinds or annotation is Any:
         return True
-    return any(_admits_bool(a) for a in get_args(annotation))
+    return any(_admits(a, kinds) for a in get_args(annotation))
 
 
 class Settings(BaseModel):
@@ -24,6 +25,8 @@ class Settings(BaseModel):
     @classmethod
     def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, bool) and info.field_name is not None:
-            if not _admits_bool(cls.model_fields[info.field_name].annotation):
+            annotation = cls.model_fields[info.field_name].annotation
+            # Where no number goes either (a name, a list), pydantic's own error names the type wanted.
+            if _admits(annotation, (int, float)) and not _admits(annotation, (bool,)):
                 raise ValueError(f"expected a number, not {str(value).lower()}")
         return value

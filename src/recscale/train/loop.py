@@ -39,7 +39,7 @@ from recscale.distributed import comms
 from recscale.distributed.balance import Balance, CostModel, Padding, balanced_parts
 from recscale.distributed.env import heartbeat, init_distributed
 from recscale.errors import CheckpointError, ConfigError, RecscaleError
-from recscale.io import atomic_write_text, removed_on_failure
+from recscale.io import atomic_write_text, removed_on_failure, strict_json
 from recscale.models.base import RecModel, TrainableModel
 from recscale.models.blocks import Calibration
 from recscale.models.blocks.sequence import SequenceEncoder
@@ -60,7 +60,7 @@ from recscale.train.optim import lr_factor
 from recscale.train.precision import autocast, warn_if_emulated
 from recscale.train.regularizers import DenseEMA, EmbeddingL2, TableDecay
 from recscale.train.runs import check_resume
-from recscale.train.state import Progress, RunLog, rng_state, set_rng_state, strict_json
+from recscale.train.state import Progress, RunLog, rng_state, set_rng_state
 
 
 def cost_model(

@@ -49,9 +49,8 @@ def ctr_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
         raise ValueError("no rows to evaluate")
     logloss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).item()
     ctr = labels.mean().item()
-    has_both = 0.0 < ctr < 1.0
     return {
-        "auc": auc(logits, labels) if has_both else float("nan"),
+        "auc": auc(logits, labels),
         "logloss": logloss,
         "ne": normalized_entropy(logloss, ctr),
         "calibration": torch.sigmoid(logits).mean().item() / ctr if ctr > 0 else float("nan"),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ import numpy as np
 import torch
 
 from recscale.config import EarlyStopping
-from recscale.io import atomic_write_text
+from recscale.io import atomic_write_text, strict_json
 
 HIGHER_IS_BETTER = {"auc": True, "logloss": False, "ne": False}
 
@@ -57,22 +56,6 @@ def rng_state() -> dict[str, str]:
 
 def set_rng_state(s: dict[str, str]) -> None:
     torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(s["torch"]), dtype=np.uint8).copy()))
-
-
-def strict_json(obj: Any, indent: int | None = None) -> str:
-    """``obj`` as standard JSON, which has no NaN or Infinity: a non-finite float (AUC or NE of labels of
-    one class, the loss of a diverged run) is written as null."""
-
-    def finite(x: Any) -> Any:
-        if isinstance(x, float):
-            return x if math.isfinite(x) else None
-        if isinstance(x, dict):
-            return {k: finite(v) for k, v in x.items()}
-        if isinstance(x, list | tuple):
-            return [finite(v) for v in x]
-        return x
-
-    return json.dumps(finite(obj), indent=indent, allow_nan=False)
 
 
 class RunLog:
