@@ -15,7 +15,7 @@ would do to a model before hardware that computes in it is at hand:
         FP8 with one fp32 scale per tensor, amax / max_normal, as FP8 training recipes do (a tensor
         holding NaN or Inf comes back all NaN, like an MX block). The activation's scale is its whole
         batch's, so a row's score depends on the rows scored with it (eval's batch, the server's dynamic
-        batches: ~0.06 logit between a row alone and in 200 rows); MX blocks are per row and do not.
+        batches); MX blocks are per row and do not.
     bf16, fp16
         Plain casts, for comparison (fp16 overflows to Inf past 65504: it is a cast).
 
