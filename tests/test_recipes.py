@@ -163,8 +163,15 @@ def test_base_chain_merges_mappings_and_replaces_the_rest(tmp_path):
 @pytest.mark.parametrize(
     "files, words",
     [
-        ({"a.yaml": "base: a.yaml\n"}, ["a.yaml", "includes itself"]),
-        ({"a.yaml": "base: sub/b.yaml\n", "sub/b.yaml": "base: ../a.yaml\n"}, ["a.yaml", "includes itself"]),
+        ({"a.yaml": "base: a.yaml\n"}, ["a.yaml: base a.yaml closes a cycle: a.yaml -> a.yaml"]),
+        (  # the cycle was "a.yaml: base sub/b.yaml includes itself", which it does not
+            {"a.yaml": "base: sub/b.yaml\n", "sub/b.yaml": "base: ../a.yaml\n"},
+            ["sub/b.yaml: base ../a.yaml closes a cycle: a.yaml -> sub/b.yaml -> a.yaml"],
+        ),
+        (  # a cycle below the file given: the chain starts where the cycle does
+            {"a.yaml": "base: b.yaml\n", "b.yaml": "base: c.yaml\n", "c.yaml": "base: b.yaml\n"},
+            ["c.yaml: base b.yaml closes a cycle: b.yaml -> c.yaml -> b.yaml"],
+        ),
         ({"a.yaml": "base: gone.yaml\n" + SYNTHETIC}, ["gone.yaml", "no such file"]),
         ({"a.yaml": "base: [x.yaml]\n" + SYNTHETIC}, ["a.yaml", "base must be the path"]),
         (
@@ -173,10 +180,11 @@ def test_base_chain_merges_mappings_and_replaces_the_rest(tmp_path):
         ),
     ],
 )
-def test_bad_base_is_one_line_naming_the_file(tmp_path, files, words):
+def test_bad_base_is_one_line_naming_the_file(tmp_path, monkeypatch, files, words):
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
+    monkeypatch.chdir(tmp_path)  # the chain shows paths relative to the working directory
     with pytest.raises(ConfigError) as e:
         load_config(tmp_path / "a.yaml")
     msg = str(e.value)

@@ -33,9 +33,10 @@ def read_yaml_mapping(path: Path, what: str = "a config") -> dict:
     return raw
 
 
-def load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+def load_raw(path: Path, chain: tuple[Path, ...] = ()) -> dict:
     """A config file as a dict, with its ``base:`` (a config it extends, relative to the file)
-    merged under it: mappings merge key by key, anything else is replaced."""
+    merged under it: mappings merge key by key, anything else is replaced. ``chain``: the files whose
+    ``base:`` led here, outermost first (a file met again in it closes a cycle)."""
     path = Path(path)
     raw = read_yaml_mapping(path)
     base = raw.pop("base", None)
@@ -48,9 +49,21 @@ def load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise ConfigError(
             f"{path}: base {base}: no such file ({base_path}); fix the path, relative to this file"
         )
-    if base_path in seen:
-        raise ConfigError(f"{path}: base {base} includes itself")
-    return merge(load_raw(base_path, (*seen, base_path)), raw)
+    chain = (*chain, path.resolve())
+    if base_path in chain:
+        cycle = " -> ".join(_shown(p) for p in (*chain[chain.index(base_path) :], base_path))
+        raise ConfigError(
+            f"{_shown(chain[-1])}: base {base} closes a cycle: {cycle}; remove one of these base: keys"
+        )
+    return merge(load_raw(base_path, chain), raw)
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory, or absolute where that would climb out of it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def merge(base: dict, top: dict) -> dict:
