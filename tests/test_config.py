@@ -75,6 +75,10 @@ def base() -> dict:
         ({"train": {"max_steps": True}}, ["train.max_steps", "expected a number, not true"]),
         ({"model": {"name": "wukong", "num_layers": False}}, ["model.num_layers", "not false"]),
         ({"model": {"name": "lr", "embedding": {"dim": True}}}, ["model.embedding.dim", "not true"]),
+        (  # the deep teacher was a plain pydantic model, without the config's checks: this was 1 layer
+            {"data": {"format": "synthetic", "synthetic": {"teacher": {"kind": "deep", "num_layers": True}}}},
+            ["data.synthetic.teacher.num_layers: expected a number, not true"],
+        ),
         # a check of the model's parameters together was named 'model.config', a key that does not exist
         ({"model": {"name": "dhen", "modules": ["dot", "dot"]}}, ["invalid config: model: DHEN modules"]),
         (  # the learned planner's cap was dropped without a word under another sharding

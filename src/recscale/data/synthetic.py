@@ -62,7 +62,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import pyarrow as pa
-from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from recscale.data.chunks import rechunk
 from recscale.data.schema import LABEL, DenseFeature, Schema, SparseFeature
@@ -76,7 +76,7 @@ _CALIBRATION_ROWS = 4 * BLOCK_ROWS
 _TEACHER, _CALIBRATION, _SPLIT = 0, 1, 2
 
 
-class DeepTeacher(BaseModel, extra="forbid"):
+class DeepTeacher(Settings):
     """A fixed random network of multiplicative layers in place of the interaction terms."""
 
     kind: Literal["deep"]
