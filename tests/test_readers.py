@@ -330,6 +330,43 @@ def test_parquet_bytes_that_are_not_utf8_are_bad_rows(tmp_path):
     assert stats.skipped == 2 and t["u"] == ["a", None] and t["h"] == [["x"], ["z"]]
 
 
+def test_parquet_float_ids_are_the_integers_they_hold(tmp_path):
+    # A list<double> history was read as ids like "1.5"; a float id column's 1e15 was "1e+15" where the
+    # integer 10**15 is "1000000000000000" (and a scoring request's ids are integers or strings).
+    path = tmp_path / "t.parquet"
+    ids = pa.array([1.0, -0.0, 1e15, None, 7.0])
+    history = pa.array([[1.0, 2.0], None, [3.0, None], [], [4.0]], pa.list_(pa.float32()))
+    pq.write_table(pa.table({"label": [1, 0, 1, 0, 1], "u": ids, "h": history}), path)
+    t = read_all(path, "parquet", make_schema(sparse=["u"], multi=["h"])).to_pydict()
+    assert t["u"] == ["1", "0", "1000000000000000", None, "7"]
+    assert t["h"] == [["1", "2"], [], ["3", None], [], ["4"]]
+
+    ids = pa.array([1.0, 2.5, 3.0, float("nan"), 2.0**60, 4.0])
+    history = pa.array([[1.0], [2.0], [3.0, 1.5], [4.0], [5.0], [6.0]], pa.list_(pa.float64()))
+    pq.write_table(pa.table({"label": [1, 0, 1, 0, 1, 0], "u": ids, "h": history}), path)
+    tail = (
+        r" \(its column is {}; ids are integers or strings, a float column's read as the integers it holds\)"
+    )
+    with pytest.raises(
+        DataError,
+        match=r"t\.parquet row 3: sparse feature 'h' id 1\.5 is not a whole number"
+        + tail.format("list<element: double>"),
+    ):
+        read_all(path, "parquet", make_schema(multi=["h"]))
+    with pytest.raises(
+        DataError,
+        match=r"t\.parquet row 2: sparse feature 'u' id 2\.5 is not a whole number" + tail.format("double"),
+    ):
+        read_all(path, "parquet", make_schema(sparse=["u"]))
+    stats = ReadStats()
+    t = read_all(
+        path, "parquet", make_schema(sparse=["u"], multi=["h"]), on_bad_row="skip", stats=stats
+    ).to_pydict()
+    assert stats.skipped == 4 and t["u"] == ["1", "4"] and t["h"] == [["1"], ["6"]]
+    assert stats.examples[2].startswith(f"{path} row 4: sparse feature 'u' id nan is not a whole number")
+    assert "id 1.152921504606847e+18 is beyond 2**53" in stats.examples[3]
+
+
 def test_not_a_parquet_file(tmp_path):
     path = write(tmp_path / "t.parquet", ["label,a", "1,2"])
     with pytest.raises(DataError, match="not a readable parquet file"):

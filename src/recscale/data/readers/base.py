@@ -26,6 +26,7 @@ SKIP_HINT = "(set data.on_bad_row: skip to drop such rows)"
 NUMBER_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^[+-]?(?i:nan|inf|infinity)$"
 
 FLOAT32 = pa.float32()
+MAX_EXACT = float(2**53)  # a float64 holds every integer up to this exactly
 
 Locate = Callable[[np.ndarray], np.ndarray]
 
@@ -209,8 +210,10 @@ def _is_bytes(dtype: pa.DataType) -> bool:
 
 
 def _as_text(values: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
-    """Values (ints, strings, bytes, ...) -> strings; plus a mask of byte values that are not UTF-8 text
-    (None: none), which become null."""
+    """Values (ints, strings, bytes, floats) -> strings; plus a mask of values that are no id (None: none),
+    which become null: bytes that are not UTF-8 text, floats that are not whole numbers (``_whole``)."""
+    if pa.types.is_floating(values.type):
+        return _whole(values)
     try:
         return pc.cast(values, pa.string()), None
     except pa.ArrowInvalid:
@@ -222,6 +225,17 @@ def _as_text(values: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
     return pc.cast(kept, pa.string()), bad
 
 
+def _whole(values: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
+    """Float ids -> the decimal text of the integers they hold (3.0 is id "3", as the integer 3 is, where
+    a float's own text would be "1e+16" for 10**16, "-0" for -0.0); plus a mask of values that are not whole
+    numbers a float holds exactly (2.5, NaN, infinity, beyond 2**53), which become null."""
+    x = pc.cast(values, pa.float64())
+    ok = pc.and_(pc.and_(pc.is_finite(x), pc.equal(pc.floor(x), x)), pc.less_equal(pc.abs(x), MAX_EXACT))
+    text = pc.cast(pc.cast(pc.if_else(ok, x, pa.scalar(None, pa.float64())), pa.int64()), pa.string())
+    bad = ~pc.fill_null(ok, True).to_numpy(zero_copy_only=False)
+    return text, bad if bad.any() else None
+
+
 def _decodes(raw: bytes) -> bool:
     try:
         raw.decode("utf-8")
@@ -230,19 +244,32 @@ def _decodes(raw: bytes) -> bool:
     return True
 
 
-def _not_text(name: str, raw: bytes) -> str:
-    return f"sparse feature '{name}' id {raw!r} is not UTF-8 text"
+def _no_id(name: str, raw: object, column: pa.DataType) -> str:
+    """Why the value ``raw`` of a ``column`` column is no id of sparse feature ``name``."""
+    if isinstance(raw, bytes):
+        return f"sparse feature '{name}' id {raw!r} is not UTF-8 text"
+    assert isinstance(raw, float)  # _as_text finds no other bad value
+    what = (
+        "is beyond 2**53, where a float no longer holds every integer"
+        if raw.is_integer()
+        else "is not a whole number"
+    )
+    return (
+        f"sparse feature '{name}' id {raw!r} {what} (its column is {column}; ids are integers or strings, "
+        "a float column's read as the integers it holds)"
+    )
 
 
 def to_ids(cells: pa.Array, name: str = "") -> tuple[pa.Array, Problem | None]:
-    """Single-id cells -> strings (ints become their decimal text), null = missing; bytes that are not
-    UTF-8 text are bad rows (``name`` is the feature, for messages)."""
+    """Single-id cells -> strings (ints become their decimal text, whole floats the text of the integer),
+    null = missing; bytes that are not UTF-8 text and floats that are not whole numbers are bad rows
+    (``name`` is the feature, for messages)."""
     if cells.type == pa.string():
         return cells, None
     ids, bad = _as_text(cells)
     if bad is None or not bad.any():
         return ids, None
-    return ids, Problem(bad, lambda i: _not_text(name, cells[i].as_py()))
+    return ids, Problem(bad, lambda i: _no_id(name, cells[i].as_py(), cells.type))
 
 
 def _rows_with(bad_items: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -291,25 +318,29 @@ def split_ids(
 
 
 def list_ids(cells: pa.Array, name: str = "") -> tuple[pa.Array, Problem | None]:
-    """List cells (ints, strings or bytes) -> list<string>, null list = []; a list holding bytes that
-    are not UTF-8 text is a bad row (``name`` is the feature, for messages)."""
-    try:
-        ids = pc.cast(cells, pa.list_(pa.string()))
-    except pa.ArrowInvalid:
-        if not _is_bytes(cells.type.value_type):
-            raise
-        flat = pc.list_flatten(cells)
-        lengths = pc.fill_null(pc.list_value_length(cells), 0).to_numpy(zero_copy_only=False)
-        text, bad_items = _as_text(flat)
-        assert bad_items is not None  # the cast failed on bytes: some do not decode
-        starts = np.concatenate([[0], np.cumsum(lengths)])
+    """List cells (ints, strings, bytes or floats) -> list<string>, null list = []; a list holding bytes
+    that are not UTF-8 text or floats that are not whole numbers is a bad row (as ``to_ids``; ``name`` is
+    the feature, for messages)."""
+    value_type = cells.type.value_type
+    if not pa.types.is_floating(value_type):
+        try:
+            ids = pc.cast(cells, pa.list_(pa.string()))
+            return pc.fill_null(ids, pa.scalar([], pa.list_(pa.string()))), None
+        except pa.ArrowInvalid:
+            if not _is_bytes(value_type):
+                raise
+    flat = pc.list_flatten(cells)
+    lengths = pc.fill_null(pc.list_value_length(cells), 0).to_numpy(zero_copy_only=False)
+    text, bad_items = _as_text(flat)
+    if bad_items is None:
+        return _lists(lengths, text), None
+    starts = np.concatenate([[0], np.cumsum(lengths)])
 
-        def reason(i: int) -> str:
-            j = int(starts[i]) + int(np.argmax(bad_items[starts[i] : starts[i + 1]]))
-            return _not_text(name, flat[j].as_py())
+    def reason(i: int) -> str:
+        j = int(starts[i]) + int(np.argmax(bad_items[starts[i] : starts[i + 1]]))
+        return _no_id(name, flat[j].as_py(), cells.type)
 
-        return _lists(lengths, text), Problem(_rows_with(bad_items, lengths), reason)
-    return pc.fill_null(ids, pa.scalar([], pa.list_(pa.string()))), None
+    return _lists(lengths, text), Problem(_rows_with(bad_items, lengths), reason)
 
 
 def list_weights(weights: pa.Array, ids: pa.Array, name: str) -> tuple[pa.Array, Problem | None]:
