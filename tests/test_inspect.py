@@ -150,3 +150,85 @@ def test_inspect_real_frappe_and_movielens(shared_data):
     assert cols["user_id"]["cardinality"] == 943 and cols["item_id"]["cardinality"] == 1682
     assert cols["class"]["type"] == "multi" and cols["timestamp"]["type"] == "dense"
     assert "rating" not in cols  # the label's source
+
+
+def _as_training_reads(path: Path, fmt: str, report: dict) -> tuple[int, int, list[str]]:
+    """(rows, bad rows, examples) of a read of ``path`` in skip mode with the schema inspect inferred."""
+    from recscale.data.readers import ReadStats, read_batches
+    from recscale.data.schema import DenseFeature, Schema, SparseFeature
+
+    kinds = {c["name"]: c["type"] for c in report["columns"]}
+    schema = Schema(
+        dense=[DenseFeature(name=n) for n, k in kinds.items() if k == "dense"],
+        sparse=[
+            SparseFeature(name=n, multi=k == "multi") for n, k in kinds.items() if k in ("sparse", "multi")
+        ],
+    )
+    stats = ReadStats()
+    rows = sum(b.num_rows for b in read_batches(path, fmt, schema, on_bad_row="skip", stats=stats))
+    return rows, stats.skipped, stats.examples
+
+
+def test_inspect_counts_rows_as_training_reads_them(tmp_path):
+    # A bad label was counted in both rows and bad_rows, without a line number; a NaN in a column
+    # inspect infers as dense (which training drops) was no bad row at all.
+    path = write(
+        tmp_path / "t.csv",
+        ["label,price,user", "1,1.5,7", "x,2.5,8", "0,nan,9", "1,0.5", "1,inf,11", "0,0.25,12", ",1,13"],
+    )
+    report = inspect_file(path)
+    assert (report["rows"], report["bad_rows"]) == (2, 5)
+    assert report["bad_row_examples"] == [
+        f"{path} line 3: label 'x' is not 0 or 1",
+        f"{path} line 4: dense feature 'price' value 'nan' is NaN or infinite",
+        f"{path} line 5: has 2 columns, expected 3",
+        f"{path} line 6: dense feature 'price' value 'inf' is NaN or infinite",
+        f"{path} line 8: label is missing",
+    ]
+    assert _as_training_reads(path, "csv", report) == (2, 5, report["bad_row_examples"])
+    # Every statistic covers the rows training reads, no others.
+    assert report["positive_rate"] == 0.5
+    assert columns(report)["price"] == {"name": "price", "type": "dense", "cardinality": 2, "missing": 0}
+    assert columns(report)["user"]["cardinality"] == 2
+
+    # max_rows: the first rows only, a parser-rejected row after the cut not counted.
+    report = inspect_file(path, max_rows=2)
+    assert (report["rows"], report["bad_rows"], len(report["bad_row_examples"])) == (1, 1, 1)
+
+    # NaN in an integer-looking column: it is sparse, so "nan" is an id as training reads it.
+    path = write(tmp_path / "s.csv", ["label,user", "1,7", "0,nan"])
+    report = inspect_file(path)
+    assert (report["rows"], report["bad_rows"], columns(report)["user"]["type"]) == (2, 0, "sparse")
+
+
+def test_inspect_parquet_counts_rows_as_training_reads_them(tmp_path):
+    table = pa.table(
+        {
+            "label": [1, 2, 0, 1, None],
+            "x": [0.5, 1.5, float("nan"), 1e300, 2.5],  # 1e300 is infinite in float32, as training reads it
+            "id": [1, 2, 3, 4, 5],
+        }
+    )
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path)
+    report = inspect_file(path)
+    assert (report["rows"], report["bad_rows"], report["positive_rate"]) == (1, 4, 1.0)
+    assert report["bad_row_examples"] == [
+        f"{path} row 2: label 2 is not 0 or 1",
+        f"{path} row 3: dense feature 'x' value nan is NaN or infinite",
+        f"{path} row 4: dense feature 'x' value 1e+300 is NaN or infinite",
+        f"{path} row 5: label is missing",
+    ]
+    assert _as_training_reads(path, "parquet", report) == (1, 4, report["bad_row_examples"])
+    assert columns(report)["id"]["cardinality"] == 1
+
+
+def test_inspect_parquet_float_lists_as_training_reads_them(tmp_path):
+    # A list<double> column is multi: an element that is not a whole number is a bad row, as in training.
+    table = pa.table({"label": [1, 0, 1], "h": pa.array([[1.0, 2.0], [1.5], None], pa.list_(pa.float64()))})
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path)
+    report = inspect_file(path)
+    assert (report["rows"], report["bad_rows"], columns(report)["h"]["type"]) == (2, 1, "multi")
+    assert report["bad_row_examples"][0].startswith(f"{path} row 2: sparse feature 'h' id 1.5 is not a whole")
+    assert _as_training_reads(path, "parquet", report) == (2, 1, report["bad_row_examples"])

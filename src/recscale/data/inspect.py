@@ -4,6 +4,14 @@
 returns a JSON-able summary: rows, bad rows, positive rate, and per column its type, number of
 distinct non-null values (for multi-id columns: distinct ids) and missing values.
 
+The counts are those of a training read of the file with the inferred schema and
+``data.on_bad_row: skip``: ``rows`` are the rows training reads, ``bad_rows`` the rows it drops (a
+wrong column count, a label that is not 0/1, a dense value that is not a finite number, an id that is
+none: a float that is not a whole number, bytes that are not UTF-8), not among ``rows``; each example
+names its line (parquet: its data row) as training's do. The positive rate and column statistics cover
+``rows`` only. Where a CSV column found dense only at the end of the stream held a NaN or infinity, the
+file is read a second time with the kinds found, those rows then dropped from every statistic.
+
 Inferred schemas: csv/parquet: a column named ``label`` is the label; numeric columns holding a
 non-integer value (parquet: float columns) are dense; text cells containing ``|`` (parquet: list
 columns) are multi; the rest sparse (parquet: a struct, map or list of lists is ``unsupported``,
@@ -17,20 +25,29 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from recscale.data.access import histogram_of_counts
 from recscale.data.readers import FORMATS, ReadStats, read_batches, validate_options
 from recscale.data.readers.base import (
-    MAX_EXAMPLES,
+    FLOAT32,
+    BadRows,
+    Locate,
+    Problem,
     check_file,
+    consecutive,
     is_list,
+    list_ids,
     parse_floats,
+    to_dense,
+    to_ids,
     to_label,
 )
 from recscale.data.readers.criteo import COLUMNS as CRITEO_COLUMNS
@@ -117,22 +134,41 @@ class _Counts:
 
 
 class _Column:
-    """Running statistics of one column; ``kind`` None means: infer it from text cells. With
-    ``tables``, id columns also count each id's accesses (pooling factor, access histogram)."""
+    """Running statistics of one column; ``kind`` None means: infer it from text cells (``decided``: the
+    kind an earlier pass inferred, which the rows are then checked as). With ``tables``, id columns also
+    count each id's accesses (pooling factor, access histogram)."""
 
-    def __init__(self, name: str, kind: str | None, tables: bool = False) -> None:
-        self.name, self.kind = name, kind
+    def __init__(self, name: str, kind: str | None, tables: bool = False, decided: str | None = None) -> None:
+        self.name, self.kind, self.decided = name, kind, decided
         self.missing = 0
         self.rows = self.ids = 0
         self.distinct = _Distinct()
-        self.counts = _Counts() if tables and kind not in (LABEL, "dense") else None
-        self.positives = self.labelled = 0
-        # Rows whose label training rejects (to_label's rule), and the first few reasons.
-        self.bad_labels, self.bad_label_examples = 0, list[str]()
+        self.counts = _Counts() if tables and (kind or decided) not in (LABEL, "dense") else None
+        self.positives = 0
         self.numeric, self.integral, self.has_sep = True, True, False
+        # Cells a dense feature rejects as NaN or infinite (``to_dense``'s rule), while still numeric.
+        self.nonfinite = 0
         self.arrow_type = ""  # parquet: the column's type (reported for an UNSUPPORTED one)
 
+    def check(self, values: pa.Array) -> Problem | None:
+        """The rows training drops for this column's cells, as ``read_batches`` finds them: a label that
+        is not 0/1 (``to_label``), a dense value that is not a finite number (``to_dense``), an id that is
+        none (``to_ids``, ``list_ids``: bytes that are not UTF-8, a float that is not a whole number)."""
+        kind = self.kind or self.decided
+        if kind not in (LABEL, "dense", "sparse", "multi"):
+            return None
+        if isinstance(values, pa.DictionaryArray):
+            values = values.dictionary_decode()
+        if kind == LABEL:
+            return to_label(values)[1]
+        if kind == "dense":
+            return to_dense(values, self.name)[1]
+        if kind == "sparse":
+            return to_ids(values, self.name)[1]
+        return list_ids(values, self.name)[1] if is_list(values.type) else None
+
     def add(self, values: pa.Array) -> None:
+        """Count the cells of rows training reads (those ``check`` rejected already dropped)."""
         self.rows += len(values)
         if self.kind == UNSUPPORTED:
             return
@@ -145,13 +181,7 @@ class _Column:
             return
         self.missing += values.null_count
         if self.kind == LABEL:
-            label, problem = to_label(values)
-            bad = problem.bad if problem is not None else np.zeros(len(values), dtype=bool)
-            self.positives += int(label.to_numpy()[~bad].sum())
-            self.labelled += int((~bad).sum())
-            self.bad_labels += int(bad.sum())
-            for i in np.flatnonzero(bad)[: MAX_EXAMPLES - len(self.bad_label_examples)]:
-                self.bad_label_examples.append(problem.reason(int(i)))  # type: ignore[union-attr]
+            self.positives += int(to_label(values)[0].to_numpy().sum())
         elif self.kind is None:
             values = self._observe(values)
         self._add_ids(values)
@@ -170,17 +200,26 @@ class _Column:
             finite = floats.filter(pc.is_finite(floats))
             if len(finite) and not pc.all(pc.equal(pc.floor(finite), finite)).as_py():
                 self.integral = False
+            # As to_dense reads them: in float32, where 1e300 is infinite too.
+            as_dense = pc.cast(floats, FLOAT32)
+            self.nonfinite += pc.sum(pc.invert(pc.is_finite(as_dense))).as_py() or 0  # nulls: missing
         if pc.any(pc.match_substring(cells, MULTI_SEP)).as_py():
             self.has_sep = True
             return pc.split_pattern(cells, MULTI_SEP).flatten()
         return cells
 
+    def inferred(self) -> str:
+        """The column's kind: given, decided by an earlier pass, or inferred from its cells."""
+        if self.kind is not None:
+            return self.kind
+        if self.decided is not None:
+            return self.decided
+        return "multi" if self.has_sep else "dense" if self.numeric and not self.integral else "sparse"
+
     def report(self) -> dict[str, Any]:
-        kind = self.kind
+        kind = self.inferred()
         if kind == UNSUPPORTED:
             return {"name": self.name, "type": kind, "arrow_type": self.arrow_type}
-        if kind is None:
-            kind = "multi" if self.has_sep else "dense" if self.numeric and not self.integral else "sparse"
         cardinality = self.distinct.count()
         out = {"name": self.name, "type": kind, "cardinality": cardinality, "missing": self.missing}
         if self.counts is not None and kind in ("sparse", "multi"):
@@ -189,34 +228,66 @@ class _Column:
         return out
 
 
-def _take(batches: Iterator[pa.RecordBatch], max_rows: int | None) -> Iterator[pa.RecordBatch]:
-    """The first ``max_rows`` rows of a stream (all when None)."""
+@dataclass
+class _Chunk:
+    """Rows of a file as read, before the bad-row checks: ``locate`` maps row indices to file positions;
+    ``rejected`` are (position, reason) of rows the parser already dropped (a wrong column count)."""
+
+    batch: pa.RecordBatch
+    locate: Locate
+    rejected: list[tuple[int, str]]
+
+
+def _take(chunks: Iterator[_Chunk], max_rows: int | None) -> Iterator[_Chunk]:
+    """The first ``max_rows`` rows of a stream (all when None); rows the parser rejected count only
+    before the cut."""
     left = max_rows
-    for batch in batches:
+    for chunk in chunks:
         if left is not None:
             if left <= 0:
                 return
-            batch = batch.slice(0, left)
-            left -= batch.num_rows
-        yield batch
+            if chunk.batch.num_rows > left:
+                rejected = chunk.rejected
+                if rejected:
+                    cut = int(chunk.locate(np.array([left]))[0])  # the position of the first row left out
+                    rejected = [r for r in rejected if r[0] < cut]
+                chunk = _Chunk(chunk.batch.slice(0, left), chunk.locate, rejected)
+            left -= chunk.batch.num_rows
+        yield chunk
 
 
-def _csv_tables(path: Path, delimiter: str) -> tuple[list[str], Iterator[pa.RecordBatch], ReadStats]:
-    """Every column of a CSV as strings; rows with a wrong column count counted as bad."""
-    check_file(path)
-    names = read_header(path, delimiter, quote=True)
-    stats = ReadStats()
+def _scan(chunks: Iterator[_Chunk], columns: list[_Column], bad: BadRows | None) -> int:
+    """Stream the chunks into the columns' statistics; the rows training would drop (``_Column.check``)
+    are counted by ``bad`` instead (as training counts them: each example names its position), or
+    with ``bad`` None were dropped by the reader already. Returns the rows kept: those training reads."""
+    rows = 0
+    for chunk in chunks:
+        batch = chunk.batch
+        if bad is not None:
+            problems = [col.check(batch.column(col.name)) for col in columns]
+            keep = bad.keep(batch.num_rows, problems, chunk.locate, chunk.rejected)
+            if keep is not None:
+                batch = batch.filter(pa.array(keep))
+        rows += batch.num_rows
+        for col in columns:
+            col.add(batch.column(col.name))
+    return rows
 
-    def batches() -> Iterator[pa.RecordBatch]:
-        chunks = iter_text_tables(path, names, names, delimiter=delimiter, quote=True, skip_header=True)
-        for chunk in chunks:
-            stats.skipped += len(chunk.rejected)
-            room = MAX_EXAMPLES - len(stats.examples)
-            stats.examples += [f"{path} line {line}: {why}" for line, why in chunk.rejected[:room]]
-            cells = column_of(chunk.table)
-            yield pa.RecordBatch.from_arrays([cells(n) for n in names], names=names)
 
-    return names, batches(), stats
+def _csv_chunks(path: Path, names: list[str], delimiter: str) -> Iterator[_Chunk]:
+    """Every column of a CSV as strings."""
+    chunks = iter_text_tables(path, names, names, delimiter=delimiter, quote=True, skip_header=True)
+    for chunk in chunks:
+        cells = column_of(chunk.table)
+        batch = pa.RecordBatch.from_arrays([cells(n) for n in names], names=names)
+        yield _Chunk(batch, chunk.locate, chunk.rejected)
+
+
+def _parquet_chunks(file: pq.ParquetFile) -> Iterator[_Chunk]:
+    row = 1
+    for batch in file.iter_batches():
+        yield _Chunk(batch, consecutive(row), [])
+        row += batch.num_rows
 
 
 def _libsvm_options(path: Path, options: dict) -> tuple[dict, Schema]:
@@ -275,8 +346,21 @@ def inspect_file(
     validate_options(fmt, options)
     stats = ReadStats()
     if fmt == "csv":
-        names, batches, stats = _csv_tables(path, options.get("delimiter", ","))
+        check_file(path)
+        delimiter = options.get("delimiter", ",")
+        names = read_header(path, delimiter, quote=True)
         columns = [_Column(n, LABEL if n == LABEL else None, tables) for n in names]
+        chunks = _take(_csv_chunks(path, names, delimiter), max_rows)
+        rows = _scan(chunks, columns, BadRows(path, "line", "skip", stats))
+        if any(c.kind is None and c.inferred() == "dense" and c.nonfinite for c in columns):
+            # A NaN or infinity in a column found dense only now: training drops its row, so read
+            # again with every column's kind decided, dropping those rows from every statistic.
+            columns = [
+                _Column(c.name, c.kind, tables, None if c.kind is not None else c.inferred()) for c in columns
+            ]
+            stats = ReadStats()
+            chunks = _take(_csv_chunks(path, names, delimiter), max_rows)
+            rows = _scan(chunks, columns, BadRows(path, "line", "skip", stats))
     elif fmt == "parquet":
         file = open_parquet(path)
         columns = [
@@ -285,7 +369,7 @@ def inspect_file(
         ]
         for c, f in zip(columns, file.schema_arrow, strict=True):
             c.arrow_type = str(f.type)
-        batches = file.iter_batches()
+        rows = _scan(_take(_parquet_chunks(file), max_rows), columns, BadRows(path, "row", "skip", stats))
     else:
         if fmt == "criteo":
             schema = Schema(
@@ -297,21 +381,15 @@ def inspect_file(
         else:  # movielens: validate_options above rejected unknown formats
             options = {"split": "all", **options}
             schema = _movielens_schema(path)
-        batches = read_batches(path, fmt, schema, options, on_bad_row="skip", stats=stats)
         kinds = {LABEL: LABEL} | dict.fromkeys(schema.dense_names, "dense")
         kinds |= {f.name: "multi" if f.multi else "sparse" for f in schema.sparse}
         columns = [
             _Column(n, kinds[n], tables) for n in schema.column_names() if not n.endswith(WEIGHT_SUFFIX)
         ]
-    rows = 0
-    for batch in _take(batches, max_rows):
-        rows += batch.num_rows
-        for col in columns:
-            col.add(batch.column(col.name))
+        # The reader drops (and counts in stats) the rows training drops, as training reads them.
+        batches = read_batches(path, fmt, schema, options, on_bad_row="skip", stats=stats)
+        rows = _scan(_take((_Chunk(b, consecutive(1), []) for b in batches), max_rows), columns, None)
     label = next((c for c in columns if c.kind == LABEL), None)
-    if label is not None and label.bad_labels:  # rows training rejects are bad here too
-        stats.skipped += label.bad_labels
-        stats.examples += label.bad_label_examples[: max(0, MAX_EXAMPLES - len(stats.examples))]
     return {
         "path": str(path),
         "format": fmt,
@@ -319,7 +397,7 @@ def inspect_file(
         "rows": rows,
         "bad_rows": stats.skipped,
         "bad_row_examples": stats.examples,
-        "positive_rate": label.positives / label.labelled if label and label.labelled else None,
+        "positive_rate": label.positives / label.rows if label and label.rows else None,
         "columns": [c.report() for c in columns],
     }
 
