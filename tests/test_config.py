@@ -118,3 +118,15 @@ def test_missing_and_broken_files(tmp_path):
 def test_synthetic_rows_without_a_needed_split_are_refused(override, words):
     with pytest.raises(ConfigError, match=words):
         load_config(CONFIGS / "demo.yaml", [override, "train.calibrate=true"])
+
+
+def test_numbers_with_an_exponent_are_numbers(tmp_path):
+    # PyYAML (YAML 1.1) read 1e3 and 1e-3 as strings: max_steps: 1e3 was 'unable to parse string as an
+    # integer'. They are read as YAML 1.2 reads them, in files and in dotted overrides alike.
+    (tmp_path / "c.yaml").write_text(
+        f"base: {CONFIGS / 'demo.yaml'}\ntrain: {{max_steps: 1e3, dense_optimizer: {{name: adam, lr: 1e-3}}}}\n"
+    )
+    cfg = load_config(tmp_path / "c.yaml", ["train.grad_clip=1e2"])
+    assert (cfg.train.max_steps, cfg.train.dense_optimizer.lr, cfg.train.grad_clip) == (1000, 1e-3, 100.0)
+    with pytest.raises(ConfigError, match="model.embedding.dim: .* fractional part"):
+        load_config(CONFIGS / "demo.yaml", ["model.embedding.dim=2.5e0"])

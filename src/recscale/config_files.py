@@ -3,11 +3,31 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from recscale.errors import ConfigError
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading numbers with an exponent as YAML 1.2 does: ``1e-3`` and ``1e3`` are
+    floats (YAML 1.1, which PyYAML follows, wants ``1.0e-3`` and reads them as strings, so ``max_steps: 1e3``
+    was refused as 'unable to parse string as an integer')."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\d[\d_]*\.?[\d_]*|\.\d[\d_]*)[eE][-+]?\d+$"),
+    list("-+.0123456789"),
+)
+
+
+def load_yaml(text: str | bytes) -> Any:
+    """YAML text as Python data (safe: plain data only), numbers as YAML 1.2 reads them (``_Loader``)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
 def yaml_error(path: Path, e: yaml.YAMLError) -> str:
@@ -23,7 +43,7 @@ def read_yaml_mapping(path: Path, what: str = "a config") -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: no such file; check the path")
     try:
-        raw = yaml.safe_load(path.read_bytes())
+        raw = load_yaml(path.read_bytes())
     except yaml.YAMLError as e:
         raise ConfigError(yaml_error(path, e)) from None
     except (OSError, RecursionError, ValueError) as e:  # unreadable, absurdly nested, not text
@@ -86,5 +106,5 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ConfigError(f"override '{item}': '{p}' is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(value)
+        node[parts[-1]] = load_yaml(value)
     return raw

@@ -43,11 +43,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from recscale.config import RunConfig, format_validation_error, validate_config
-from recscale.config_files import apply_overrides, load_raw, read_yaml_mapping
+from recscale.config_files import apply_overrides, load_raw, load_yaml, read_yaml_mapping
 from recscale.errors import ConfigError, RecscaleError
 from recscale.io import atomic_write_text
 from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER
@@ -275,8 +274,8 @@ def _finished(run: Run, run_dir: Path) -> dict[str, Any] | None:
     result = run_dir / RESULT
     if not result.is_file():
         return None
-    stored = yaml.safe_load((run_dir / "config.yaml").read_text())
-    if stored != yaml.safe_load(run.config.to_yaml()):
+    stored = load_yaml((run_dir / "config.yaml").read_text())
+    if stored != load_yaml(run.config.to_yaml()):
         raise RecscaleError(
             f"{run_dir} holds a finished run with another config than the sweep asks for; "
             "remove that directory or give the sweep another out"

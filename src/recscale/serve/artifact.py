@@ -32,6 +32,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from recscale.config import RunConfig, format_validation_error, validate_config
+from recscale.config_files import load_yaml
 from recscale.data.preprocess import MAX_ARTIFACT_BYTES, Preprocessor
 from recscale.errors import CheckpointError, ConfigError
 from recscale.io import atomic_dir
@@ -121,7 +122,7 @@ def read_artifact(model_dir: Path) -> Artifact:
         )
     data = {name: _verified(model_dir / name, entry) for name, entry in manifest.files.items()}
     try:
-        raw = yaml.safe_load(data[CONFIG])
+        raw = load_yaml(data[CONFIG])
         if not isinstance(raw, dict):
             raise ConfigError("it is not a mapping")
         config = validate_config(raw)
