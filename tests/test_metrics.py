@@ -66,3 +66,15 @@ def test_auc_is_exact_in_float64_and_nan_for_nan_logits():
     m = ctr_metrics(torch.from_numpy(logits), torch.from_numpy(labels))
     assert m["auc"] == pytest.approx(pairwise_auc(logits, labels), abs=1e-12)
     assert math.isnan(ctr_metrics(torch.tensor([float("nan"), 1.0]), torch.tensor([0.0, 1.0]))["auc"])
+
+
+def test_one_class_splits_and_unclipped_logloss():
+    """As documented: AUC and NE are NaN for one class, calibration only without a positive; LogLoss
+    is not clipped (a miss at logit 100 costs 100 nats, where an epsilon of 1e-15 would cap it at 34.5)."""
+    ones = ctr_metrics(torch.tensor([0.0, 2.0]), torch.tensor([1.0, 1.0]))
+    assert math.isnan(ones["auc"]) and math.isnan(ones["ne"])
+    assert ones["calibration"] == pytest.approx((0.5 + 1 / (1 + math.exp(-2))) / 2)
+    zeros = ctr_metrics(torch.tensor([0.0, 2.0]), torch.tensor([0.0, 0.0]))
+    assert math.isnan(zeros["auc"]) and math.isnan(zeros["ne"]) and math.isnan(zeros["calibration"])
+    miss = ctr_metrics(torch.tensor([100.0, -100.0]), torch.tensor([0.0, 1.0]))
+    assert miss["logloss"] == pytest.approx(100.0) and miss["ne"] == pytest.approx(100.0 / math.log(2))

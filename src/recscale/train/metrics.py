@@ -1,10 +1,14 @@
 """CTR metrics: AUC, LogLoss, normalized entropy (NE) and calibration.
 
-NE is the LogLoss divided by the entropy of the background CTR (the LogLoss of always predicting
-the mean label), the metric of Meta's recommendation papers: 1.0 means no better than the base
-rate. AUC is exact (threshold-free): the Mann-Whitney statistic of the logits themselves in float64,
-ties counting one half. Not of sigmoid(logits): in float64 every logit above ~37 becomes 1.0, so a
-confident model's top scores would all tie.
+LogLoss is exact: from the logits in float64, unclipped (no epsilon), so a confident miss at logit z
+costs about |z| nats. NE, the metric of Meta's recommendation papers, is the LogLoss divided by the
+entropy of the evaluated rows' own CTR (the LogLoss of always predicting their mean label): 1.0 means
+no better than that base rate. He et al. (2014) divide by the entropy of the training CTR instead; the
+two differ as far as the split's CTR differs from training's. Calibration is the mean predicted
+probability over that same CTR (NaN where no row is positive). AUC is exact (threshold-free): the
+Mann-Whitney statistic of the logits themselves in float64, ties counting one half. Not of
+sigmoid(logits): in float64 every logit above ~37 becomes 1.0, so a confident model's top scores would
+all tie.
 """
 
 from __future__ import annotations
