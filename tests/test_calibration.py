@@ -35,6 +35,40 @@ def test_fit_recovers_the_scale_and_bias_that_generated_the_labels():
     assert after["logloss"] < before["logloss"] - 0.05  # z was over-confident by 2x
 
 
+def newton_platt(z: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """The LogLoss minimiser of sigmoid(a z + b) by float64 Newton steps, halved while they do not help."""
+    x = torch.stack([z.double(), torch.ones_like(z, dtype=torch.float64)], 1)
+    y, ab = y.double(), torch.tensor([1.0, 0.0], dtype=torch.float64)
+
+    def loss(v: torch.Tensor) -> float:
+        return torch.nn.functional.binary_cross_entropy_with_logits(x @ v, y).item()
+
+    for _ in range(100):
+        p = torch.sigmoid(x @ ab)
+        step = torch.linalg.solve((x * (p * (1 - p))[:, None]).T @ x, x.T @ (p - y))
+        if step.abs().max() < 1e-12:
+            break
+        t = 1.0
+        while loss(ab - t * step) > loss(ab) and t > 1e-6:
+            t /= 2
+        ab = ab - t * step
+    return ab[0].item(), ab[1].item()
+
+
+@pytest.mark.parametrize(("spread", "centre", "a", "b"), [(8.0, 0.0, 0.2, -4.0), (0.05, 3.0, 3.0, -10.0)])
+def test_fit_is_the_logloss_minimiser(spread, centre, a, b):
+    """Logits 5x too confident at a ~4% click rate, and logits nearly constant (a and b almost
+    collinear): the fit is the float64 Newton solution, to within the LogLoss's rounding."""
+    gen = torch.Generator().manual_seed(1)
+    z = torch.randn(20_000, generator=gen) * spread + centre
+    y = torch.bernoulli(torch.sigmoid(a * z + b), generator=gen)
+    fit, ref = Calibration().fit(z, y), newton_platt(z, y)
+    logloss = [torch.nn.functional.binary_cross_entropy_with_logits(s * z.double() + c, y.double()).item()
+               for s, c in (fit, ref)]  # fmt: skip
+    assert logloss[0] == pytest.approx(logloss[1], abs=1e-12)
+    assert fit == pytest.approx(ref, rel=1e-5)
+
+
 def test_a_reversed_ranking_keeps_the_identity():
     z = torch.linspace(-3, 3, 1000)
     a, b = Calibration().fit(z, (z < 0).double())

@@ -86,6 +86,33 @@ def test_fp6_grids() -> None:
     assert e3m2.tolist() == [0.0, 0.125, 0.3125, 28.0, 28.0]
 
 
+def spec_codes(ebits: int, mbits: int, bias: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every non-negative value of an FP element format decoded from its bit fields (exponent field 0:
+    subnormal), ascending, and whether its code is odd; ebits=0 is fixed point (MXINT8: m * 2^-mbits)."""
+    values, odd = [], []
+    for e in range(2**ebits):
+        for m in range(2**mbits):
+            values.append((m / 2**mbits if e == 0 else 1 + m / 2**mbits) * 2.0 ** (max(e, 1) - bias))
+            odd.append(m % 2 == 1)
+    return torch.tensor(values, dtype=torch.float64), torch.tensor(odd)
+
+
+# E4M3 and E5M2 are checked against torch's casts above. MXINT8 is 7 magnitude bits, k * 2^-7 * 2^(1 - 0) = k/64.
+@pytest.mark.parametrize(
+    ("elem", "fields"), [(E2M3, (2, 3, 1)), (E3M2, (3, 2, 3)), (E2M1, (2, 1, 1)), (INT8, (0, 7, 0))]
+)
+def test_fp6_fp4_int8_grids_match_the_spec_encodings(elem, fields) -> None:
+    """Every value of the format's spec encoding rounds to itself, every midpoint between neighbours
+    to the one with the even code, just off a midpoint to the nearer one; past the top it saturates."""
+    values, odd = spec_codes(*fields)
+    assert values[-1].item() == elem.max_normal
+    lo, hi, mids = values[:-1], values[1:], (values[:-1] + values[1:]) / 2
+    nudge = (hi - lo) * 2**-10
+    x = torch.cat([values, mids, mids - nudge, mids + nudge, values[-1:] * 1.5])
+    want = torch.cat([values, torch.where(odd[:-1], hi, lo), lo, hi, values[-1:]])
+    assert torch.equal(round_to_elem(x, elem), want) and torch.equal(round_to_elem(-x, elem), -want)
+
+
 # -------------------------------------------------------------------------------------- MX blocks
 
 
