@@ -55,7 +55,7 @@ class TargetAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.mlp = MLP(4 * dim, hidden, 1, device=device)
-        self.max_len, self.dim, self.softmax = max_len, dim, softmax
+        self.max_len, self.softmax = max_len, softmax
 
     def forward(self, h: Tensor, attendable: Tensor, target: Tensor) -> Tensor:
         t = target[:, None, :].expand_as(h)
@@ -67,8 +67,9 @@ class TargetAttention(nn.Module):
         return (weights.unsqueeze(-1) * h).sum(dim=1)
 
     def length_flops(self) -> tuple[int, int]:
-        """Forward FLOPs per history position and per position² (none: scoring is per position)."""
-        return self.mlp.flops_per_example() + 2 * self.dim, 0
+        """Forward FLOPs per history position and per position² (none: scoring is per position). The
+        weighted sum is element-wise work, free by the FLOP convention (``recscale.models.flops``)."""
+        return self.mlp.flops_per_example(), 0
 
     def flops_per_example(self) -> int:
         """At the longest history (max_len positions)."""
