@@ -6,9 +6,10 @@ would do to a model before hardware that computes in it is at hand:
     mxfp8_e4m3, mxfp8_e5m2, mxfp6_e2m3, mxfp6_e3m2, mxfp4, mxint8
         OCP Microscaling (MX) v1.0: blocks of ``block`` (32) consecutive elements along the last
         (reduction) dimension share one E8M0 power-of-two scale X = 2^(floor(log2 amax) - emax_elem),
-        clamped to E8M0's range [2^-127, 2^127] (an all-zero block gets 2^-127); each element is
-        x / X rounded to nearest, ties to even, in the element format, saturated to its max normal,
-        with the format's subnormals. A block holding NaN or Inf gets a NaN scale (spec 6.3), which
+        clamped to E8M0's range [2^-127, 2^127] (an all-zero block gets 2^-127; no fp32 input reaches
+        the top, and a float64 block with amax >= 2^(128 + emax_elem) saturates there where
+        microxcaling's reference gives NaN); each element is x / X rounded to nearest, ties to even,
+        in the element format, saturated to its max normal, with the format's subnormals. A block holding NaN or Inf gets a NaN scale (spec 6.3), which
         we emulate by returning the whole block as NaN. MXINT8 elements are k/64, k in [-127, 127]
         (8-bit two's complement with an implicit 2^-6, saturated symmetrically).
     fp8_e4m3, fp8_e5m2
@@ -177,7 +178,11 @@ class QuantLinear(nn.Linear):
     y = fq(x) @ fq(W).T + b, with fq quantizing along the input features (the reduction dim) and
     straight-through gradients; the bias stays fp32 (it is an add, not a GEMM input). With
     ``gradients`` the output gradient dL/dy is fake-quantized too, along the output features, before
-    both backward GEMMs use it. It holds the wrapped layer's own ``weight`` and ``bias`` Parameters
+    both backward GEMMs use it. The backward GEMMs take the forward's fq(x) and fq(W), blocked along
+    the input features: MX training as in Microsoft's microxcaling reference instead re-blocks each
+    backward operand along that GEMM's own reduction dim (W along the outputs for dL/dx; dL/dy and x
+    along the batch for dL/dW), so this emulates the forward GEMM exactly and the backward ones
+    approximately. It holds the wrapped layer's own ``weight`` and ``bias`` Parameters
     under the same names, so state_dict keys, checkpoints and optimizers see no change; it stays an
     ``nn.Linear`` so every ``isinstance(m, nn.Linear)`` (FLOP counts, init) still finds it."""
 
