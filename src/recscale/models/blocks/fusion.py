@@ -35,6 +35,6 @@ class BilinearFusion(nn.Module):
         return (self.w_x(x) + self.w_y(y)).squeeze(-1) + xwy.sum(-1)
 
     def flops_per_example(self) -> int:
+        # x_hᵀW_h is a matmul per head; its product with y_h is element-wise and a sum: free (models.flops).
         h, dx, dy = self.w_xy.shape
-        bilinear = h * (matmul_flops(1, dy, dx) + matmul_flops(1, 1, dy))
-        return linear_flops(self.w_x) + linear_flops(self.w_y) + bilinear
+        return linear_flops(self.w_x) + linear_flops(self.w_y) + h * matmul_flops(1, dy, dx)

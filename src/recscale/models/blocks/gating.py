@@ -41,4 +41,5 @@ class FeatureSelection(nn.Module):
         return x.flatten(1) * 2 * torch.sigmoid(self.gate(ctx))
 
     def flops_per_example(self) -> int:
+        # A shared gate is one pass per batch, not per example: its cost per example vanishes with the batch.
         return self.gate.flops_per_example() if self.context else 0
