@@ -285,6 +285,16 @@ def test_the_summary_prints_the_held_out_report_half(capsys):
     )
 
 
+@pytest.mark.parametrize(("mflops", "text"), [(0.00032, "0.000320 MFLOP"), (0.590848, "0.591 MFLOP")])
+def test_the_summary_shows_a_small_models_flops(capsys, mflops, text):
+    """LR and FM cost a few hundred FLOPs per example: the summary printed 0.000 MFLOP/example."""
+    from recscale.cli import print_report
+
+    print_report({"model": "lr", "steps": 1, "examples_per_s": 1, "mflops_per_example": mflops, "run_dir": "r",
+                  "parameters": {"dense": 1, "sparse": 1}})  # fmt: skip
+    assert f"  ·  {text}/example (forward)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "overrides, words",
     [

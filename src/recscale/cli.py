@@ -47,10 +47,12 @@ def _fmt(v: object) -> str:
 
 
 def print_report(report: dict) -> None:
+    from recscale.models.flops import mflop_text
+
     lines = [f"model {report['model']}  ·  {report['steps']} steps  ·  {report['examples_per_s']} examples/s"]
     p = report["parameters"]
-    lines.append(f"parameters: dense {p['dense']:,}  sparse {p['sparse']:,}  ·  {report['mflops_per_example']:.3f} "
-                 "MFLOP/example (forward)")  # fmt: skip
+    lines.append(f"parameters: dense {p['dense']:,}  sparse {p['sparse']:,}  ·  "
+                 f"{mflop_text(report['mflops_per_example'])}/example (forward)")  # fmt: skip
     for split in ("valid", "report", "test"):  # report: valid's held-out half (data.report_fraction)
         if split in report:
             m = report[split]

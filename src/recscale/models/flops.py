@@ -8,6 +8,7 @@ two matmuls per forward matmul: one for the input gradient, one for the weight g
 
 from __future__ import annotations
 
+import math
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -23,6 +24,13 @@ class CountsFlops(Protocol):
     """A block that counts its own forward FLOPs per example."""
 
     def flops_per_example(self) -> int: ...
+
+
+def mflop_text(mflops: float) -> str:
+    """``mflops`` million FLOPs as text, with 3 decimals or, below 0.1, 3 significant digits: a logistic
+    regression's few hundred FLOPs per example are 0.000320 MFLOP, not 0.000."""
+    decimals = 3 if mflops <= 0 else max(3, 2 - math.floor(math.log10(mflops)))
+    return f"{mflops:.{decimals}f} MFLOP"
 
 
 def matmul_flops(m: int, n: int, k: int) -> int:

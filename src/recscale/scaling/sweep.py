@@ -49,7 +49,7 @@ from recscale.config import RunConfig, format_validation_error, validate_config
 from recscale.config_files import apply_overrides, load_raw, load_yaml, read_yaml_mapping
 from recscale.errors import ConfigError, RecscaleError
 from recscale.io import atomic_write_text
-from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER
+from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER, mflop_text
 
 COLUMNS = [
     "family", "run", "point", "seed", "model", "knobs", "dense_params", "sparse_params", "gflop_per_example",
@@ -327,7 +327,7 @@ def run_sweep(path: str | Path, out: str | Path | None = None, log: Callable[[st
             log(f"[{i}/{len(runs)}] {run.name}: training")
             row = _train(run, run_dir, shared)
             log(f"[{i}/{len(runs)}] {run.name}: valid logloss {row['valid_logloss']:.5f}, "
-                f"{row['gflop_per_example'] * 1e3:.3f} MFLOP/example, {row['wall_s']:.0f} s")  # fmt: skip
+                f"{mflop_text(row['gflop_per_example'] * 1e3)}/example, {row['wall_s']:.0f} s")  # fmt: skip
         rows.append(row)
         write_csv(root / "results.csv", rows)
     return root / "results.csv"
