@@ -206,6 +206,19 @@ def test_export_refuses_to_overwrite_a_directory_that_is_not_a_model(trained, tm
     (tmp_path / "keep.txt").write_text("mine")
     assert main(["export", str(trained["run"]), "--out", str(tmp_path)]) == 2
     assert "not an exported model" in capsys.readouterr().err and (tmp_path / "keep.txt").is_file()
+    # A retrieval model has a manifest.json too: export replaced it without a word.
+    retrieval = tmp_path / "retrieval"
+    retrieval.mkdir()
+    (retrieval / MANIFEST).write_text('{"format": "recscale-retrieval", "version": 1}')
+    assert main(["export", str(trained["run"]), "--out", str(retrieval)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {retrieval}: exists and is not an exported model; name a new directory (it is created)\n"
+    )
+    assert (retrieval / MANIFEST).read_text() == '{"format": "recscale-retrieval", "version": 1}'
+    # An exported model is replaced.
+    model = _copy(_export(trained), tmp_path / "model")
+    assert main(["export", str(trained["run"]), "--out", str(model), "--tables", "fp16"]) == 0
+    assert json.loads((model / MANIFEST).read_text())["tables"] == "fp16"
 
 
 @pytest.fixture(scope="module")

@@ -172,9 +172,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_retrieval_build(args: argparse.Namespace) -> None:
     from recscale.retrieval.movielens import read_movielens
     from recscale.retrieval.recipe import build_pipeline
-    from recscale.serve.retrieval_artifact import Catalog, check_out, save_retrieval
+    from recscale.serve.retrieval_artifact import Catalog, check_retrieval_out, save_retrieval
 
-    check_out(Path(args.out))  # before the training, not after it
+    check_retrieval_out(Path(args.out))  # before the training, not after it
     if args.k > args.candidates:
         raise RecscaleError(
             f"retrieval build: --k {args.k} is more than --candidates {args.candidates}, the items the "

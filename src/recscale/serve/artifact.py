@@ -78,16 +78,36 @@ class Artifact:
     tensors: dict[str, torch.Tensor]
 
 
+def manifest_format(manifest_path: Path) -> object:
+    """The ``format`` a manifest file names (None if it is unreadable or names none)."""
+    try:
+        manifest = json.loads(read_regular_file(manifest_path, _CAPS[MANIFEST], "manifest"))
+    except (CheckpointError, OSError, ValueError):
+        return None
+    return manifest.get("format") if type(manifest) is dict else None
+
+
+def check_out(out: Path, fmt: str, kind: str) -> None:
+    """``out`` may receive an artifact of format ``fmt`` (``kind`` names it): it is new, empty, or one of that
+    format to replace (never a run directory, another kind of artifact or any other directory, which would
+    be deleted)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and manifest_format(out / MANIFEST) != fmt)):
+        raise CheckpointError(f"--out {out}: exists and is not {kind}; name a new directory (it is created)")
+
+
+def check_model_out(out: Path) -> None:
+    """``out`` may receive an exported model (``check_out``)."""
+    check_out(out, "recscale-model", "an exported model")
+
+
 def write_artifact(
     out: Path, config: RunConfig, pre: Preprocessor, tensors: dict[str, torch.Tensor], manifest: Manifest
 ) -> Manifest:
     """Write the model directory ``out`` atomically (an existing model directory is replaced only once
     the new one is complete; any other non-empty directory is refused). Returns the manifest written."""
     out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
-        raise CheckpointError(
-            f"--out {out}: exists and is not an exported model; name a new directory (it is created)"
-        )
+    check_model_out(out)
     blobs = {
         CONFIG: config.to_yaml().encode(),
         PREPROCESS: json.dumps(pre.to_json()).encode(),

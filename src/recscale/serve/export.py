@@ -23,7 +23,7 @@ from recscale.errors import CheckpointError
 from recscale.models.base import RecModel
 from recscale.models.quant import quantize_model, quantize_rows
 from recscale.models.registry import build_model
-from recscale.serve.artifact import DenseFormat, Manifest, TableFormat, write_artifact
+from recscale.serve.artifact import DenseFormat, Manifest, TableFormat, check_model_out, write_artifact
 from recscale.train.build import feature_set
 
 _QUANT_DTYPES = {"fp16": torch.float16, "int8": torch.qint8, "int4": torch.quint4x2}
@@ -145,6 +145,7 @@ def export_run(
     """Export a trained run's best (else latest) model to the model directory ``out``."""
     from recscale.train.runs import load_trained
 
+    check_model_out(out)  # before the model loads, not after
     cfg, pre, built = load_trained(run_dir, "to export")
     trained = {k: _full(k, v) for k, v in built.model.state_dict().items()}  # type: ignore[attr-defined]
     if cfg.model.embedding.storage == "fp16":

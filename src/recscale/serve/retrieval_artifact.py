@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from recscale.config import format_validation_error
 from recscale.errors import CheckpointError, DataError
 from recscale.io import atomic_dir
 from recscale.retrieval.pipeline import RetrievalSpec, RetrieveRank, build
-from recscale.serve.artifact import MANIFEST, WEIGHTS, FileEntry, verified_bytes
+from recscale.serve.artifact import MANIFEST, WEIGHTS, FileEntry, check_out, manifest_format, verified_bytes
 from recscale.train.dcp_safety import one_line, read_regular_file
 
 KIND = "retrieval model"
@@ -73,22 +72,17 @@ def _entry(blob: bytes) -> FileEntry:
     return FileEntry(sha256=hashlib.sha256(blob).hexdigest(), bytes=len(blob))
 
 
-def check_out(out: Path) -> None:
-    """``out`` may receive a retrieval model: it is new, empty, or a retrieval model to replace (never a
-    run directory, an exported scoring model or any other directory, which would be deleted)."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_retrieval_dir(out))):
-        raise CheckpointError(
-            f"--out {out}: exists and is not a retrieval model; name a new directory (it is created)"
-        )
+def check_retrieval_out(out: Path) -> None:
+    """``out`` may receive a retrieval model (``check_out``)."""
+    check_out(out, "recscale-retrieval", "a retrieval model")
 
 
 def save_retrieval(
     out: Path, model: RetrieveRank, spec: RetrievalSpec, catalog: Catalog | None = None
 ) -> None:
     """Write ``model`` (built to ``spec``), and ``catalog`` if given, into the new or replaced directory
-    ``out`` (``check_out``)."""
-    check_out(out)
+    ``out`` (``check_retrieval_out``)."""
+    check_retrieval_out(out)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     ids = None
     if catalog is not None:
@@ -103,18 +97,9 @@ def save_retrieval(
         (tmp / MANIFEST).write_text(manifest.model_dump_json(indent=2))
 
 
-def _format(manifest_path: Path) -> object:
-    """The ``format`` a manifest file names (None if it is unreadable or names none)."""
-    try:
-        manifest = json.loads(read_regular_file(manifest_path, 1 << 20, KIND))
-    except (CheckpointError, OSError, ValueError):
-        return None
-    return manifest.get("format") if type(manifest) is dict else None
-
-
 def is_retrieval_dir(model_dir: Path) -> bool:
     """Whether ``model_dir``'s manifest names the retrieval format (anything unreadable: False)."""
-    return _format(Path(model_dir) / MANIFEST) == "recscale-retrieval"
+    return manifest_format(Path(model_dir) / MANIFEST) == "recscale-retrieval"
 
 
 def load_retrieval(model_dir: Path) -> RetrieveRank:
@@ -140,7 +125,7 @@ def _load(model_dir: Path) -> tuple[RetrieveRank, Catalog | None]:
             f"{model_dir}: not a retrieval model (no {MANIFEST}); build one with "
             "`recscale retrieval build DATA --out DIR`"
         )
-    if _format(path) == "recscale-model":
+    if manifest_format(path) == "recscale-model":
         raise CheckpointError(
             f"{model_dir}: is an exported scoring model, not a retrieval model; serve it with `recscale serve` "
             "(POST /score), or build a retrieval model with `recscale retrieval build`"
