@@ -56,6 +56,20 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     assert report["valid"] == uninterrupted["valid"]
 
 
+def test_the_first_log_window_after_a_resume_is_the_uninterrupted_runs(tmp_path):
+    """Resumed from the checkpoint at step 7, the run logged at step 10 the mean loss of steps 8-10 only
+    (an uninterrupted run: steps 6-10); the open window is checkpointed and continues instead."""
+    common = [*SMALL_SYNTH, "train.log_every=5", "train.eval_every=7", "train.early_stopping=null"]
+    full = load_config(CONFIGS / "demo.yaml", [*common, "train.max_steps=10"])
+    Trainer(full, tmp_path / "a").fit()
+    Trainer(load_config(CONFIGS / "demo.yaml", [*common, "train.max_steps=7"]), tmp_path / "b").fit()
+    Trainer(full, tmp_path / "b", resume=True).fit()
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert list(a) == list(b) == [5, 10] and a == b
+    rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["examples_per_s"] > 0 for r in rows if r["split"] == "train")
+
+
 def test_aborted_run_leaves_nothing_to_trust(tmp_path, monkeypatch):
     import recscale.train.checkpoint as ck
 

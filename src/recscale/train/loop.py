@@ -194,10 +194,15 @@ class Trainer:
         rng = [rng_state()] * self.env.world_size
         if self.env.world_size > 1:  # every rank's generator, so a resume at the same size is exact
             dist.all_gather_object(rng, rng[0])
+        progress = asdict(self.progress)
+        if self.env.world_size > 1:  # each rank resumes with the window's loss over all ranks (see fit)
+            loss = torch.tensor([progress["window_loss"]], dtype=torch.float64, device=self.env.device)
+            dist.all_reduce(loss)
+            progress["window_loss"] = loss.item() / self.env.world_size
         return {
             "model": self.module.state_dict(),
             "optim": self.opt.state_dict(),
-            "progress": asdict(self.progress),
+            "progress": progress,
             "rng": rng,
             **({"ema": self.ema.shadow} if self.ema else {}),
         }
@@ -329,20 +334,25 @@ class Trainer:
             disable=not (t.progress and self.main and sys.stderr.isatty()),
         )  # fmt: skip
         try:
-            window_loss, window_n, window_t = 0.0, 0, time.perf_counter()
+            # The log window may have begun before a resume (Progress.window_*); the byte counters have
+            # counted only the steps of this process since the last log (``counted``).
+            counted, last = 0, time.perf_counter()
             done = p.step >= self.total_steps or p.stopped_early
             self.module.train()
             while not done and p.epoch < t.epochs:
                 for batch, global_size in self._epoch():
-                    window_loss += self.train_step(batch.to(self.env.device), global_size).item()
-                    window_n += 1
+                    # After a resume every rank holds the window's loss so far over all ranks (_state): their
+                    # sum over ranks, divided by the world size, is still the sum of the steps' mean losses.
+                    p.window_loss += self.train_step(batch.to(self.env.device), global_size).item()
+                    now = time.perf_counter()
+                    p.window_steps, p.window_seconds = p.window_steps + 1, p.window_seconds + now - last
+                    counted, last = counted + 1, now
                     p.batch += 1
                     bar.update(1)
                     heartbeat(p.step)  # lets a peer that times out name this rank if it hangs
                     if p.step % t.log_every == 0:
-                        mean_loss = self._log_window(window_loss, window_n, time.perf_counter() - window_t)
-                        bar.set_postfix(loss=f"{mean_loss:.4f}")
-                        window_loss, window_n, window_t = 0.0, 0, time.perf_counter()
+                        bar.set_postfix(loss=f"{self._log_window(counted):.4f}")
+                        counted = 0
                     if p.batch >= self.steps_per_epoch:  # end of epoch
                         p.epoch, p.batch = p.epoch + 1, 0
                     hit_max = p.step >= self.total_steps
@@ -378,22 +388,25 @@ class Trainer:
             ]
         return zip(iterate(self.train_ds, batches, self.cfg.data.num_workers), sizes, strict=True)
 
-    def _log_window(self, loss_sum: float, steps: int, seconds: float) -> float:
-        """Log a window of steps: mean loss over all ranks, examples/s, bytes per step; returns the loss."""
-        local = torch.cat([torch.tensor([loss_sum], dtype=torch.float64), self.comm.totals().flatten()])
+    def _log_window(self, counted: int) -> float:
+        """Log the window of steps that ends now (``Progress.window_*``): mean loss over all ranks,
+        examples/s, bytes per step of the ``counted`` steps the byte counters saw; returns the loss."""
+        p = self.progress
+        local = torch.cat([torch.tensor([p.window_loss], dtype=torch.float64), self.comm.totals().flatten()])
         if self.env.world_size > 1:
             local = local.to(self.env.device)  # NCCL reduces device tensors only
             dist.all_reduce(local)
             local = local.cpu()
         self.comm.reset()
-        p = self.progress
+        steps = p.window_steps
         mean_loss = local[0].item() / (steps * self.env.world_size)
         record = {"split": "train", "step": p.step, "epoch": p.epoch, "loss": mean_loss,
                   "lr": self.built.dense.param_groups[0]["lr"],
-                  "examples_per_s": steps * self.cfg.train.batch_size / seconds}  # fmt: skip
+                  "examples_per_s": steps * self.cfg.train.batch_size / p.window_seconds}  # fmt: skip
         if self.cfg.distributed.count_bytes:
-            record |= comms.summarize(local[1:].view(-1, 2), steps)
+            record |= comms.summarize(local[1:].view(-1, 2), counted)
         self.log(record)
+        p.window_loss, p.window_steps, p.window_seconds = 0.0, 0, 0.0
         return mean_loss
 
     def _evaluate_and_checkpoint(self) -> bool:

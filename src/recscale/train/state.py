@@ -31,6 +31,12 @@ class Progress:
     train_seconds: float = 0.0
     examples: int = 0
     stopped_early: bool = False
+    # The open log window (train.log_every): the sum over its steps of the loss (mean over ranks), its steps,
+    # its wall seconds. Checkpointed, so a resumed run logs the windows an uninterrupted one logs: its first
+    # covered only the steps since the resume, logged at a step of the full interval.
+    window_loss: float = 0.0
+    window_steps: int = 0
+    window_seconds: float = 0.0
 
     def improves(self, metrics: dict[str, float], es: EarlyStopping) -> bool:
         """Whether ``metrics`` beat the best evaluation so far by more than ``es.min_delta``."""
