@@ -10,7 +10,7 @@ import torch
 from recscale.cli import main
 from recscale.config import load_config
 from recscale.errors import ConfigError, RecscaleError
-from recscale.train.checkpoint import load_checkpoint
+from recscale.train.checkpoint import load_checkpoint, remove_partial_checkpoints
 from recscale.train.loop import Trainer
 from recscale.train.runs import eval_run
 
@@ -99,6 +99,21 @@ def test_a_new_run_over_an_attempt_without_a_checkpoint_starts_clean_logs(tmp_pa
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and len(steps) == len(set(steps)) + 2  # train and valid records at 3, 6
     assert not (run / "tb" / "stale.tfevents").exists()
+
+
+def test_eval_scores_the_best_model_that_a_kill_left_set_aside(tmp_path):
+    """A run killed while best/ was replaced (between atomic_dir's two renames) has .best.old and no best/:
+    eval and export scored the latest training checkpoint instead of the kept model; a resume put it back."""
+    es = "train.early_stopping={metric: logloss, patience: 5, min_delta: 1.0}"  # only the first eval improves
+    cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=4", "train.eval_every=2", es])
+    run = tmp_path / "r"
+    report = Trainer(cfg, run).fit()
+    assert report["best_step"] == 2
+    best = eval_run(run, None, split="valid")
+    (run / "best").rename(run / ".best.old")
+    assert eval_run(run, None, split="valid") == best
+    remove_partial_checkpoints(run)  # what a resume does first: best/ is back
+    assert (run / "best").is_dir() and not (run / ".best.old").exists()
 
 
 def test_synthetic_data_trains_on_the_splits_its_rows_name(tmp_path):

@@ -23,7 +23,7 @@ from recscale.errors import CheckpointError, ConfigError, DataError, RecscaleErr
 from recscale.models.base import RecModel
 from recscale.models.embedding import EmbeddingLayer
 from recscale.train.build import Built, build, feature_set
-from recscale.train.checkpoint import list_checkpoints, load_checkpoint
+from recscale.train.checkpoint import committed, list_checkpoints, load_checkpoint
 from recscale.train.data import prepare_split
 from recscale.train.evaluate import EVAL_BATCH_SIZE, evaluate
 
@@ -124,7 +124,7 @@ def load_trained(run_dir: Path, purpose: str = "to evaluate") -> tuple[RunConfig
         built = build(cfg.model_copy(update={"distributed": plan}), feature_set(pre), env)
     except ConfigError as e:  # the run's config.yaml does not fit its own features: edited by hand
         raise CheckpointError(f"{run_dir / 'config.yaml'} does not fit the run ({e}); restore it") from None
-    best = run_dir / "best"
+    best = committed(run_dir / "best")  # without it, a kill while best/ was replaced made this the latest
     ckpts = list_checkpoints(run_dir / "ckpt")
     source = best if (best / ".metadata").is_file() else (ckpts[-1] if ckpts else None)
     if source is None:
