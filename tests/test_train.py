@@ -277,6 +277,28 @@ def test_a_resume_with_more_patience_continues_a_run_that_stopped_early(tmp_path
     assert (report["steps"], report["stopped_early"], report["best_step"]) == (20, True, 5)
 
 
+@pytest.mark.parametrize("metric", ["auc", "logloss"])
+def test_a_nan_metric_is_worse_than_any_number(metric):
+    """A first evaluation whose metric is NaN (AUC of a one-class split, a diverged loss) was kept as the
+    best; every comparison with NaN is false, so no later evaluation could improve on it. NaN never
+    improves (NaN after NaN neither); a plateau of NaNs drops the LR and restores the best as any other."""
+    from recscale.config import EarlyStopping
+    from recscale.train.state import Progress
+
+    es = EarlyStopping(metric=metric, patience=3, reduce_lr_factor=0.5, restore_best=True)
+    p, nan = Progress(), float("nan")
+    improved, restore = [], []
+    for step, value in enumerate([nan, nan, 0.5, nan, 0.6 if metric == "auc" else 0.4], start=1):
+        p.step = step
+        improved.append(p.improves({metric: value}, es))
+        restore.append(p.record_eval({metric: value}, improved[-1], es))
+    assert improved == [False, False, True, False, True]
+    assert restore == [True, True, False, True, False] and not p.stopped_early
+    assert (p.best_step, p.bad_evals, p.lr_scale) == (5, 0, 0.5**3)
+    old = Progress(best=nan)  # what a checkpoint written before the fix holds
+    assert old.improves({metric: 0.5}, es) and not old.improves({metric: nan}, es)
+
+
 @pytest.mark.slow
 def test_ema_reports_the_average_of_the_dense_weights(tmp_path):
     """train.ema_decay: the model kept and reported is the bias-corrected moving average of the raw

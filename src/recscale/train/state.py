@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,9 +40,14 @@ class Progress:
     window_seconds: float = 0.0
 
     def improves(self, metrics: dict[str, float], es: EarlyStopping) -> bool:
-        """Whether ``metrics`` beat the best evaluation so far by more than ``es.min_delta``."""
-        sign = 1 if HIGHER_IS_BETTER[es.metric] else -1
-        return self.best is None or sign * (metrics[es.metric] - self.best) > es.min_delta
+        """Whether ``metrics`` beat the best evaluation so far by more than ``es.min_delta``. A NaN metric
+        (AUC of a one-class split, a diverged loss) is worse than any number and never improves: kept as
+        the best, it made every later comparison false. A NaN best (a checkpoint written before that)
+        counts as none."""
+        value, sign = metrics[es.metric], 1 if HIGHER_IS_BETTER[es.metric] else -1
+        if math.isnan(value):
+            return False
+        return self.best is None or math.isnan(self.best) or sign * (value - self.best) > es.min_delta
 
     def record_eval(self, metrics: dict[str, float], improved: bool, es: EarlyStopping) -> bool:
         """Update early stopping after an evaluation (a plateau may cut the LR); True to restore
