@@ -70,6 +70,27 @@ def test_the_first_log_window_after_a_resume_is_the_uninterrupted_runs(tmp_path)
     assert all(r["examples_per_s"] > 0 for r in rows if r["split"] == "train")
 
 
+def test_a_log_windows_rate_leaves_out_evaluation(tmp_path, monkeypatch):
+    """An evaluation inside a log window counted in its examples/s (such a window read up to 100x slower):
+    the clock here jumps 1000 s per evaluation, which no window's rate may see."""
+    import recscale.train.loop as loop
+
+    clock = {"offset": 0.0}
+    real_clock, real_eval = loop.time.perf_counter, Trainer._evaluate_and_checkpoint
+
+    def slow_eval(self: Trainer) -> bool:
+        clock["offset"] += 1000.0
+        return real_eval(self)
+
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: real_clock() + clock["offset"])
+    monkeypatch.setattr(Trainer, "_evaluate_and_checkpoint", slow_eval)
+    common = [*SMALL_SYNTH, "train.log_every=4", "train.eval_every=2", "train.max_steps=8"]
+    Trainer(load_config(CONFIGS / "demo.yaml", common), tmp_path / "run").fit()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["examples_per_s"] for r in rows if r["split"] == "train"]
+    assert len(rates) == 2 and min(rates) > 256 * 4 / 100  # 4 steps of 256 in under 100 s
+
+
 def test_aborted_run_leaves_nothing_to_trust(tmp_path, monkeypatch):
     import recscale.train.checkpoint as ck
 

@@ -361,6 +361,7 @@ class Trainer:
                             done = True
                             break
                         self.module.train()
+                        last = time.perf_counter()  # a window's rate is training's: evaluation left out
         finally:
             bar.close()  # before any error line, so it does not land on the bar's line
         return self.finish()
