@@ -134,10 +134,27 @@ def test_killed_rank_stops_the_job_in_bounded_time_with_one_clear_line(tmp_path)
     _, err = proc.communicate(timeout=120)
     assert time.monotonic() - t0 < ELASTIC_GRACE_S
     assert proc.returncode == 2
-    assert err.strip().splitlines()[-1] == (
+    assert [x for x in err.splitlines() if x.startswith("error:")] == [  # not also rank 0's 'lost contact'
         f"error: rank 1 (pid {victim}) was killed by SIGKILL; the other ranks were stopped"
-    )
+    ]
     assert "Traceback" not in err
+
+
+@dist_mark
+def test_one_ranks_error_is_the_jobs_one_line(tmp_path):
+    """Rank 0 stops on a bad row (it prepares the data) and rank 1 then loses contact: the job says
+    rank 0's line once (each rank used to print its own, then the launcher 'its error is printed above')."""
+    data = tmp_path / "data.csv"
+    data.write_text("label,a\n" + "1,3\n0,4\n" * 16 + "1,2,3\n")
+    cmd = [sys.executable, "-m", "recscale.cli", "train", str(CONFIGS / "frappe.yaml"), f"data.train={data}",
+           f"data.valid={data}", "data.schema={label: label, sparse: [{name: a}]}", "train.batch_size=8",
+           "--out", str(tmp_path / "run"), "--nproc", "2"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 2
+    assert [x for x in done.stderr.splitlines() if x.startswith("error:")] == [
+        f"error: {data} line 34: has 3 columns, expected 2 (set data.on_bad_row: skip to drop such rows); "
+        "the other ranks were stopped"
+    ], done.stderr[-2000:]
 
 
 @dist_mark

@@ -42,6 +42,9 @@ def _quiet() -> None:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
+LOST_PEER_EXIT = 3  # the exit code of a rank that failed because another rank did
+
+
 def _fmt(v: object) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
@@ -583,8 +586,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if debug:
             raise
+        from recscale.distributed.env import record_error
+
         code, line = _error_line(e)
-        print(f"error: {line}", file=sys.stderr)
+        # A rank under --nproc leaves its line to the launcher, which prints the job's one line.
+        if not record_error(line, consequence=code == LOST_PEER_EXIT):
+            print(f"error: {line}", file=sys.stderr)
         return code
     return 0
 
@@ -600,7 +607,7 @@ def _error_line(e: Exception) -> tuple[int, str]:
     if isinstance(e, MemoryError):
         return 2, "out of memory; lower train.batch_size or the model size, or use more ranks (--nproc)"
     if isinstance(e, RuntimeError) and (line := lost_peer(e)) is not None:
-        return 3, line
+        return LOST_PEER_EXIT, line
     first = (str(e).strip().splitlines() or [""])[0][:200]
     return (
         1,

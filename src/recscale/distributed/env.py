@@ -28,6 +28,7 @@ from torch.distributed.constants import default_pg_timeout
 from recscale.distributed.topology import Topology
 
 FAULT_DIR_ENV = "RECSCALE_FAULT_DIR"  # set by recscale's launcher: where ranks leave hang verdicts
+ERRORS_SUBDIR = "errors"  # ...and, in this folder of it, their one-line errors (``record_error``)
 _BEAT_EVERY_S = 1.0  # a beat is a round trip to the store's host: one a second at most, however short a step
 _PEER_SETTLE_S = 2.0  # ranks stuck in one collective time out within about a step of each other
 
@@ -97,7 +98,7 @@ def init_distributed(timeout_s: float | None = None) -> DistEnv:
     else:
         device, backend = torch.device("cpu"), "gloo"
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else default_pg_timeout
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    restarts = _attempt()
     if not dist.is_initialized():
         if launched:
             store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
@@ -194,9 +195,31 @@ def _name_the_hung(hb: _Heartbeat) -> str | None:
         line += f"rank {hb.rank} timed out waiting for them after {limit}"
     if fault_dir := os.environ.get(FAULT_DIR_ENV):
         pids = [beats[r]["pid"] for r in silent if r in beats]
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        verdict = {"error": line, "pids": pids, "time": now, "attempt": attempt}
-        path = Path(fault_dir) / f"rank{hb.rank}.json"
-        path.with_suffix(".tmp").write_text(json.dumps(verdict))
-        path.with_suffix(".tmp").replace(path)  # the launcher never reads half a file
+        verdict = {"error": line, "pids": pids, "time": now, "attempt": _attempt()}
+        _write_fault(Path(fault_dir) / f"rank{hb.rank}.json", verdict)
     return line
+
+
+def record_error(line: str, consequence: bool) -> bool:
+    """Under recscale's launcher, leave this rank's one-line error in ``$RECSCALE_FAULT_DIR/errors/``, from
+    which the launcher reports the job's root cause as its one line (every rank printing its own would be N
+    lines); False elsewhere, where the caller prints it. ``consequence``: the line says another rank failed."""
+    fault_dir = os.environ.get(FAULT_DIR_ENV)
+    if not fault_dir or "RANK" not in os.environ:
+        return False
+    rank, attempt = int(os.environ["RANK"]), _attempt()
+    doc = {"error": line, "time": time.time(), "attempt": attempt, "consequence": consequence}
+    try:
+        _write_fault(Path(fault_dir) / ERRORS_SUBDIR / f"rank{rank}_attempt{attempt}.json", doc)
+    except OSError:  # the launcher is gone (its folder with it): no one would report it
+        return False
+    return True
+
+
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def _write_fault(path: Path, doc: dict) -> None:
+    path.with_suffix(".tmp").write_text(json.dumps(doc))
+    path.with_suffix(".tmp").replace(path)  # the launcher never reads half a file

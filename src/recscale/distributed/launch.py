@@ -9,7 +9,8 @@ Faults: an agent notices a dead worker within its monitor interval, stops the ot
 and, while restarts remain (``--max-restarts``), starts them again (the trainer then resumes from
 the last checkpoint); workers on other hosts fail on their closed connections and restart too.
 When restarts run out the agent exits; this launcher stops the other agents and reports the first
-failure in one line.
+failure in one line. The ranks print no error lines of their own: each leaves its line in
+``$RECSCALE_FAULT_DIR/errors/`` (``env.record_error``), so the job's error is one line, not one per rank.
 
 Hangs: a rank whose collective times out (``distributed.timeout_s``) names the rank that stopped
 responding and leaves that verdict in ``$RECSCALE_FAULT_DIR`` (see ``recscale.distributed.env``).
@@ -32,7 +33,7 @@ import time
 import uuid
 from pathlib import Path
 
-from recscale.distributed.env import FAULT_DIR_ENV, free_port
+from recscale.distributed.env import ERRORS_SUBDIR, FAULT_DIR_ENV, free_port
 from recscale.errors import RecscaleError
 
 _POLL_S = 0.2
@@ -64,7 +65,7 @@ def launch(command: list[str], nproc: int, local_world_size: int | None, max_res
     with tempfile.TemporaryDirectory(prefix="recscale-launch-") as tmp:
         summaries = [Path(tmp) / f"host{h}.json" for h in range(hosts)]
         faults = Path(tmp) / "faults"
-        faults.mkdir()
+        (faults / ERRORS_SUBDIR).mkdir(parents=True)
         env[FAULT_DIR_ENV] = str(faults)
         agents = [
             subprocess.Popen(
@@ -94,20 +95,33 @@ def launch(command: list[str], nproc: int, local_world_size: int | None, max_res
             for h in range(hosts)
         ]
         if _wait(agents, faults, max_restarts):
-            # A hang named by a rank that timed out waiting for it is the cause (its agent may not even
-            # have reported). Verdicts of earlier attempts, restarted since, are not.
-            verdicts = [v for v in _verdicts(faults) if v["attempt"] == max_restarts]
-            # Otherwise the root cause is the earliest failure: on other hosts, ranks then fail on lost
-            # connections. Failure times are whole seconds, so a rank that died of a lost peer (gloo
-            # aborts, or the trainer exits with an error) can tie with the cause; one killed from outside wins.
             found = [json.loads(p.read_text()) for p in summaries if p.is_file()]
-            if verdicts:
-                what = min(verdicts, key=lambda v: v["time"])["error"]
-            elif found:
-                what = min(found, key=lambda f: (f["maybe_consequence"], f["time"]))["error"]
-            else:
-                what = f"the hosts' agents exited with codes {[a.returncode for a in agents]}"
-            raise RecscaleError(f"{what}; the other ranks were stopped")
+            raise RecscaleError(
+                f"{_root_cause(faults, found, max_restarts, agents)}; the other ranks were stopped"
+            )
+
+
+def _root_cause(faults: Path, found: list[dict], final_attempt: int, agents: list[subprocess.Popen]) -> str:
+    """The one line that says why the job failed, from the hang verdicts, the ranks' own error lines
+    (``env.record_error``; the ranks print none) and the agents' summaries ``found``."""
+    # A hang named by a rank that timed out waiting for it is the cause (its agent may not even have
+    # reported). Verdicts and errors of earlier attempts, restarted since, are not.
+    verdicts = [v for v in _verdicts(faults) if v["attempt"] == final_attempt]
+    errors = [json.loads(p.read_text()) for p in (faults / ERRORS_SUBDIR).glob("*.json")]
+    errors = [e for e in errors if e["attempt"] == final_attempt]
+    # Otherwise the earliest failure: a rank killed from outside, else a rank's own error; on other ranks
+    # the trainer then fails on lost connections (their lines say so) and their agents report exit codes.
+    # Agents' failure times are whole seconds, so a rank that died of a lost peer can tie with the cause.
+    for group in (
+        verdicts,
+        [f for f in found if not f["maybe_consequence"]],
+        [e for e in errors if not e["consequence"]],
+        found,
+        errors,
+    ):
+        if group:
+            return str(min(group, key=lambda g: g["time"])["error"])
+    return f"the hosts' agents exited with codes {[a.returncode for a in agents]}"
 
 
 def _wait(agents: list[subprocess.Popen], faults: Path, final_attempt: int) -> bool:
