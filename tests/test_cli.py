@@ -233,6 +233,18 @@ def test_an_out_that_holds_a_run_is_refused_before_the_launch(tmp_path, capsys):
     assert code == 2 and "already holds a run; pass --resume" in err and len(err.strip().splitlines()) == 1
 
 
+def test_debug_reaches_the_ranks_of_nproc(tmp_path, capsys, monkeypatch):
+    """--debug showed the launcher's traceback only: the ranks, where the error was, ran without it."""
+    import recscale.distributed.launch as launch
+
+    started = []
+    monkeypatch.setattr(launch, "launch", lambda command, *_: started.append(command))
+    code, _, _ = run(
+        capsys, "--debug", "train", str(CONFIGS / "demo.yaml"), "--out", str(tmp_path / "r"), "--nproc", "2"
+    )
+    assert code == 0 and started[0][:4] == ["-m", "recscale.cli", "--debug", "train"]
+
+
 def test_inspect_reads_a_csv_with_its_delimiter(tmp_path, capsys):
     """A ';' file was one column to inspect: it had no way to take data.options.delimiter."""
     path = tmp_path / "t.csv"

@@ -117,7 +117,8 @@ def _launch(args: argparse.Namespace, out: Path) -> None:
 
     if "RANK" in os.environ:
         raise RecscaleError("train: --nproc starts its own processes; under torchrun leave it out")
-    worker = ["-m", "recscale.cli", "train", *([args.config] if args.config else []), *args.overrides]
+    worker = ["-m", "recscale.cli", *(["--debug"] if args.debug else []), "train"]
+    worker += [*([args.config] if args.config else []), *args.overrides]
     worker += ["--out", str(out), *(["--resume"] if args.resume else [])]
     launch(worker, args.nproc, args.local_world_size, args.max_restarts)
 
@@ -574,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides += extra
     except SystemExit as e:  # --help, or a usage error already printed as one line
         return int(e.code or 0)
+    args.debug = debug  # the ranks of train --nproc show their tracebacks too
     _quiet()
     try:
         args.fn(args)
