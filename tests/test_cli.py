@@ -245,6 +245,22 @@ def test_debug_reaches_the_ranks_of_nproc(tmp_path, capsys, monkeypatch):
     assert code == 0 and started[0][:4] == ["-m", "recscale.cli", "--debug", "train"]
 
 
+@pytest.mark.parametrize("name", ["reduce_scatter_tensor", "all_gather_into_tensor"])
+def test_upstream_deprecated_collectives_do_not_warn(name):
+    """TorchRec's row-wise tables and FSDP2 call them: every rank of a row_wise or fsdp job printed the
+    notice (4 lines of 2 ranks), which the user cannot act on."""
+    import warnings
+
+    from recscale.cli import _quiet
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # what reaches a user; _quiet's filters go before it
+        _quiet()
+        message = f"`torch.distributed.{name}` is deprecated. Please use `torch.distributed.x` instead."
+        warnings.warn_explicit(message, FutureWarning, "c10d_logger.py", 83, "torch.distributed.c10d_logger")
+    assert not seen
+
+
 def test_inspect_reads_a_csv_with_its_delimiter(tmp_path, capsys):
     """A ';' file was one column to inspect: it had no way to take data.options.delimiter."""
     path = tmp_path / "t.csv"

@@ -31,6 +31,12 @@ def _quiet() -> None:
     warnings.filterwarnings(
         "ignore", r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel", UserWarning
     )
+    # Collectives TorchRec's row-wise reduce-scatter and FSDP2 call, deprecated in torch: each rank warned once.
+    warnings.filterwarnings(
+        "ignore",
+        r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+        FutureWarning,
+    )
     # TorchRec's sharded tables are ShardedTensors; torch warns wherever one is touched (export, checkpoints).
     warnings.filterwarnings(
         "ignore", r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning
