@@ -349,6 +349,16 @@ def test_impossible_plans_are_one_clear_line(tables, words):
         _plan("table_wise", tables)
 
 
+def test_row_blocks_that_leave_a_rank_no_rows_are_one_clear_line():
+    """10 rows over 8 ranks are blocks of 2: ranks 5-7 held none of any table, and training failed in the
+    first lookup with an internal error (fbgemm: 'weights[0] must be a GPU or MTIA tensor')."""
+    for kind in ("row_wise", "table_row_wise"):
+        with pytest.raises(
+            ConfigError, match=re.escape(f"{kind} leaves rank(s) [5, 6, 7] no rows of tables")
+        ):
+            _plan(kind, world=8, local=8)
+
+
 def test_placement_keys_are_checked_by_the_config():
     with pytest.raises(ConfigError, match="host applies to table_row_wise and table_column_wise"):
         validate_config({"data": {"format": "synthetic"}, "model": {"name": "lr"},

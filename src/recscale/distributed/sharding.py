@@ -173,7 +173,32 @@ def predicted_plan(
             module_plan[c.name] = built[c.name]
         elif spec is not None:
             module_plan[c.name] = _sharding(builder, ebc, c, spec, i)
+    if env.device.type == "cpu":
+        _check_row_blocks(plan, collections)
     return plan, prediction
+
+
+def _check_row_blocks(plan: ShardingPlan, collections: dict[str, Collection]) -> None:
+    """TorchRec cuts a row-wise table into blocks of ceil(rows / ranks) rows, so a small table leaves the
+    last ranks empty blocks. A rank whose blocks of one row-wise type are all empty has an empty fused
+    table group, which fbgemm's CPU lookup fails on ("weights[0] must be a GPU or MTIA tensor")."""
+    for path, module_plan in plan.plan.items():
+        features = {c.name: c.feature_names[0] for c in table_configs(collections[path])}
+        for kind in (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value):
+            rows: dict[int, int] = {}
+            for ps in module_plan.values():
+                if ps.sharding_type == kind and ps.sharding_spec is not None:
+                    for m in cast(EnumerableShardingSpec, ps.sharding_spec).shards:
+                        rows[m.placement.rank()] = rows.get(m.placement.rank(), 0) + m.shard_sizes[0]
+            empty = sorted(r for r, n in rows.items() if n == 0)
+            if empty:
+                small = [features[t] for t, ps in module_plan.items() if ps.sharding_type == kind]
+                raise ConfigError(
+                    f"distributed: {kind} leaves rank(s) {empty} no rows of tables {small}: TorchRec cuts a "
+                    "table into blocks of ceil(rows / ranks) rows, and fbgemm's CPU lookup fails on a rank "
+                    f"with none; give them another type (e.g. distributed.tables.{small[0]}={{type: table_wise}}) "
+                    "or train on fewer ranks"
+                )
 
 
 def _tables_in_order(
