@@ -53,6 +53,16 @@ def test_overrides_are_typed():
     assert cfg.train.max_steps == 7 and cfg.train.dense_optimizer.lr == 0.01 and cfg.model.name == "dlrm"
 
 
+@pytest.mark.parametrize(
+    "override", ["train.batch_size=[1", "model.mlp=a: b: c", "data.schema.sparse=[{name:"]
+)
+def test_an_override_that_is_not_yaml_is_one_line_naming_it(override):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "frappe.yaml", [override])
+    assert str(e.value).startswith(f"override '{override}': the value is not valid YAML (")
+    assert "\n" not in str(e.value)
+
+
 def base() -> dict:
     return {"data": {"format": "synthetic"}, "model": {"name": "wukong"}}
 

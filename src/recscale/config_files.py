@@ -30,12 +30,16 @@ def load_yaml(text: str | bytes) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """What the YAML parser expected, in a few words."""
+    return getattr(e, "problem", None) or str(e).splitlines()[0]
+
+
 def yaml_error(path: Path, e: yaml.YAMLError) -> str:
     """One line for a YAML syntax error: file:line:column and what the parser expected."""
     mark = getattr(e, "problem_mark", None)
     where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-    return f"{where}: not valid YAML ({problem}); fix the file's indentation or quoting there"
+    return f"{where}: not valid YAML ({yaml_problem(e)}); fix the file's indentation or quoting there"
 
 
 def read_yaml_mapping(path: Path, what: str = "a config") -> dict:
@@ -106,5 +110,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ConfigError(f"override '{item}': '{p}' is not a section")
             node = child
-        node[parts[-1]] = load_yaml(value)
+        try:
+            node[parts[-1]] = load_yaml(value)
+        except yaml.YAMLError as e:
+            raise ConfigError(
+                f"override '{item}': the value is not valid YAML ({yaml_problem(e)}); "
+                "quote it or fix its brackets, e.g. 'model.embedding.dense_hidden=[64, 32]'"
+            ) from None
     return raw
