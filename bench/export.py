@@ -18,8 +18,8 @@ import torch
 from report_files import write_report
 from safetensors.torch import load_file
 
-from recscale.cli import _quiet
 from recscale.distributed.env import shutdown
+from recscale.quiet import quiet_upstream
 from recscale.serve.artifact import WEIGHTS, artifact_bytes
 from recscale.serve.export import export_run
 from recscale.serve.scorer import Scorer
@@ -48,7 +48,7 @@ def main() -> None:
     p.add_argument("--data", required=True, type=Path)
     p.add_argument("--out", type=Path, help="write OUT.md and OUT.csv")
     args = p.parse_args()
-    _quiet()
+    quiet_upstream()
     rows = []
     with tempfile.TemporaryDirectory(prefix="recscale-bench-export-") as tmp:
         reference = eval_run(args.run_dir, str(args.data))

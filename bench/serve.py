@@ -46,9 +46,9 @@ import pyarrow as pa
 import torch
 from report_files import write_report
 
-from recscale.cli import _quiet
 from recscale.data.readers import read_batches
 from recscale.data.schema import LABEL
+from recscale.quiet import quiet_upstream
 from recscale.serve.scorer import Scorer
 
 HEADERS = {"Content-Type": "application/json"}
@@ -183,7 +183,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, help="open loop: offer this fraction of the offline rows/s")
     p.add_argument("--out", type=Path, help="write OUT.md and OUT.csv")
     args = p.parse_args()
-    _quiet()
+    quiet_upstream()
     scorer = Scorer(args.model_dir)
     most = max(args.rows_per_request) * args.requests
     rows, probs, offline_rate = offline(scorer, args.data, most)

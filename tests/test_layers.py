@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"config_files"},
     {"retrieval"},  # two-tower models and in-model item indexes, built from models' blocks
     {"data", "models"},  # siblings: data knows nothing of models, models nothing of data
-    {"errors", "io", "settings"},  # the base of config sections
+    {"errors", "io", "quiet", "settings"},  # the base of config sections
 ]
 
 

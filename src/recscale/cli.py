@@ -8,45 +8,12 @@ import json
 import math
 import os
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 from recscale.errors import RecscaleError
-
-# Upstream notices a user cannot act on (ShardedTensor and torch.jit deprecations inside TorchRec,
-# fbgemm and DCP); every other warning, recscale's own included, reaches the user.
-_NOISY = (
-    (FutureWarning, r"torch\.distributed\.checkpoint|torchrec"),
-    (DeprecationWarning, r"torch\.jit|fbgemm_gpu|torchrec|torchmetrics"),
-)
-
-
-def _quiet() -> None:
-    for category, module in _NOISY:
-        warnings.filterwarnings("ignore", category=category, module=module)
-    # Raised (from torch.autograd) on every backward through fbgemm's dense (replicated-table) lookup. Its
-    # gradients are right: data_parallel tables train alike with one or N ranks (tests/test_distributed.py).
-    warnings.filterwarnings(
-        "ignore", r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel", UserWarning
-    )
-    # Collectives TorchRec's row-wise reduce-scatter and FSDP2 call, deprecated in torch: each rank warned once.
-    warnings.filterwarnings(
-        "ignore",
-        r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
-        FutureWarning,
-    )
-    # TorchRec's sharded tables are ShardedTensors; torch warns wherever one is touched (export, checkpoints).
-    warnings.filterwarnings(
-        "ignore", r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning
-    )
-    import logging
-
-    for name in ("torchrec", "torch.distributed", "torch.fx", "fbgemm_gpu"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-
+from recscale.quiet import quiet_upstream
 
 LOST_PEER_EXIT = 3  # the exit code of a rank that failed because another rank did
 
@@ -582,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help, or a usage error already printed as one line
         return int(e.code or 0)
     args.debug = debug  # the ranks of train --nproc show their tracebacks too
-    _quiet()
+    quiet_upstream()
     try:
         args.fn(args)
     except KeyboardInterrupt:

@@ -42,6 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from recscale.errors import DataError
+from recscale.quiet import quiet_upstream
 from recscale.retrieval.pipeline import RetrieveRank
 from recscale.serve.retrieval_artifact import Catalog, is_retrieval_dir, load_retriever, recommend
 from recscale.serve.rows import RequestError
@@ -284,6 +285,7 @@ class _WorkerApp:
     opts: ServeOptions
 
     def __call__(self) -> FastAPI:
+        quiet_upstream()  # a spawned process: the CLI's filters are not inherited
         _set_threads(self.opts)
         return build_app(Path(self.model_dir), self.max_rows, self.opts)[0]
 
