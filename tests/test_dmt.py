@@ -374,15 +374,23 @@ def test_tower_modules_compress_to_ceil_n_over_ratio():
         validate_config({**_cfg({"type": "identity", "compression": 2})})
 
 
-def test_towers_other_than_hosts_is_one_line(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "launch, hosts", [([], "1 host"), (["--nproc", "4", "--local-world-size", "2"], "2 hosts")]
+)
+def test_towers_other_than_hosts_is_one_line(tmp_path, capsys, launch, hosts):
+    """Under --nproc it is checked before the launch: every rank used to print it, then 'rank N exited'."""
     from recscale.cli import main
 
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
     small = ["data.synthetic.rows.train=256", "data.synthetic.rows.valid=64", "data.synthetic.rows.test=64",
              "data.num_workers=0", "train.batch_size=64", "train.progress=false"]  # fmt: skip
-    assert main(["train", str(demo), *small, "dmt.towers=3", "--out", str(tmp_path / "run")]) == 2
+    assert main(["train", str(demo), *small, "dmt.towers=3", *launch, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "error: dmt.towers=3: DMT runs one tower per host and this job has 1 hosts"
+    assert err == (
+        f"error: dmt.towers=3: DMT runs one tower per host and this job has {hosts}; set dmt.towers=auto "
+        "or run it on 3 hosts (e.g. --nproc 6 --local-world-size 2)"
+    )
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.dist

@@ -50,6 +50,7 @@ def print_report(report: dict) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from recscale.config import load_config
+    from recscale.distributed.dmt.build import check_topology
     from recscale.distributed.env import shutdown
     from recscale.distributed.launch import host_split
     from recscale.train.loop import Trainer, check_batch_split, check_run_dir
@@ -70,8 +71,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     else:
         cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:  # checked once, here, rather than by every rank after the launch
-        host_split(args.nproc, args.local_world_size)
+        hosts, _ = host_split(args.nproc, args.local_world_size)
         check_batch_split(cfg, args.nproc)
+        if cfg.dmt is not None:
+            check_topology(cfg, hosts)
         check_run_dir(out, cfg, args.resume)
         _launch(args, out)
         return

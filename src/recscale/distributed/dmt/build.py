@@ -71,14 +71,22 @@ class UnshardedDMT:
     dense_flops: int  # forward FLOPs per example of the top and every tower's module
 
 
-def build_unsharded(cfg: RunConfig, features: FeatureSet, hosts: int) -> UnshardedDMT:
+def check_topology(cfg: RunConfig, hosts: int) -> None:
+    """The run's ``dmt`` section can train on ``hosts`` hosts (the launcher checks it before starting ranks)."""
     assert cfg.dmt is not None
     _check(cfg)
-    dmt, emb = cfg.dmt, cfg.model.embedding
-    if dmt.towers != "auto" and dmt.towers != hosts:
+    if cfg.dmt.towers != "auto" and cfg.dmt.towers != hosts:
         raise ConfigError(
-            f"dmt.towers={dmt.towers}: DMT runs one tower per host and this job has {hosts} hosts"
+            f"dmt.towers={cfg.dmt.towers}: DMT runs one tower per host and this job has {hosts} "
+            f"host{'s' * (hosts != 1)}; set dmt.towers=auto or run it on {cfg.dmt.towers} hosts "
+            f"(e.g. --nproc {2 * cfg.dmt.towers} --local-world-size 2)"
         )
+
+
+def build_unsharded(cfg: RunConfig, features: FeatureSet, hosts: int) -> UnshardedDMT:
+    assert cfg.dmt is not None
+    check_topology(cfg, hosts)
+    dmt, emb = cfg.dmt, cfg.model.embedding
     towers = resolve_assignment(dmt.assignment, [f.name for f in features.sparse], hosts, cfg.seed)
     torch.manual_seed(cfg.seed)
     flat = build_model(cfg.model.name, features, emb, cfg.model.params)
