@@ -1,13 +1,15 @@
 """User mistakes reach the user as one line on stderr and exit code 2, never a traceback."""
 
+import argparse
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from recscale.cli import main
+from recscale.cli import build_parser, main
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 FRAPPE_HEADER = "label,user,item,daytime,weekday,isweekend,homework,cost,weather,country,city"
@@ -71,6 +73,27 @@ def test_help_for_each_command():
             [sys.executable, "-m", "recscale.cli", *argv, "--help"], capture_output=True, text=True
         )
         assert r.returncode == 0 and "usage: recscale" in r.stdout
+
+
+def _options(
+    parser: argparse.ArgumentParser, prog: str = "recscale"
+) -> Iterator[tuple[str, argparse.Action]]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, f"{prog} {name}")
+        elif action.option_strings:
+            yield prog, action
+
+
+def test_every_option_with_a_default_says_it_in_its_help():
+    """retrieval build's --index, --epochs, ..., dmt partition's --tolerance and --rows hid their defaults."""
+    silent = [
+        f"{prog} {action.option_strings[-1]}"
+        for prog, action in _options(build_parser())
+        if action.default not in (None, False, [], argparse.SUPPRESS) and "default" not in (action.help or "")
+    ]
+    assert not silent
 
 
 def test_sparse_optimizer_without_a_cpu_kernel_is_a_clear_error(tmp_path, capsys):

@@ -345,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-restarts",
         type=_int_in(0),
         default=0,
-        help="with --nproc: restart the ranks this often after a failure, resuming from the last checkpoint",
+        help="with --nproc: restart the ranks this often after a failure, resuming from the last checkpoint "
+        "(default 0)",
     )
     t.set_defaults(fn=cmd_train)
 
@@ -369,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="table storage: int8/int4 are fbgemm row-wise quantized (default fp32)")  # fmt: skip
     x.add_argument("--dense", choices=["fp32", "bf16", "int8"], default="fp32",
                    help="dense weights: bf16 stores them in bfloat16 and scores under bf16 autocast; int8 "
-                        "stores each weight matrix row-wise int8 (fp32 scale per row) and scores in fp32")  # fmt: skip
+                        "stores each weight matrix row-wise int8 (fp32 scale per row) and scores in fp32 (default fp32)")  # fmt: skip
     x.set_defaults(fn=cmd_export)
 
     sv = sub.add_parser("serve", help="serve an exported model over HTTP: POST /score, GET /healthz, /readyz",
@@ -377,7 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     '{"scores": [p, ...]} in row order; a retrieval model (recscale retrieval '
                                     'build) answers POST /retrieve {"users": [...]} instead (docs/SERVING.md).')  # fmt: skip
     sv.add_argument("model_dir")
-    sv.add_argument("--port", type=_int_in(0, 65535), default=8000)
+    sv.add_argument(
+        "--port", type=_int_in(0, 65535), default=8000, help="port to listen on (default 8000; 0: a free one)"
+    )
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument(
         "--max-batch", type=_int_in(1), default=1024, help="rows scored together at most (default 1024)"
@@ -409,13 +412,15 @@ def build_parser() -> argparse.ArgumentParser:
                                       "Bloom filter of the train positives, a ranker on the train ratings.")  # fmt: skip
     rb.add_argument("data", help="MovieLens-100k RecBole atomic files (.inter, .user, .item)")
     rb.add_argument("--out", required=True, help="model directory to write")
-    rb.add_argument("--index", choices=["exact", "int8", "ivf", "ivf-int8"], default="int8")
-    rb.add_argument("--epochs", type=_int_in(1), default=5)
-    rb.add_argument("--seed", type=_int_in(0), default=0)
+    rb.add_argument("--index", choices=["exact", "int8", "ivf", "ivf-int8"], default="int8",
+                    help="item index: fp32 rows, int8 rows, or IVF lists of either (default int8)")  # fmt: skip
     rb.add_argument(
-        "--candidates", type=_int_in(1), default=100, help="items the index retrieves for the ranker"
+        "--epochs", type=_int_in(1), default=5, help="epochs of the towers and of the ranker (default 5)"
     )
-    rb.add_argument("--k", type=_int_in(1), default=10, help="items returned per user")
+    rb.add_argument("--seed", type=_int_in(0), default=0, help="seed of the whole build (default 0)")
+    rb.add_argument("--candidates", type=_int_in(1), default=100,
+                    help="items the index retrieves for the ranker (default 100)")  # fmt: skip
+    rb.add_argument("--k", type=_int_in(1), default=10, help="items returned per user (default 10)")
     rb.set_defaults(fn=cmd_retrieval_build)
     rq = rtsub.add_parser(
         "query", help="top items of users (raw ids) from a built model; prints one JSON line"
@@ -488,10 +493,10 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument(
         "--towers", type=_int_in(1), required=True, help="number of towers (= hosts of the DMT run)"
     )
-    dp.add_argument(
-        "--tolerance", type=_float_from(0), default=0.25, help="allowed load above the mean per tower"
-    )
-    dp.add_argument("--rows", type=_int_in(1), default=4096, help="training rows to measure the affinity on")
+    dp.add_argument("--tolerance", type=_float_from(0), default=0.25,
+                    help="allowed load above the mean per tower, as a fraction of it (default 0.25)")  # fmt: skip
+    dp.add_argument("--rows", type=_int_in(1), default=4096,
+                    help="training rows to measure the affinity on (default 4096)")  # fmt: skip
     dp.add_argument("--out", help="assignment JSON (default RUN_DIR/dmt_towers_K.json)")
     dp.set_defaults(fn=cmd_dmt_partition)
 
@@ -503,7 +508,10 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("run_dir")
     pp.add_argument("--data", help="calibrate on this file (default: the run's valid split)")
     pp.add_argument(
-        "--rows", type=_int_in(1), default=16384, help="calibration rows (a seeded random subset)"
+        "--rows",
+        type=_int_in(1),
+        default=16384,
+        help="calibration rows, a seeded random subset (default 16384)",
     )
     pp.add_argument(
         "--formats", nargs="+", metavar="FMT", help="formats to probe (default: the six MX formats)"
