@@ -274,11 +274,11 @@ def test_upstream_deprecated_collectives_do_not_warn(name):
     notice (4 lines of 2 ranks), which the user cannot act on."""
     import warnings
 
-    from recscale.cli import _quiet
+    from recscale.quiet import quiet_upstream
 
     with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")  # what reaches a user; _quiet's filters go before it
-        _quiet()
+        warnings.simplefilter("always")  # what reaches a user; quiet_upstream's filters go before it
+        quiet_upstream()
         message = f"`torch.distributed.{name}` is deprecated. Please use `torch.distributed.x` instead."
         warnings.warn_explicit(message, FutureWarning, "c10d_logger.py", 83, "torch.distributed.c10d_logger")
     assert not seen
