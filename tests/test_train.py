@@ -505,3 +505,16 @@ def test_reuse_memory_serves_large_blocks_from_the_heap(mode, mmapped):
         [sys.executable, "-c", _MMAPPED_BLOCKS, mode], capture_output=True, text=True, check=True
     )
     assert int(out.stdout.split()[-1]) == mmapped
+
+
+def test_a_resume_below_the_runs_step_is_refused(tmp_path):
+    """Resumed at step 8 with max_steps=4 it trained nothing, exited 0 with an examples/s of nothing, and
+    rewrote config.yaml with max_steps 4."""
+    common = [*SMALL_SYNTH, "train.eval_every=4"]
+    Trainer(load_config(CONFIGS / "demo.yaml", [*common, "train.max_steps=8"]), tmp_path / "r").fit()
+    before = (tmp_path / "r" / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match="the run is at step 8, past the 4 steps train.max_steps=4"):
+        Trainer(
+            load_config(CONFIGS / "demo.yaml", [*common, "train.max_steps=4"]), tmp_path / "r", resume=True
+        )
+    assert (tmp_path / "r" / "config.yaml").read_text() == before

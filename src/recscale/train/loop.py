@@ -234,6 +234,13 @@ class Trainer:
                     f"{ckpts[-1] / 'state.json'}: does not fit this run ({type(e).__name__}: {str(e)[:120]}); "
                     "the checkpoint is damaged: restore it or delete it"
                 ) from None
+            if self.progress.step > self.total_steps:  # it would train nothing and report the old model
+                t = self.cfg.train
+                raise ConfigError(
+                    f"the run is at step {self.progress.step}, past the {self.total_steps} steps "
+                    f"train.max_steps={t.max_steps} and train.epochs={t.epochs} give; a resume only "
+                    "continues a run: give a larger train.max_steps or train.epochs"
+                )
             if self.main:
                 p, why = self.progress, f"restart {self.env.restart_count} after a failed rank: "
                 print(f"{why if self.env.restart_count else ''}resumed from {ckpts[-1]} "
