@@ -67,6 +67,21 @@ def test_skip_counts_dropped_rows(tmp_path, capsys):
     assert report["skipped_rows"]["train"] == 2 and report["valid"]["rows"] == 64
 
 
+def test_eval_on_a_bad_row_names_its_own_option(tmp_path, capsys):
+    """eval's error named data.on_bad_row, which eval takes no overrides for."""
+    train = frappe_like(tmp_path / "train.csv", GOOD)
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), "--out", str(tmp_path / "run"),
+                       f"data.train={train}", f"data.valid={train}", "train.max_steps=2", "train.batch_size=16",
+                       "train.progress=false", "model.name=lr")  # fmt: skip
+    assert code == 0, err
+    bad = frappe_like(tmp_path / "bad.csv", [*GOOD, "x,1,2,3,4,5,6,7,8,9,10"])
+    code, _, err = run(capsys, "eval", str(tmp_path / "run"), "--data", str(bad))
+    assert code == 2 and "bad.csv line 66" in err and "(pass --on-bad-row skip to drop such rows)" in err, err
+    code, out, err = run(capsys, "eval", str(tmp_path / "run"), "--data", str(bad), "--on-bad-row", "skip")
+    assert code == 0, err
+    assert json.loads(out)["skipped_rows"] == 1 and json.loads(out)["rows"] == 64
+
+
 def test_help_for_each_command():
     for argv in ([], ["train"], ["eval"], ["data", "inspect"], ["data", "prepare"], ["export"], ["serve"]):
         r = subprocess.run(

@@ -103,7 +103,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from recscale.io import strict_json
     from recscale.train.runs import eval_run
 
-    print(strict_json(eval_run(Path(args.run_dir), args.data, args.format)))
+    print(strict_json(eval_run(Path(args.run_dir), args.data, args.format, on_bad_row=args.on_bad_row)))
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -357,6 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="file in the same format as the run's training data (a synthetic run: its own test split)",
     )
     e.add_argument("--format", help="override the data format (default: the run's)")
+    e.add_argument(
+        "--on-bad-row",
+        choices=["error", "skip"],
+        help="stop at a bad row, or drop and count them (skipped_rows); default: the run's data.on_bad_row",
+    )
     e.set_defaults(fn=cmd_eval)
 
     x = sub.add_parser("export", help="write a trained run as a self-contained model directory for serving",

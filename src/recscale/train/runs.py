@@ -18,6 +18,7 @@ from recscale.config_files import apply_overrides, read_yaml_mapping
 from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
+from recscale.data.readers.base import SKIP_HINT, OnBadRow
 from recscale.distributed.env import init_distributed
 from recscale.errors import CheckpointError, ConfigError, DataError, RecscaleError
 from recscale.models.base import RecModel
@@ -153,10 +154,15 @@ def load_training_sample(
 
 
 def eval_run(
-    run_dir: Path, data_path: str | None, fmt: str | None = None, split: str = "test"
+    run_dir: Path,
+    data_path: str | None,
+    fmt: str | None = None,
+    split: str = "test",
+    on_bad_row: OnBadRow | None = None,
 ) -> dict[str, float]:
     """Score the run's best (else latest) model on another file of the same format; a run on
-    synthetic data, without a file, on its own synthetic ``split``."""
+    synthetic data, without a file, on its own synthetic ``split``. Bad rows as ``on_bad_row`` says
+    (default: as the run read its data)."""
     run_config(run_dir)  # a directory that is not a run is named first
     # A file, or a directory where the format reads one (MovieLens); the readers name a wrong kind of path.
     if data_path is not None and not Path(data_path).exists():
@@ -181,9 +187,14 @@ def eval_run(
             f"{run_dir} was trained on synthetic data whose data.synthetic.rows has no {split} split "
             f"(it has {', '.join(rows)}); train a run with {split} rows to score one"
         )
-    data = cfg.data.model_copy(update={"format": fmt or cfg.data.format})
+    data = cfg.data.model_copy(
+        update={"format": fmt or cfg.data.format, "on_bad_row": on_bad_row or cfg.data.on_bad_row}
+    )
     with tempfile.TemporaryDirectory(prefix="recscale-eval-") as tmp:
-        ds, stats = prepare_split(data, pre, split, data_path, Path(tmp) / "eval", progress=False)
+        try:
+            ds, stats = prepare_split(data, pre, split, data_path, Path(tmp) / "eval", progress=False)
+        except DataError as e:  # the readers' hint names a config key, which eval takes no overrides for
+            raise DataError(str(e).replace(SKIP_HINT, "(pass --on-bad-row skip to drop such rows)")) from None
         m = evaluate(built.module, ds, EVAL_BATCH_SIZE, 0, cfg.train.precision)
     if stats.skipped:
         m["skipped_rows"] = stats.skipped
