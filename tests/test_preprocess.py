@@ -1,4 +1,8 @@
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -387,3 +391,49 @@ def test_a_batch_that_does_not_split_evenly_gives_every_rank_rows(rows, world):
     sizes = [len(p[0]) for p in parts]
     assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
     assert sorted(np.concatenate([p[0] for p in parts]).tolist()) == list(range(rows))
+
+
+_FORK_WITH_A_LOCK_HELD = """
+import gc, sys, threading
+from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
+
+lock, held, release = threading.Lock(), threading.Event(), threading.Event()
+
+def hold():
+    with lock:
+        held.set()
+        release.wait()
+
+class Cycle:  # garbage whose finalizer takes the lock, as objects of TensorBoard's writer or a pool may
+    def __del__(self):
+        with lock:
+            pass
+
+gc.disable()  # so that the parent keeps the cycle uncollected until the workers have forked
+c = Cycle()
+c.me = c
+del c
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+gather = ArrayDataset.gather_arrays
+ArrayDataset.gather_arrays = lambda self, idx: (gc.collect(), gather(self, idx))[1]  # a worker's GC runs
+ds = ArrayDataset(sys.argv[1])
+n = sum(1 for _ in iterate(ds, epoch_batches(5, 2, shuffle=False, seed=0, epoch=0, drop_last=False), 1))
+release.set()
+print(n)
+"""
+
+
+def test_a_loader_worker_never_collects_the_parents_garbage(tmp_path):
+    """A worker forked while another thread held a lock, collecting garbage it inherited whose finalizer
+    takes that lock, waited forever: a loader worker hung in tests/test_cli.py under load."""
+    fit(TRAIN, tmp_path)
+    script = [sys.executable, "-c", _FORK_WITH_A_LOCK_HELD, str(tmp_path / "split")]
+    with subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as p:  # fmt: skip
+        try:
+            out, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)  # the hung worker too
+            pytest.fail("the loader's worker hung collecting the parent's garbage")
+    assert p.returncode == 0 and out.split() == ["3"], err[-2000:]

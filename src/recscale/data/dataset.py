@@ -17,6 +17,7 @@ Layout of a materialised split directory::
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,5 +217,13 @@ def iterate(ds: ArrayDataset, batches: list[np.ndarray], num_workers: int = 0) -
         prefetch_factor=4,
         persistent_workers=False,
     )
-    for arrays in loader:
+    # The workers fork with the parent's objects frozen, so their garbage collection never runs a finalizer
+    # of an object the parent held: one that takes a lock another parent thread held at the fork (TensorBoard's
+    # writer, a pool's) would wait forever, and the loader with it.
+    gc.freeze()
+    try:
+        arrays_of = iter(loader)
+    finally:
+        gc.unfreeze()
+    for arrays in arrays_of:
         yield ds.to_batch(arrays)
