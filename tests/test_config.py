@@ -63,6 +63,11 @@ def test_an_override_that_is_not_yaml_is_one_line_naming_it(override):
     assert "\n" not in str(e.value)
 
 
+def _holding_itself(items: list) -> list:
+    items.append(items)
+    return items
+
+
 def base() -> dict:
     return {"data": {"format": "synthetic"}, "model": {"name": "wukong"}}
 
@@ -89,6 +94,28 @@ def base() -> dict:
             {"data": {"format": "synthetic", "synthetic": {"teacher": {"kind": "deep", "num_layers": True}}}},
             ["data.synthetic.teacher.num_layers: expected a number, not true"],
         ),
+        # ...also inside a list or mapping of numbers: this was a hidden layer of width 1, a rows count of 1
+        (
+            {"model": {"name": "dlrm", "top_mlp": [True, 64]}},
+            ["model.top_mlp: expected numbers, got true"],
+        ),
+        (
+            {"data": {"format": "synthetic", "synthetic": {"rows": {"train": 100, "valid": True}}}},
+            ["data.synthetic.rows: expected numbers, got true"],
+        ),
+        # A YAML alias (&a [true, *a]) makes a list that holds itself: the search for a boolean ends
+        (
+            {"model": {"name": "dlrm", "top_mlp": _holding_itself([True])}},
+            ["model.top_mlp: expected numbers, got true"],
+        ),
+        (
+            {"model": {"name": "dlrm", "top_mlp": _holding_itself([])}},
+            ["model.top_mlp.0: Input should be a valid integer"],
+        ),
+        (  # the sequence encoder's section was a plain pydantic model, without the config's checks
+            {"model": {"name": "lr", "embedding": {"sequence": {"layers": True}}}},
+            ["model.embedding.sequence.layers: expected a number, not true"],
+        ),
         # a check of the model's parameters together was named 'model.config', a key that does not exist
         ({"model": {"name": "dhen", "modules": ["dot", "dot"]}}, ["invalid config: model: DHEN modules"]),
         (  # the learned planner's cap was dropped without a word under another sharding
@@ -106,6 +133,29 @@ def test_config_errors_name_the_key(patch, words):
     assert "\n" not in msg
     for w in words:
         assert w in msg
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        # The readers' options were plain pydantic models, checked only when the first file was read: a
+        # threshold of true (1.0) made every rating a click, one of inf none.
+        ("data.options.rating_threshold=true", "data.options.rating_threshold: expected a number, not true"),
+        (
+            "data.options.rating_threshold=.inf",
+            "data.options.rating_threshold: Input should be a finite number",
+        ),
+        (
+            "data.options.fractions=[true,false,false]",
+            "data.options.fractions: expected numbers, got true",
+        ),
+        ("data.options.ratng=3", "data.options.ratng: unknown key for format 'movielens'"),
+    ],
+)
+def test_data_options_are_checked_with_the_config(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "movielens.yaml", [override])
+    assert words in str(e.value) and "\n" not in str(e.value)
 
 
 def test_missing_and_broken_files(tmp_path):

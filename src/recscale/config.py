@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from recscale.config_files import apply_overrides, load_raw
+from recscale.data.readers import validate_options
 from recscale.data.schema import Schema
 from recscale.data.synthetic import SyntheticSpec
 from recscale.errors import ConfigError
@@ -356,6 +357,8 @@ def validate_config(raw: dict) -> RunConfig:
     except ValidationError as e:
         section = "model" if e.title != "RunConfig" else ""
         raise ConfigError(f"invalid config: {format_validation_error(e, section)}") from None
+    if cfg.data.format != "synthetic":  # checked now, not when the first file is read
+        validate_options(cfg.data.format, cfg.data.options)
     return cfg
 
 

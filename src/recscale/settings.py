@@ -15,18 +15,32 @@ def _admits(annotation: Any, kinds: tuple[type, ...]) -> bool:
     return any(_admits(a, kinds) for a in get_args(annotation))
 
 
+def _first_bool(value: Any, seen: frozenset[int] = frozenset()) -> bool | None:
+    """The first boolean in ``value``, itself or at any depth of its lists, tuples and mappings (which YAML
+    aliases can make hold themselves); None when it holds none."""
+    if isinstance(value, list | tuple | dict) and id(value) not in seen:
+        for v in value.values() if isinstance(value, dict) else value:
+            if (found := _first_bool(v, seen | {id(value)})) is not None:
+                return found
+    return value if isinstance(value, bool) else None
+
+
 class Settings(BaseModel):
     """Unknown keys are errors; numbers are finite (inf is no learning rate, decay or tolerance: a run
-    would train to NaN and exit 0) and are not booleans (pydantic reads ``max_steps: true`` as 1)."""
+    would train to NaN and exit 0) and are not booleans (pydantic reads ``max_steps: true`` as 1), also
+    inside lists and mappings (``top_mlp: [true, 64]`` was a layer of width 1)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool) and info.field_name is not None:
+        if info.field_name is not None and (found := _first_bool(value)) is not None:
             annotation = cls.model_fields[info.field_name].annotation
             # Where no number goes either (a name, a list), pydantic's own error names the type wanted.
             if _admits(annotation, (int, float)) and not _admits(annotation, (bool,)):
-                raise ValueError(f"expected a number, not {str(value).lower()}")
+                text = str(found).lower()  # as YAML writes it
+                raise ValueError(
+                    f"expected a number, not {text}" if value is found else f"expected numbers, got {text}"
+                )
         return value

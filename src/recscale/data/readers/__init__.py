@@ -52,8 +52,11 @@ def validate_options(fmt: str, options: dict | None) -> pydantic.BaseModel:
         return options_model(fmt).model_validate(options or {})
     except pydantic.ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "options"
-        raise ConfigError(f"data options for format '{fmt}': {where}: {first['msg']}") from None
+        where = ".".join(str(p) for p in ("data.options", *first["loc"]))
+        msg = f"{first['msg'].removeprefix('Value error, ')} (format '{fmt}')"
+        if first["type"] == "extra_forbidden":
+            msg = f"unknown key for format '{fmt}' (its options: {', '.join(options_model(fmt).model_fields) or 'none'})"
+        raise ConfigError(f"{where}: {msg}") from None
 
 
 def read_batches(

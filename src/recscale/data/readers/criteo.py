@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict
 
 from recscale.data.readers.base import (
     BadRows,
@@ -24,14 +23,13 @@ from recscale.data.readers.text import (
     iter_converted,
 )
 from recscale.data.schema import Schema
+from recscale.settings import Settings
 
 COLUMNS = ["label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27))]
 
 
-class Options(BaseModel):
+class Options(Settings):
     """``data.options`` for ``format: criteo``: none, the layout is fixed."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator[pa.RecordBatch]:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from recscale.data.readers.base import (
     BadRows,
@@ -26,12 +26,11 @@ from recscale.data.readers.text import (
     read_header,
 )
 from recscale.data.schema import Schema
+from recscale.settings import Settings
 
 
-class Options(BaseModel):
+class Options(Settings):
     """``data.options`` for ``format: csv``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     delimiter: str = Field(",", min_length=1, max_length=1)
 

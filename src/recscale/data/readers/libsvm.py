@@ -22,7 +22,6 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import BaseModel, ConfigDict
 
 from recscale.data.readers.base import (
     BadRows,
@@ -38,6 +37,7 @@ from recscale.data.readers.text import (
 )
 from recscale.data.schema import Schema
 from recscale.errors import DataError
+from recscale.settings import Settings
 
 # Whitespace as pyarrow's ascii_split_whitespace sees it, and a piece of a token.
 SPACE, PIECE = r"[\t\n\v\f\r ]", r"[^\t\n\v\f\r :]+"
@@ -46,10 +46,8 @@ TOKEN_RE = rf"{PIECE}:{PIECE}"
 LINE_RE = rf"^{PIECE}({SPACE}+{TOKEN_RE})*$"
 
 
-class Options(BaseModel):
+class Options(Settings):
     """``data.options`` for ``format: libsvm``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     mode: Literal["fields", "bag"] = "fields"
 

@@ -39,7 +39,7 @@ from typing import Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import model_validator
 
 from recscale.data.readers.base import (
     BadRows,
@@ -57,6 +57,7 @@ from recscale.data.readers.text import (
 )
 from recscale.data.schema import Schema
 from recscale.errors import DataError
+from recscale.settings import Settings
 
 KEYS = {"user": "user_id", "item": "item_id"}
 # Derived sequence features: name -> whether only ratings >= rating_threshold count.
@@ -66,10 +67,8 @@ RATING, TIMESTAMP = "rating", "timestamp"
 EMPTY_IDS = pa.scalar([], pa.list_(pa.string()))
 
 
-class Options(BaseModel):
+class Options(Settings):
     """``data.options`` for ``format: movielens``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     rating_threshold: float = 4.0
     split: Literal["train", "valid", "test", "all"] = "train"

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict
 
 from recscale.data.readers.base import (
     BadRows,
@@ -32,12 +31,11 @@ from recscale.data.readers.base import (
 from recscale.data.readers.csv import source_columns
 from recscale.data.schema import WEIGHT_SUFFIX, Schema
 from recscale.errors import DataError
+from recscale.settings import Settings
 
 
-class Options(BaseModel):
+class Options(Settings):
     """``data.options`` for ``format: parquet``: none."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 def read(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-import pydantic
 import torch
 from pydantic import Field
 from torch import Tensor, nn
@@ -25,9 +24,10 @@ from torch.nn import functional as F
 
 from recscale.models.blocks.mlp import MLP, Widths
 from recscale.models.flops import linear_flops, matmul_flops
+from recscale.settings import Settings
 
 
-class SequenceConfig(pydantic.BaseModel, extra="forbid"):
+class SequenceConfig(Settings):
     """``model.embedding.sequence``: how each sequence feature becomes one vector of X0."""
 
     # din: target attention over the embedded ids; causal: causal transformer blocks, last state;
