@@ -423,6 +423,17 @@ def test_bad_lengths_are_one_line_errors(tmp_path, capsys, lengths, message):
     assert message in err and "wukong" in err and len(err.strip().splitlines()) == 1
 
 
+def test_boolean_seeds_are_refused(tmp_path, capsys):
+    """The sweep file was a plain pydantic model: seeds: [true] trained seed 1 without a word."""
+    path = write_sweep(tmp_path, LENGTHS)
+    spec = yaml.safe_load(path.read_text())
+    spec["seeds"] = [True]
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "seeds: expected numbers, got true" in err and len(err.strip().splitlines()) == 1
+
+
 def test_runs_are_seed_major(tmp_path):
     """All runs of the first seed come before any of the second, so a study cut short covers every point."""
     path = write_sweep(tmp_path, LENGTHS)

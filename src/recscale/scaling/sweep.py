@@ -43,13 +43,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from recscale.config import RunConfig, format_validation_error, validate_config
 from recscale.config_files import apply_overrides, load_raw, load_yaml, read_yaml_mapping
 from recscale.errors import ConfigError, RecscaleError
 from recscale.io import atomic_write_text
 from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER, mflop_text
+from recscale.settings import Settings
 
 COLUMNS = [
     "family", "run", "point", "seed", "model", "knobs", "dense_params", "sparse_params", "gflop_per_example",
@@ -60,10 +61,8 @@ RESULT = "result.json"
 FAMILY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
-class Family(BaseModel):
+class Family(Settings):
     """One model family: its shared model section and the sizes to train."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: dict[str, Any]
     # The family's own overrides of everything but the data, after the sweep's (e.g. train.precision=fp32
@@ -90,9 +89,7 @@ class Family(BaseModel):
         return self.sizes + (product if keys else [])
 
 
-class SweepConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class SweepConfig(Settings):
     base: str
     overrides: list[str] = []
     out: str = "runs/sweep"
