@@ -533,6 +533,27 @@ def test_disk_full_is_one_line_and_leaves_no_run(ctx: Ctx, tmpfs, capsys) -> Non
     assert not (disk / "run").exists()
 
 
+def test_a_disk_that_fills_mid_write_is_named(tmpfs, capsys) -> None:
+    """A write that fills the disk raises an OSError naming no file: the line said only 'No space left on
+    device', not where. The atomic writers name what they were writing."""
+    from recscale.io import atomic_dir, atomic_write_bytes
+
+    disk = tmpfs("disk", size="64k")
+    with pytest.raises(OSError, match="No space left") as e:
+        atomic_write_bytes(disk / "big.bin", b"\0" * (256 << 10))
+    assert e.value.filename == str(disk / "big.bin")
+    with pytest.raises(OSError, match="No space left") as e:
+        with atomic_dir(disk / "split") as tmp:
+            (tmp / "values.bin").write_bytes(b"\0" * (256 << 10))
+    assert e.value.filename == str(disk / "split")
+    assert sorted(disk.iterdir()) == []  # nothing half-written left
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    rows = "data.synthetic.rows={train: 20000, valid: 100}"
+    assert main(["train", str(demo), "--out", str(disk / "run"), rows, "train.max_steps=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{disk / 'run' / 'data' / 'train'}: No space left on device" in err[0], err
+
+
 def test_read_only_out_is_one_line(ctx: Ctx, tmpfs, capsys) -> None:
     ro = tmpfs("ro", ro=True)
     code = main(["train", str(ctx.cfg), "--out", str(ro / "run")])

@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 def _umask() -> int:
@@ -56,6 +56,14 @@ def _named(path: Path) -> Iterator[None]:
         raise OSError(e.errno, e.strerror, str(path)) from None
 
 
+def _raise_naming(e: BaseException, path: Path) -> NoReturn:
+    """Raise ``e``, or where it is an OSError that names no file (a write to a full disk), one naming
+    ``path``: a one-line error must say where the disk filled."""
+    if isinstance(e, OSError) and e.filename is None and e.errno is not None:
+        raise OSError(e.errno, e.strerror, str(path)) from e
+    raise e
+
+
 def strict_json(obj: Any, indent: int | None = None) -> str:
     """``obj`` as standard JSON, which has no NaN or Infinity: a non-finite float (AUC or NE of labels of
     one class, the loss of a diverged run) is written as null."""
@@ -86,9 +94,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        raise
+        _raise_naming(e, path)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -123,9 +131,9 @@ def atomic_dir(path: Path) -> Iterator[Path]:
         else:
             os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _raise_naming(e, path)
 
 
 @contextmanager
