@@ -1,3 +1,4 @@
+import errno
 import os
 import pickle
 
@@ -53,6 +54,31 @@ def test_save_load_round_trip(tmp_path):
     assert torch.equal(loaded["model"]["w"], torch.arange(6.0).reshape(2, 3))
     assert loaded["optim"]["state"]["w"]["step"].item() == 3.0
     assert loaded["progress"] == {"epoch": 2, "best": None}
+
+
+@pytest.mark.parametrize(
+    ("error", "raised", "words"),
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), OSError, "No space left on device"),
+        # torch's zip writer reports a write that came short (a full disk) as this
+        (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+         CheckpointError, "could not be written ([enforce fail"),
+    ],
+)  # fmt: skip
+def test_a_failed_write_is_an_error_naming_the_checkpoint(tmp_path, monkeypatch, error, raised, words):
+    """DCP wraps a rank's write error in CheckpointException, a BaseException: it went past the CLI's
+    handlers as a traceback. It is an ordinary error naming the checkpoint, and nothing is left of it."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", fail)
+    path = tmp_path / "ckpt" / "step_00000001"
+    with pytest.raises(raised) as e:
+        save_checkpoint(path, state())
+    assert str(path) in str(e.value) and words in str(e.value) and "\n" not in str(e.value)
+    assert list((tmp_path / "ckpt").iterdir()) == []
 
 
 class Evil:

@@ -130,13 +130,33 @@ def save_checkpoint(path: Path, state: dict[str, Any], rank: int = 0) -> None:
         if world > 1:
             dist.barrier()
     except BaseException as e:
+        # DCP's error is a BaseException, which went past the CLI as a traceback; read the disk's free
+        # space before the cleanup below frees what the partial checkpoint took.
+        error = _write_error(path, e) if isinstance(e, CheckpointException) else None
         if rank == 0:
             ctx.__exit__(type(e), e, e.__traceback__)
+        if error is not None:
+            raise error from None
         raise
     if rank == 0:
         ctx.__exit__(None, None, None)
     if world > 1:
         dist.barrier()
+
+
+def _write_error(path: Path, e: CheckpointException) -> Exception:
+    """What a failed DCP write ends the command with: the disk's error (an OSError) naming ``path``, else one
+    line with the first rank's error and the disk's free space (torch's zip writer reports a full disk as
+    'unexpected pos')."""
+    errors = [exc for exc, _ in e.failures.values()]
+    for exc in errors:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return OSError(exc.errno, exc.strerror, str(path))
+    free = shutil.disk_usage(path.parent).free  # save_checkpoint's atomic_dir created the parent
+    return CheckpointError(
+        f"{path}: the checkpoint could not be written ({one_line(errors[0] if errors else e)}; "
+        f"{free:,} bytes free on its disk); free space or fix the disk, then continue with --resume"
+    )
 
 
 # Model buffers added after checkpoints were first written, whose initial value is what an older model
