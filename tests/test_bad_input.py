@@ -547,6 +547,15 @@ def test_a_disk_that_fills_mid_write_is_named(tmpfs, capsys) -> None:
             (tmp / "values.bin").write_bytes(b"\0" * (256 << 10))
     assert e.value.filename == str(disk / "split")
     assert sorted(disk.iterdir()) == []  # nothing half-written left
+    from recscale.train.state import RunLog
+
+    log = RunLog(disk, main=True)
+    with pytest.raises(OSError, match="No space left") as e:
+        log({"split": "train", "step": 1, "note": "x" * (256 << 10)})
+    assert e.value.filename == str(disk / "metrics.jsonl")
+    log.close()
+    shutil.rmtree(disk / "tb")
+    (disk / "metrics.jsonl").unlink()
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
     rows = "data.synthetic.rows={train: 20000, valid: 100}"
     assert main(["train", str(demo), "--out", str(disk / "run"), rows, "train.max_steps=1"]) == 2

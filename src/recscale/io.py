@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 
 def _umask() -> int:
@@ -56,12 +56,16 @@ def _named(path: Path) -> Iterator[None]:
         raise OSError(e.errno, e.strerror, str(path)) from None
 
 
-def _raise_naming(e: BaseException, path: Path) -> NoReturn:
-    """Raise ``e``, or where it is an OSError that names no file (a write to a full disk), one naming
-    ``path``: a one-line error must say where the disk filled."""
-    if isinstance(e, OSError) and e.filename is None and e.errno is not None:
+@contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """An OSError in the block that names no file (a write to a full disk) names ``path`` instead: a
+    one-line error must say where the disk filled."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
         raise OSError(e.errno, e.strerror, str(path)) from e
-    raise e
 
 
 def strict_json(obj: Any, indent: int | None = None) -> str:
@@ -87,16 +91,17 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     with _named(path):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException as e:
+        with naming(path):
+            os.fchmod(fd, FILE_MODE)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+    except BaseException:
         Path(tmp).unlink(missing_ok=True)
-        _raise_naming(e, path)
+        raise
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -115,25 +120,26 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     with _named(path):
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
-        os.chmod(tmp, DIR_MODE)
-        yield tmp
-        for root, _, files in os.walk(tmp):
-            for name in files:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
-                os.fsync(fd)
-                os.close(fd)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException as e:
+        with naming(path):
+            os.chmod(tmp, DIR_MODE)
+            yield tmp
+            for root, _, files in os.walk(tmp):
+                for name in files:
+                    fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                    os.fsync(fd)
+                    os.close(fd)
+            if path.exists():
+                old = path.with_name(f".{path.name}.old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(path, old)
+                os.replace(tmp, path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, path)
+            _fsync_dir(path.parent)
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        _raise_naming(e, path)
+        raise
 
 
 @contextmanager

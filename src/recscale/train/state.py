@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from recscale.config import EarlyStopping
-from recscale.io import atomic_write_text, strict_json
+from recscale.io import atomic_write_text, naming, strict_json
 
 HIGHER_IS_BETTER = {"auc": True, "logloss": False, "ne": False}
 
@@ -82,7 +82,7 @@ class RunLog:
     def __call__(self, record: dict[str, Any]) -> None:
         if self.tb is None:
             return
-        with open(self.path, "a") as f:
+        with naming(self.path), open(self.path, "a") as f:
             f.write(strict_json(record) + "\n")
         for k, v in record.items():
             if isinstance(v, int | float) and k not in ("step", "epoch"):
