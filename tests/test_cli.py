@@ -376,3 +376,37 @@ def test_model_parameters_that_do_not_fit_are_one_config_line(tmp_path, capsys, 
                        *overrides)  # fmt: skip
     assert code == 2 and err.startswith("error: model (") and "internal error" not in err, err
     assert words in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["train", "data prepare", "sweep"])
+def test_a_directory_another_process_writes_is_refused(tmp_path, capsys, command):
+    """Two trainings into one --out at once both exited 0 with one run's config.yaml, the other's
+    report.json and checkpoints, and metrics.jsonl interleaved. The second is refused, and leaves the
+    first's directory alone."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "theirs.txt").write_text("the other process's file")
+    holder = subprocess.Popen(  # holds out as a running command would, until its stdin closes
+        [sys.executable, "-c", f"from recscale.io import Hold; h = Hold({str(out)!r}); print('held', flush=True); input()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        tiny = ["data.synthetic.rows={train: 256, valid: 64}", "train.max_steps=1"]
+        if command == "sweep":
+            sweep = tmp_path / "sweep.yaml"
+            sweep.write_text(
+                f"base: {CONFIGS / 'demo.yaml'}\noverrides: {json.dumps(tiny)}\nout: {out}\n"
+                "families: {lr: {model: {name: lr}, sizes: [{}]}}\n"
+            )
+            argv = ["sweep", str(sweep)]
+        else:
+            argv = [*command.split(), str(CONFIGS / "demo.yaml"), *tiny, "--out", str(out)]
+        code, _, err = run(capsys, *argv)
+    finally:
+        holder.communicate("")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"{out}: in use by another recscale process" in err and "wait for it to finish" in err
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "theirs.txt"]
+    # Once that process has ended, the directory is free.
+    assert run(capsys, "train", str(CONFIGS / "demo.yaml"), *tiny, "--out", str(out))[0] == 0

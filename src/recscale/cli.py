@@ -202,7 +202,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     import time
 
     from recscale.config import load_config
-    from recscale.io import removed_on_failure
+    from recscale.io import Hold, removed_on_failure
     from recscale.train.data import prepare_run_data
 
     cfg = load_config(args.config, args.overrides)
@@ -218,9 +218,11 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         )
     t0 = time.perf_counter()
     with removed_on_failure(out):
-        _, splits, stats = prepare_run_data(
-            cfg.data, out, resume=False, main=True, progress=sys.stderr.isatty()
-        )
+        out.mkdir(parents=True, exist_ok=True)
+        with Hold(out):
+            _, splits, stats = prepare_run_data(
+                cfg.data, out, resume=False, main=True, progress=sys.stderr.isatty()
+            )
     seconds = time.perf_counter() - t0
     for name, ds in splits.items():
         skipped = stats[name].skipped if name in stats else 0
@@ -541,6 +543,7 @@ _OS_HINTS = {
     errno.EEXIST: "it already exists; remove it or choose another path",
     errno.EFBIG: "the file grew past the size this process may write (ulimit -f); raise the limit",
     errno.ENAMETOOLONG: "the path is too long; choose a shorter one",
+    errno.EBUSY: "another recscale command is writing there; wait for it to finish or choose another --out",
 }
 
 

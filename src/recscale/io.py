@@ -1,14 +1,17 @@
-"""Atomic file writes: a crash mid-write never leaves a file or directory that looks valid."""
+"""Atomic file writes: a crash mid-write never leaves a file or directory that looks valid. Output
+directories held by one process at a time."""
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -142,14 +145,46 @@ def atomic_dir(path: Path) -> Iterator[Path]:
         raise
 
 
+class InUse(OSError):
+    """Another process holds the directory (``Hold``)."""
+
+
+class Hold:
+    """The directory ``path`` held by this process, so that two commands writing into it at once (two
+    trainings of one --out) fail at once instead of mixing their files: another process's ``Hold`` of it
+    raises ``InUse`` until this one is released or its process ends, however it ends (a POSIX lock on
+    ``path/.lock``, which the kernel drops with the process). This process may hold it again. Where the
+    file system has no locks (some network mounts), the directory is used unguarded."""
+
+    def __init__(self, path: Path) -> None:
+        fd = os.open(Path(path) / ".lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EACCES, errno.EAGAIN):
+                raise InUse(errno.EBUSY, "in use by another recscale process", str(path)) from None
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            self.release: Callable[[], object] = lambda: None
+            return
+        self.release = weakref.finalize(self, os.close, fd)  # release(): now, else when garbage-collected
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
+
+
 @contextmanager
 def removed_on_failure(path: Path, enabled: bool = True) -> Iterator[None]:
     """Remove the directory ``path`` if the block fails and ``path`` did not exist before it, so a
-    failed command leaves nothing half-made behind."""
+    failed command leaves nothing half-made behind (unless another process holds it: it is theirs)."""
     created = enabled and not Path(path).exists()
     try:
         yield
-    except BaseException:
-        if created:
+    except BaseException as e:
+        if created and not isinstance(e, InUse):
             shutil.rmtree(path, ignore_errors=True)
         raise

@@ -48,7 +48,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from recscale.config import RunConfig, format_validation_error, validate_config
 from recscale.config_files import apply_overrides, load_raw, load_yaml, read_yaml_mapping
 from recscale.errors import ConfigError, RecscaleError
-from recscale.io import atomic_write_text
+from recscale.io import Hold, atomic_write_text
 from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER, mflop_text
 from recscale.settings import Settings
 
@@ -313,6 +313,12 @@ def run_sweep(path: str | Path, out: str | Path | None = None, log: Callable[[st
     """Train every unfinished run of the sweep; returns the path of the results CSV."""
     sweep, runs = load_sweep(path)
     root = Path(out if out is not None else sweep.out)
+    root.mkdir(parents=True, exist_ok=True)
+    with Hold(root):  # a second sweep into OUT would start afresh (remove) the run this one is training
+        return _run_all(runs, root, log)
+
+
+def _run_all(runs: list[Run], root: Path, log: Callable[[str], None]) -> Path:
     shared = _shared_data(root, runs[0].config)
     rows: list[dict[str, Any]] = []
     for i, run in enumerate(runs, 1):

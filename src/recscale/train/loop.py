@@ -15,6 +15,7 @@ Run directory::
     ckpt/step_N/        checkpoints (model, optimizers, data position, RNG)
     best/               the best model by the early-stopping metric
     report.json         the final report (standard JSON too: a NaN metric is null)
+    .lock               held while a training writes the run (another is refused: recscale.io.Hold)
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from recscale.distributed import comms
 from recscale.distributed.balance import Balance, CostModel, Padding, balanced_parts
 from recscale.distributed.env import heartbeat, init_distributed
 from recscale.errors import CheckpointError, ConfigError, RecscaleError
-from recscale.io import atomic_write_text, removed_on_failure, strict_json
+from recscale.io import Hold, atomic_write_text, removed_on_failure, strict_json
 from recscale.models.base import RecModel, TrainableModel
 from recscale.models.blocks import Calibration
 from recscale.models.blocks.sequence import SequenceEncoder
@@ -165,9 +166,12 @@ class Trainer:
     def _prepare_dir(self, resume: bool) -> None:
         check_run_dir(self.dir, self.cfg, resume)  # before any file is touched
         if self.main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            # Until the run ends: a second training into this directory now fails (InUse) rather than mix
+            # its config, checkpoints and metrics with this one's.
+            self.hold = Hold(self.dir)
             if not resume and (self.dir / "config.yaml").is_file():
                 self._discard_attempt()
-            self.dir.mkdir(parents=True, exist_ok=True)
             if not resume:
                 atomic_write_text(self.dir / "config.yaml", self.cfg.to_yaml())
 
@@ -501,6 +505,8 @@ class Trainer:
         if self.main:
             atomic_write_text(self.dir / "report.json", strict_json(report, indent=2))
         self.log.close()
+        if self.main:
+            self.hold.release()
         if dist.is_initialized():
             dist.barrier()
         return report
