@@ -54,7 +54,8 @@ def test_overrides_are_typed():
 
 
 @pytest.mark.parametrize(
-    "override", ["train.batch_size=[1", "model.mlp=a: b: c", "data.schema.sparse=[{name:"]
+    "override",  # the last: a shell split the unquoted {train: 1000, ...} at the space; a date was a ValueError
+    ["train.batch_size=[1", "model.mlp=a: b: c", "data.schema.sparse=[{name:", "train.max_steps=2020-13-01"],
 )
 def test_an_override_that_is_not_yaml_is_one_line_naming_it(override):
     with pytest.raises(ConfigError) as e:

@@ -112,9 +112,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             node = child
         try:
             node[parts[-1]] = load_yaml(value)
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: a date like 2020-13-01
             raise ConfigError(
-                f"override '{item}': the value is not valid YAML ({yaml_problem(e)}); "
-                "quote it or fix its brackets, e.g. 'model.embedding.dense_hidden=[64, 32]'"
+                f"override '{item}': the value is not valid YAML ({yaml_problem(e)}); fix its brackets, or "
+                "quote the whole override for the shell, e.g. 'data.synthetic.rows={train: 1000, valid: 100}'"
             ) from None
     return raw
