@@ -137,6 +137,18 @@ def test_eval_scores_the_best_model_that_a_kill_left_set_aside(tmp_path):
     assert (run / "best").is_dir() and not (run / ".best.old").exists()
 
 
+def test_a_resume_removes_a_split_a_kill_left_half_written(tmp_path):
+    """A kill while a data split was written left RUN/data/.valid.XXXX.tmp behind for good."""
+    cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=2"])
+    Trainer(cfg, tmp_path / "r").fit()
+    (tmp_path / "r" / "data" / ".valid.k1ll.tmp").mkdir()
+    Trainer(cfg, tmp_path / "r", resume=True)
+    assert (
+        not (tmp_path / "r" / "data" / ".valid.k1ll.tmp").exists()
+        and (tmp_path / "r" / "data" / "valid").is_dir()
+    )
+
+
 def test_synthetic_data_trains_on_the_splits_its_rows_name(tmp_path):
     """data.synthetic.rows with a train split only: a run without valid and test (it was an internal
     KeyError), and eval without --data names the split the run has no rows of."""

@@ -252,10 +252,10 @@ def prune_checkpoints(ckpt_dir: Path, keep: int) -> None:
 
 
 def remove_partial_checkpoints(run_dir: Path) -> None:
-    """Clean up after a run killed while writing a checkpoint: drop the temporary directories of
-    unfinished writes, and put back a checkpoint that was set aside (``.NAME.old``) to be replaced
-    when its replacement never arrived."""
-    for parent in (Path(run_dir), Path(run_dir) / "ckpt"):
+    """Clean up after a run killed while writing a checkpoint or a data split: drop the temporary
+    directories of unfinished writes, and put back a checkpoint that was set aside (``.NAME.old``) to be
+    replaced when its replacement never arrived."""
+    for parent in (Path(run_dir), Path(run_dir) / "ckpt", Path(run_dir) / "data"):
         if not parent.is_dir():
             continue
         for p in parent.iterdir():
