@@ -130,6 +130,33 @@ def test_a_bf16_run_exported_in_fp32_scores_as_its_eval(trained, tmp_path):
     np.testing.assert_allclose(logits, evaluated, atol=1e-6, rtol=0)
 
 
+def test_a_bf16_export_of_a_quantized_run_scores_as_its_eval(trained, tmp_path):
+    """A model.quant layer computes with fq(W); --dense bf16 stored bf16(W), whose fq moved (MX block
+    maxima and grid points shift), so the export scored off its run's eval. It stores fq(W), exact in bf16
+    for MX formats, and keeps a per-tensor FP8 layer's weight fp32 (bf16 cannot hold its grid)."""
+    from safetensors.torch import load_file
+
+    from recscale.train.data import prepare_split
+    from recscale.train.evaluate import predict
+    from recscale.train.runs import load_trained
+
+    run, valid = tmp_path / "run", trained["valid"]
+    argv = ["train", str(CONFIGS / "frappe.yaml"), "--out", str(run), f"data.train={trained['root'] / 'train.csv'}",
+            f"data.valid={valid}", SCHEMA, "train.max_steps=6", "train.batch_size=64", "train.progress=false",
+            "model.num_layers=1", "train.precision=bf16", "train.dense_optimizer.lr=0.05",
+            'model.quant={format: mxfp4, layers: {"head.0": fp8_e4m3}}']  # fmt: skip
+    assert main(argv) == 0
+    assert main(["export", str(run), "--out", str(tmp_path / "b"), "--dense", "bf16"]) == 0
+    cfg, pre, built = load_trained(run)
+    ds, _ = prepare_split(cfg.data, pre, "valid", str(valid), tmp_path / "split", progress=False)
+    logits, _ = Scorer(tmp_path / "b").score_file(valid)
+    # One batch of 8192, as score_file reads: a per-tensor FP8 scale is its batch's.
+    evaluated = predict(built.module, ds, 8192, 0, "bf16").numpy()
+    np.testing.assert_allclose(logits, evaluated, atol=1e-6, rtol=0)
+    w = load_file(tmp_path / "b" / WEIGHTS)
+    assert w["head.2.weight"].dtype == torch.bfloat16 and w["head.0.weight"].dtype == torch.float32
+
+
 @pytest.mark.parametrize("tables, dense, tol", [("fp16", "fp32", 1e-3), ("int8", "fp32", 2e-2),
                                                 ("int4", "fp32", 5e-2), ("fp32", "bf16", 5e-2),
                                                 ("int8", "int8", 2e-2)])  # fmt: skip

@@ -21,7 +21,7 @@ from recscale.config import RunConfig
 from recscale.data.preprocess import Preprocessor
 from recscale.errors import CheckpointError
 from recscale.models.base import RecModel
-from recscale.models.quant import quantize_model, quantize_rows
+from recscale.models.quant import FORMATS, QuantLinear, fake_quant, quantize_model, quantize_rows
 from recscale.models.registry import build_model
 from recscale.serve.artifact import DenseFormat, Manifest, TableFormat, check_model_out, write_artifact
 from recscale.train.build import feature_set
@@ -77,6 +77,7 @@ def weights(model: RecModel, tables: TableFormat, dense: DenseFormat) -> dict[st
     """The inference model's tensors to save: quantized tables as their packed rows without padding, the
     dense weights in ``dense``."""
     widths = _row_widths(model, tables)
+    lowered = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     out = {}
     for name, t in model.state_dict().items():
         if isinstance(t, UIntXTensor):
@@ -84,11 +85,24 @@ def weights(model: RecModel, tables: TableFormat, dense: DenseFormat) -> dict[st
         if name in widths:
             t = t[:, : widths[name]]
         elif dense == "bf16" and _dense_matrix(name, t):
-            t = t.to(torch.bfloat16)
+            t = _bf16(t, lowered.get(name))
         elif dense == "int8" and _dense_matrix(name, t):
             t, out[name + _SCALE] = quantize_rows(t.detach())
         out[name] = t.detach().contiguous()
     return out
+
+
+def _bf16(t: torch.Tensor, layer: QuantLinear | None) -> torch.Tensor:
+    """A dense matrix as ``--dense bf16`` stores it. A layer lowered by ``model.quant`` computes with
+    fq(W), not W: rounding W to bf16 first moves fq(W) (block maxima and grid points shift), so it stores
+    fq(W) itself, which bf16 holds exactly for the MX formats (at most 8 significant bits, scales within
+    fp32's exponents) and fq is idempotent: the export scores as the run. Per-tensor FP8 (an fp32 scale)
+    and fp16 grids bf16 cannot hold: such a layer keeps its fp32 weight."""
+    if layer is None or layer.fmt == "bf16":
+        return t.to(torch.bfloat16)
+    if FORMATS[layer.fmt].kind == "mx":
+        return fake_quant(t, layer.fmt, layer.block).to(torch.bfloat16)
+    return t
 
 
 _SCALE = ".int8_scale"  # the per-row fp32 scale saved beside an int8 dense weight
