@@ -393,6 +393,19 @@ def test_towers_other_than_hosts_is_one_line(tmp_path, capsys, launch, hosts):
     assert not (tmp_path / "run").exists()
 
 
+def test_settings_dmt_cannot_take_are_refused_by_the_config():
+    """Checked only when the towers were built, by every rank after a --nproc launch: the same error
+    printed by each rank, then the launcher's line. The config refuses them, once, before any launch."""
+    from recscale.config import load_config
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    with pytest.raises(ConfigError) as e:
+        load_config(demo, ["dmt={}", "model.quant={format: mxfp4}", "train.compile=true"])
+    assert str(e.value) == (
+        "invalid config: config: dmt: not supported together with train.compile, model.quant; drop them or dmt"
+    )
+
+
 @pytest.mark.dist
 def test_a_dmt_run_resumed_on_another_topology_says_so(tmp_path, capsys):
     """Towers are hosts: at another topology the model differs, and the error said only 'damaged'."""

@@ -322,6 +322,25 @@ class RunConfig(Settings):
             raise ValueError(f"train.calibrate fits on the valid split, and {where}: give one")
         return self
 
+    @model_validator(mode="after")
+    def _dmt_supports(self) -> RunConfig:
+        # Checked here, once, rather than by every rank after a --nproc launch (one line, not N + 1).
+        if self.dmt is None:
+            return self
+        unsupported = {
+            "model.embedding.small_dim_features": bool(self.model.embedding.small_dim_features),
+            "train.compile": self.train.compile,
+            "model.quant": self.model.quant is not None,
+            "distributed.dense=fsdp": self.distributed.dense == "fsdp",
+            "distributed.tables (a host's tables follow dmt.sharding)": bool(self.distributed.tables),
+        }
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise ValueError(
+                f"dmt: not supported together with {', '.join(bad)}; drop {'them' if len(bad) > 1 else 'it'} or dmt"
+            )
+        return self
+
     def dense_tables(self) -> bool:
         """Every table is data_parallel: trained by a torch optimizer on the dense kernel's weights."""
         return (

@@ -26,19 +26,6 @@ from recscale.models.flops import module_flops
 from recscale.models.registry import build_model
 
 
-def _check(cfg: RunConfig) -> None:
-    unsupported = {
-        "model.embedding.small_dim_features": bool(cfg.model.embedding.small_dim_features),
-        "train.compile": cfg.train.compile,
-        "model.quant": cfg.model.quant is not None,
-        "distributed.dense=fsdp": cfg.distributed.dense == "fsdp",
-        "distributed.tables (a host's tables follow dmt.sharding)": bool(cfg.distributed.tables),
-    }
-    bad = [k for k, v in unsupported.items() if v]
-    if bad:
-        raise ConfigError(f"dmt: not supported together with {', '.join(bad)}")
-
-
 def _tower_embedding(features: FeatureSet, names: list[str], cfg: EmbeddingConfig) -> EmbeddingLayer:
     sparse = tuple(f for f in features.sparse if f.name in names)
     mine = {
@@ -74,7 +61,6 @@ class UnshardedDMT:
 def check_topology(cfg: RunConfig, hosts: int) -> None:
     """The run's ``dmt`` section can train on ``hosts`` hosts (the launcher checks it before starting ranks)."""
     assert cfg.dmt is not None
-    _check(cfg)
     if cfg.dmt.towers != "auto" and cfg.dmt.towers != hosts:
         raise ConfigError(
             f"dmt.towers={cfg.dmt.towers}: DMT runs one tower per host and this job has {hosts} "
