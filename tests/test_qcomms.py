@@ -108,3 +108,27 @@ def test_mxint8_forward_rows_shrink_to_a_block_dividing_every_width_instead_of_p
     ctx = codec.create_context()
     assert codec.padded_size(torch.zeros(3, 36), [36, 64], 0, ctx) == (64, 28)  # gcd 4: pad to 32 instead
     assert ctx.row_dim == 32
+
+
+@pytest.mark.parametrize(("forward", "backward"), [("int8", "mx4"), ("fp32", "int8"), ("fp8", "fp16")])
+def test_row_wise_reduce_scatter_stays_fp16_for_every_row_wise_format(forward, backward):
+    """fbgemm's int8 / mx4 codecs were left on the reduce-scatter of row-wise tables, which TorchRec cannot
+    run them on: `distributed.sharding=row_wise distributed.qcomms.forward=int8` on 2 ranks stopped with an
+    internal AssertionError. The reduce-scatter gets fp16 for every row-wise format; all-to-alls keep theirs."""
+    from recscale.config import DistributedConfig
+    from recscale.distributed.sharding import qcomm_sharders
+
+    cfg = DistributedConfig.model_validate({"qcomms": {"forward": forward, "backward": backward}})
+    sharders = qcomm_sharders(cfg, torch.device("cpu"))
+    assert sharders is not None
+    codecs = sharders[0].qcomm_codecs_registry
+    assert codecs is not None
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}
+    scatter = codecs["POOLED_EMBEDDINGS_REDUCE_SCATTER"]
+    assert (scatter.forward.quantized_dtype, scatter.backward.quantized_dtype) == tuple(
+        dtype.get(p, torch.float16) for p in (forward, backward)
+    )
+    a2a = codecs["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    assert (a2a.forward.quantized_dtype, a2a.backward.quantized_dtype) == tuple(
+        dtype.get(p, torch.uint8) for p in (forward, backward)
+    )

@@ -370,25 +370,31 @@ def qcomm_sharders(cfg: DistributedConfig, device: torch.device) -> list[ModuleS
     q = cfg.qcomms
     if q.forward == q.backward == "fp32":
         return None
-    # fbgemm's codecs for everything but recscale's own (built as fp16, then swapped for them below).
     own = {"fp8": RowwiseFP8Codec, "mxint8": MXInt8Codec}
-    codecs = get_qcomm_codecs_registry(
-        QCommsConfig(
-            forward_precision=CommType("fp16" if q.forward in own else q.forward),
-            backward_precision=CommType("fp16" if q.backward in own else q.backward),
-        ),
-        device=device,  # its default is cuda
-    )
-    assert codecs is not None  # not both fp32
-    for op, pair in codecs.items():
-        # A reduce-scatter (row-wise tables) sums what it carries, so its forward cannot be FP8 bytes, and
-        # TorchRec's backward for it takes no row-wise codec (fbgemm's int8 fails there too): fp16 both ways.
-        if op == CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name:
-            continue
-        codecs[op] = QuantizedCommCodecs(
-            forward=own[q.forward](is_fwd=True) if q.forward in own else pair.forward,
-            backward=own[q.backward](is_fwd=False) if q.backward in own else pair.backward,
+
+    def fbgemm_codecs(as_fp16: tuple[str, ...]) -> dict[str, QuantizedCommCodecs]:
+        """fbgemm's codecs for ``q``, the precisions in ``as_fp16`` built as fp16."""
+        fwd, bwd = (CommType("fp16" if p in as_fp16 else p) for p in (q.forward, q.backward))
+        codecs = get_qcomm_codecs_registry(
+            QCommsConfig(forward_precision=fwd, backward_precision=bwd),
+            device=device,  # its default: cuda
         )
+        assert codecs is not None  # not both fp32
+        return codecs
+
+    # fbgemm's codecs for everything but recscale's own (built as fp16, then swapped for them below).
+    codecs = fbgemm_codecs(tuple(own))
+    # A reduce-scatter (row-wise tables) sums what it carries, so its forward cannot be row-wise bytes, and
+    # TorchRec's backward for it takes no row-wise codec (fbgemm's int8 and mx4 failed there with an
+    # AssertionError): fp16 in place of every row-wise format.
+    scatter = CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name
+    codecs[scatter] = fbgemm_codecs((*own, "int8", "mx4"))[scatter]
+    for op, pair in codecs.items():
+        if op != scatter:
+            codecs[op] = QuantizedCommCodecs(
+                forward=own[q.forward](is_fwd=True) if q.forward in own else pair.forward,
+                backward=own[q.backward](is_fwd=False) if q.backward in own else pair.backward,
+            )
     # Sequence tables (an EC) keep fp32 collectives: the codecs above are for pooled embeddings.
     return [
         cast(ModuleSharder[nn.Module], EmbeddingBagCollectionSharder(qcomm_codecs_registry=codecs)),
