@@ -224,6 +224,18 @@ def test_table_weight_decay_needs_replicated_tables():
         )
 
 
+def test_table_weight_decay_below_what_fp16_tables_resolve_is_refused():
+    """Tables stored in fp16 rounded a per-step shrink under 2^-11 away (demo: lr 0.05 x 1e-3): the
+    decay did nothing, without a word. A shrink fp16 resolves (0.05 x 0.02 = 1e-3) is taken."""
+    demo, fp16 = CONFIGS / "demo.yaml", "model.embedding.storage=fp16"
+    with pytest.raises(ConfigError) as e:
+        load_config(demo, [fp16, "train.table_weight_decay=1e-3"])
+    assert "table lr x decay = 5e-05 a step, under what model.embedding.storage=fp16 resolves" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert load_config(demo, [fp16, "train.table_weight_decay=0.02"]).train.table_weight_decay == 0.02
+    assert load_config(demo, ["train.table_weight_decay=1e-3"]).train.table_weight_decay == 1e-3  # fp32
+
+
 def _tables_after(tmp_path: Path, overrides: list[str]) -> dict[str, torch.Tensor]:
     """The demo model's tables (this rank's shards) after training with ``overrides``."""
     tr = Trainer(load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, *overrides]), tmp_path)

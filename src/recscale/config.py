@@ -316,6 +316,15 @@ class RunConfig(Settings):
                 "a data_parallel table would be stepped by a torch optimizer on fp16 weights; choose "
                 "another distributed.sharding (e.g. table_wise) or storage fp32"
             )
+        shrink = self.train.sparse_optimizer.lr * self.train.table_weight_decay
+        if self.model.embedding.storage == "fp16" and 0 < shrink < 2**-11:
+            # fp16 holds 11 significant bits: w * (1 - shrink) rounds back to w for the rows whose
+            # mantissa is near 1 (every row below 2^-12), so the decay did nothing, without a word.
+            raise ValueError(
+                f"train.table_weight_decay shrinks each row by table lr x decay = {shrink:.2g} a step, "
+                "under what model.embedding.storage=fp16 resolves (2^-11 = 4.9e-4): the fp16 rows would "
+                "round the shrink away; use storage fp32, or train.embedding_l2"
+            )
         synthetic = self.data.synthetic if self.data.format == "synthetic" else None
         if self.train.calibrate and ("valid" not in synthetic.rows if synthetic else self.data.valid is None):
             where = "data.synthetic.rows has no valid" if synthetic else "data.valid is not set"
