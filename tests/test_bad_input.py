@@ -152,6 +152,11 @@ CASES = [
     Case("unknown model", lambda c: c.train("model.name=nope"), ("unknown model", "nope")),
     Case("override without =", lambda c: c.train("train.max_steps"), ("key=value",)),
     Case("override into a value", lambda c: c.train("seed.x=1"), ("seed",)),
+    Case(  # was an "internal error ParserError", exit code 1
+        "override value not YAML",
+        lambda c: c.train("model.quant={format: mxfp4"),
+        ("override 'model.quant={format: mxfp4'", "not valid YAML"),
+    ),
     Case("unknown data format", lambda c: c.train("data.format=xls"), ("data.format",)),
     Case(
         "config without train file",
