@@ -91,6 +91,13 @@ def base() -> dict:
         ({"train": {"max_steps": True}}, ["train.max_steps", "expected a number, not true"]),
         ({"model": {"name": "wukong", "num_layers": False}}, ["model.num_layers", "not false"]),
         ({"model": {"name": "lr", "embedding": {"dim": True}}}, ["model.embedding.dim", "not true"]),
+        (  # YAML's {format:mxfp4}, no space after the colon, is one key: "unknown key" alone puzzled
+            {"model": {"name": "lr", "quant": {"format:mxfp4": None}}},
+            [
+                "model.quant.format:mxfp4: unknown key (YAML reads a colon without a space as part of the key: "
+                "write 'format: mxfp4')"
+            ],
+        ),
         (  # the deep teacher was a plain pydantic model, without the config's checks: this was 1 layer
             {"data": {"format": "synthetic", "synthetic": {"teacher": {"kind": "deep", "num_layers": True}}}},
             ["data.synthetic.teacher.num_layers: expected a number, not true"],

@@ -372,7 +372,10 @@ def format_validation_error(e: ValidationError, section: str = "") -> str:
         loc = ".".join(k for k in (section, key) if k) or "config"
         loc = loc.replace("schema_", "schema")
         msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden" and ":" in str(err["loc"][-1]):  # YAML's {format:mxfp4}
+            name, _, value = str(err["loc"][-1]).partition(":")
+            msg = f"unknown key (YAML reads a colon without a space as part of the key: write '{name}: {value}')"
+        elif err["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; see configs/ for examples)"
         parts.append(f"{loc}: {msg}")
     return "; ".join(parts)
