@@ -5,6 +5,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -571,3 +572,16 @@ def test_fp16_stored_tables_export_as_the_fp32_their_manifest_names(tmp_path):
     assert art.manifest.tables == "fp32" and art.config.model.embedding.storage == "fp32"
     assert trained.dtype == torch.float16 and art.tensors[name].dtype == torch.float32
     assert torch.equal(art.tensors[name], trained.float())
+
+
+def test_a_model_a_kill_set_aside_while_replacing_it_still_serves(trained, tmp_path):
+    """A kill between atomic_dir's two renames (export into an existing --out) left no model at --out, the
+    old one as .OUT.old: `serve OUT` said 'not an exported model'. It reads the set-aside copy, and the
+    next export into OUT supersedes it."""
+    from recscale.serve.artifact import read_artifact
+
+    out = tmp_path / "model"
+    shutil.copytree(_export(trained), tmp_path / ".model.old")
+    assert read_artifact(out).manifest == read_artifact(tmp_path / ".model.old").manifest
+    assert main(["export", str(trained["run"]), "--out", str(out)]) == 0
+    assert out.is_dir() and not (tmp_path / ".model.old").exists()

@@ -111,6 +111,15 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def committed(path: Path) -> Path:
+    """``path``, or the complete previous version of it that a kill between ``atomic_dir``'s two renames
+    left set aside as ``.NAME.old`` (``path`` is then missing until it is written again, or a resume puts a
+    run's back: ``remove_partial_checkpoints``), for readers that must not change the directory."""
+    path = Path(path)
+    old = path.with_name(f".{path.name}.old")
+    return old if not path.exists() and old.is_dir() else path
+
+
 @contextmanager
 def atomic_dir(path: Path) -> Iterator[Path]:
     """Yield a temporary directory beside ``path``; on success it is renamed to ``path``.
@@ -139,6 +148,8 @@ def atomic_dir(path: Path) -> Iterator[Path]:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, path)
+                # A previous version a kill set aside (``committed``) is superseded now.
+                shutil.rmtree(path.with_name(f".{path.name}.old"), ignore_errors=True)
             _fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

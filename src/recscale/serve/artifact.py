@@ -35,7 +35,7 @@ from recscale.config import RunConfig, format_validation_error, validate_config
 from recscale.config_files import load_yaml
 from recscale.data.preprocess import MAX_ARTIFACT_BYTES, Preprocessor
 from recscale.errors import CheckpointError, ConfigError
-from recscale.io import atomic_dir
+from recscale.io import atomic_dir, committed
 from recscale.train.dcp_safety import one_line, read_regular_file
 
 MANIFEST, CONFIG, PREPROCESS, WEIGHTS = (
@@ -123,8 +123,9 @@ def write_artifact(
 
 
 def read_artifact(model_dir: Path) -> Artifact:
-    """Read and check a model directory; any fault is one ``CheckpointError`` line naming the file."""
-    model_dir = Path(model_dir)
+    """Read and check a model directory (or the complete one a kill while it was replaced left set aside:
+    ``committed``); any fault is one ``CheckpointError`` line naming the file."""
+    model_dir = committed(Path(model_dir))
     if not (model_dir / MANIFEST).exists():
         raise CheckpointError(
             f"{model_dir}: not an exported model (no {MANIFEST}); create one with `recscale export RUN_DIR --out DIR`"

@@ -237,15 +237,6 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
     )
 
 
-def committed(path: Path) -> Path:
-    """``path``, or the complete previous version of it that a kill between ``atomic_dir``'s two renames
-    left set aside as ``.NAME.old`` (``path`` then is missing until a resume puts it back:
-    ``remove_partial_checkpoints``), for readers that must not change the run directory."""
-    path = Path(path)
-    old = path.with_name(f".{path.name}.old")
-    return old if not path.exists() and old.is_dir() else path
-
-
 def prune_checkpoints(ckpt_dir: Path, keep: int) -> None:
     for old in list_checkpoints(ckpt_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

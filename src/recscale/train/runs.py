@@ -21,10 +21,11 @@ from recscale.data.preprocess import Preprocessor
 from recscale.data.readers.base import SKIP_HINT, OnBadRow
 from recscale.distributed.env import init_distributed
 from recscale.errors import CheckpointError, ConfigError, DataError, RecscaleError
+from recscale.io import committed
 from recscale.models.base import RecModel
 from recscale.models.embedding import EmbeddingLayer
 from recscale.train.build import Built, build, feature_set
-from recscale.train.checkpoint import committed, list_checkpoints, load_checkpoint
+from recscale.train.checkpoint import list_checkpoints, load_checkpoint
 from recscale.train.data import prepare_split
 from recscale.train.evaluate import EVAL_BATCH_SIZE, evaluate
 
