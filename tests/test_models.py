@@ -149,6 +149,25 @@ def test_forward_backward(name: str, params: dict[str, Any], features: FeatureSe
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
+def test_inputs_as_a_python_caller_gives_them(name: str) -> None:
+    """float64 dense features (numpy's default), int32 ids and lengths, a batch of one, empty bags: the
+    same logits as float32 dense and int64 ids (a float64 batch was a torch dtype error)."""
+    model = build(name, SMALL[name]).eval()
+    dense, sparse = random_batch(FEATURES, 5, torch.Generator().manual_seed(3))
+    assert (sparse.lengths() == 0).any()  # some rows have an empty bag of tags or hist
+    expected = model(dense, sparse)
+    int32 = KeyedJaggedTensor(
+        keys=sparse.keys(), values=sparse.values().int(), lengths=sparse.lengths().int()
+    )
+    torch.testing.assert_close(model(dense.double(), int32), expected)
+    keys = sparse.keys()  # one row, every bag empty
+    empty = KeyedJaggedTensor(
+        keys=keys, values=sparse.values()[:0], lengths=torch.zeros(len(keys), dtype=torch.long)
+    )
+    assert model(dense[:1], empty).shape == (1,)
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
 def test_deterministic(name: str) -> None:
     def run() -> tuple[Tensor, dict[str, Tensor]]:
         torch.manual_seed(123)

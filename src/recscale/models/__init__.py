@@ -1,7 +1,13 @@
 """CTR models. Importing this package registers every model with the registry.
 
-A model is ``model(dense (B, n_dense) float32, sparse KeyedJaggedTensor) -> logits (B,)``, holds its
-``EmbeddingLayer`` as ``model.embedding`` and reports ``flops_per_example()``.
+A model is ``model(dense (B, n_dense) float, sparse KeyedJaggedTensor) -> logits (B,) float32``, holds
+its ``EmbeddingLayer`` as ``model.embedding`` (whose docstring says what inputs it takes) and reports
+``flops_per_example()``.
+
+Compiling: ``torch.compile`` takes ``model.interact`` (what ``train.compile`` compiles), and
+``torch.export.export`` (non-strict) a whole model. ``torch.fx.symbolic_trace`` (TorchRec's fx-based
+inference path) does not, as the embedding layer branches in Python on the KJT (its ids' dtype, its
+weights), nor does ``torch.jit.script``.
 """
 
 from recscale.models import autoint, dcnv2, dhen, dlrm, finalmlp, fm, lr, masknet, wukong, xdeepfm  # noqa: F401

@@ -20,7 +20,7 @@ class ModelParams(Settings):
 
 
 class RecModel(nn.Module, ABC):
-    """(dense (B, n_dense), sparse KJT) -> logits (B,) float32: the embedding layer gives X0 (B, n, d),
+    """(dense (B, n_dense) float, sparse KJT) -> logits (B,) float32: the embedding layer gives X0 (B, n, d),
     ``interact`` does the model's own work, and ``calibration`` (the identity unless fit after training,
     ``train.calibrate``) rescales its logits."""
 

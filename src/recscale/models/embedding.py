@@ -188,7 +188,10 @@ def check_feature_options(names: list[str], cfg: EmbeddingConfig) -> None:
 
 
 class EmbeddingLayer(nn.Module):
-    """(dense (B, n_dense), sparse KJT) -> X0 (B, n, d).
+    """(dense (B, n_dense) float, sparse KJT) -> X0 (B, n, d) float32.
+
+    Dense features of any float dtype are cast to the dense MLP's (float32); the KJT's ids and lengths
+    may be int32 or int64 (the ids are cast to ``id_dtype``), and a bag may be empty (its vector is zero).
 
     Pooling: every table sum-pools, and "mean" features are divided by their bag size here
     (the number of ids, or the sum of the weights when the collection is weighted), because
@@ -324,6 +327,8 @@ class EmbeddingLayer(nn.Module):
         b = pooled.shape[0]
         parts = []
         if self.dense_mlp is not None:
+            # Dense features in any float dtype (numpy's float64 included) compute in the MLP's own.
+            dense = dense.to(next(self.dense_mlp.parameters()).dtype)
             parts.append(self.dense_mlp(dense).view(b, -1, self.dim))
         parts.append(self._combine_qr(pooled[:, : self._full_width].view(b, -1, self.dim)))
         if self.small_mlp is not None:
