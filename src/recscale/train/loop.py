@@ -105,7 +105,14 @@ def check_run_dir(run_dir: Path, cfg: RunConfig, resume: bool) -> None:
 
 
 class Trainer:
-    """Trains one config into one run directory."""
+    """Trains one config into one run directory: ``Trainer(cfg, run_dir).fit()`` returns the report.
+
+    What outlasts ``fit`` in the process (a second Trainer, e.g. in a notebook, trains as the first did):
+    the process group it joins, a group of one outside torchrun, stays up for the next one
+    (``recscale.distributed.env.shutdown()`` ends it); ``train.reuse_memory`` (default on) tunes glibc's
+    malloc for the rest of the process; the global torch RNG is reseeded from ``cfg.seed``. Thread
+    counts and warnings filters are not touched (only the CLI silences upstream warnings).
+    """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False) -> None:
         self.cfg, self.dir = cfg, Path(run_dir)

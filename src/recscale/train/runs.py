@@ -161,7 +161,8 @@ def eval_run(
     split: str = "test",
     on_bad_row: OnBadRow | None = None,
 ) -> dict[str, float]:
-    """Score the run's best (else latest) model on another file of the same format; a run on
+    """The metrics (auc, logloss, ne, calibration, rows; skipped_rows if any) of the run's best (else
+    latest) model on the file ``data_path``, read as ``fmt`` (default: the run's format); a run on
     synthetic data, without a file, on its own synthetic ``split``. Bad rows as ``on_bad_row`` says
     (default: as the run read its data)."""
     run_config(run_dir)  # a directory that is not a run is named first
