@@ -21,7 +21,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from recscale.cli import main
-from recscale.errors import CheckpointError
+from recscale.errors import CheckpointError, DataError
 from recscale.serve.artifact import MANIFEST, WEIGHTS
 from recscale.serve.scorer import Scorer
 from recscale.serve.server import Batcher, ServeOptions, create_app
@@ -519,6 +519,14 @@ def test_int8_dense_rounds_each_row_to_half_a_step_and_needs_its_scale():
     assert ((back - w).abs() <= scale[:, None, None] / 2 + 1e-12).all() and torch.equal(back[3], w[3])
     with pytest.raises(CheckpointError, match="top.w has no fp32 scale"):
         _dequantize_dense({"top.w": q}, "here")
+
+
+def test_rows_missing_a_column_are_one_data_error(scorer, trained):
+    """Scorer.probabilities from Python with a record batch lacking a feature column: a KeyError from
+    deep in the preprocessing before; now one line naming the column."""
+    body = json.dumps({"rows": _rows(trained["valid"])[:2]}).encode()
+    with pytest.raises(DataError, match=r"lack the model's columns \['tags'\]"):
+        scorer.probabilities(scorer.parser.parse(body).drop_columns(["tags"]))
 
 
 def test_a_model_trained_on_synthetic_data_serves(tmp_path):

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import ValidationError
 
-from recscale.data.schema import WEIGHT_SUFFIX, Schema
+from recscale.data.schema import LABEL, WEIGHT_SUFFIX, Schema
 from recscale.errors import CheckpointError, DataError, StaleArtifactError
 from recscale.io import atomic_write_text
 
@@ -97,6 +97,11 @@ def encode(batch: pa.RecordBatch, pre: Preprocessor) -> tuple[np.ndarray, np.nda
     order, weights (total,) float32 when a feature is weighted else empty): ``ArrayDataset.gather_arrays``'
     layout. For online scoring, where rows arrive a few at a time and no split is written."""
     schema = pre.schema
+    columns = [c for c in schema.column_names() if c != LABEL]
+    if missing := [c for c in columns if c not in batch.schema.names]:
+        raise DataError(
+            f"the rows lack the model's columns {missing}: give every one of {columns} (null for a missing value)"
+        )
     weighted = any(f.weighted for f in schema.sparse)
     values, lengths, weights = [], [], []
     for f in schema.sparse:

@@ -39,7 +39,8 @@ class Scorer:
 
     @torch.inference_mode()
     def logits(self, batch: pa.RecordBatch) -> torch.Tensor:
-        """Raw-layout rows (B) -> logits (B,) float32."""
+        """Raw-layout rows (B) -> logits (B,) float32. The batch holds the columns of ``parser.arrow_schema``
+        (``parser.parse`` makes one from a JSON request); one lacking a column is a ``DataError``."""
         # A history longer than its max_len keeps its most recent ids, as the readers cut it in training.
         batch = truncate_sequences(batch, self.pre.schema, ReadStats())
         dense, values, lengths, weights = (torch.from_numpy(a) for a in encode(batch, self.pre))
