@@ -410,3 +410,22 @@ def test_a_directory_another_process_writes_is_refused(tmp_path, capsys, command
     assert sorted(p.name for p in out.iterdir()) == [".lock", "theirs.txt"]
     # Once that process has ended, the directory is free.
     assert run(capsys, "train", str(CONFIGS / "demo.yaml"), *tiny, "--out", str(out))[0] == 0
+
+
+def test_a_second_hold_in_one_process_keeps_the_directory_held(tmp_path):
+    """A POSIX lock drops when any descriptor of its file closes: a first Hold collected (a notebook's
+    failed Trainer, rebound) let another process into the directory a second Hold still held."""
+    import gc
+
+    from recscale.io import Hold
+
+    def other_process_gets_it() -> bool:
+        probe = f"from recscale.io import Hold, InUse\ntry:\n    Hold({str(tmp_path)!r})\nexcept InUse:\n    exit(3)"
+        return subprocess.run([sys.executable, "-c", probe]).returncode == 0
+
+    first, second = Hold(tmp_path), Hold(tmp_path)
+    del first
+    gc.collect()
+    assert not other_process_gets_it()
+    second.release()
+    assert other_process_gets_it()

@@ -168,7 +168,15 @@ class Hold:
     file system has no locks (some network mounts), the directory is used unguarded."""
 
     def __init__(self, path: Path) -> None:
-        fd = os.open(Path(path) / ".lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
+        lock = Path(path) / ".lock"
+        key = _file_key(lock)
+        if (
+            key is not None and key in _HELD
+        ):  # held here already: no second descriptor, whose close would drop the lock
+            _HELD[key][1] += 1
+            self.release: Callable[[], object] = weakref.finalize(self, _let_go, key)
+            return
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -177,15 +185,40 @@ class Hold:
                 raise InUse(errno.EBUSY, "in use by another recscale process", str(path)) from None
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
                 raise
-            self.release: Callable[[], object] = lambda: None
+            self.release = lambda: None
             return
-        self.release = weakref.finalize(self, os.close, fd)  # release(): now, else when garbage-collected
+        st = os.fstat(fd)
+        key = st.st_dev, st.st_ino
+        _HELD[key] = [fd, 1]
+        self.release = weakref.finalize(self, _let_go, key)  # release(): now, else when garbage-collected
 
     def __enter__(self) -> Hold:
         return self
 
     def __exit__(self, *_: object) -> None:
         self.release()
+
+
+# The lock files this process holds, by (device, inode), with their descriptor and the number of Holds on
+# them: a POSIX lock belongs to the process and the file, and closing any descriptor of the file drops it,
+# so a second Hold of a held directory shares the first's descriptor, closed with the last of them.
+_HELD: dict[tuple[int, int], list[int]] = {}
+
+
+def _file_key(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _let_go(key: tuple[int, int]) -> None:
+    held = _HELD[key]
+    held[1] -= 1
+    if held[1] == 0:
+        os.close(held[0])
+        del _HELD[key]
 
 
 @contextmanager
