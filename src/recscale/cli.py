@@ -100,10 +100,13 @@ def _launch(args: argparse.Namespace, out: Path) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    from recscale.distributed.env import shutdown
     from recscale.io import strict_json
     from recscale.train.runs import eval_run
 
-    print(strict_json(eval_run(Path(args.run_dir), args.data, args.format, on_bad_row=args.on_bad_row)))
+    metrics = eval_run(Path(args.run_dir), args.data, args.format, on_bad_row=args.on_bad_row)
+    shutdown()  # as train and export: gloo's threads joined now, not by exit-time destructors
+    print(strict_json(metrics))
 
 
 def cmd_export(args: argparse.Namespace) -> None:
