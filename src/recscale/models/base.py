@@ -11,7 +11,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.models.blocks.calibration import Calibration
 from recscale.models.embedding import EmbeddingConfig, EmbeddingLayer, FeatureSet
-from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER, module_flops
+from recscale.models.flops import module_flops
 from recscale.settings import Settings
 
 
@@ -40,10 +40,6 @@ class RecModel(nn.Module, ABC):
         """Analytic forward FLOPs per example of the dense computation, summed over the submodules
         (each block counts its own; embedding lookups are free)."""
         return sum(module_flops(child) for child in self.children())
-
-    def train_flops_per_example(self) -> int:
-        """Forward + backward FLOPs per example."""
-        return TRAIN_FLOPS_MULTIPLIER * self.flops_per_example()
 
     def x0_sources(self) -> list[tuple[nn.Module, float]]:
         """The modules whose outputs make up X0, each with the weight of its squared norm in an L2

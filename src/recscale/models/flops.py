@@ -1,4 +1,4 @@
-"""Analytic FLOP counting conventions and a measured counter to check them against.
+"""Analytic FLOP counting conventions (tests/test_flops.py checks every model against ``FlopCounterMode``).
 
 A FLOP count here is what ``torch.utils.flop_counter.FlopCounterMode`` reports: 2·m·n·k per matrix
 product (matmul, linear, bmm, 1x1 conv); element-wise ops, norms, softmax and embedding lookups are
@@ -11,10 +11,7 @@ from __future__ import annotations
 import math
 from typing import Protocol, runtime_checkable
 
-import torch
-from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torch import nn
 
 TRAIN_FLOPS_MULTIPLIER = 3
 
@@ -55,11 +52,3 @@ def module_flops(module: nn.Module) -> int:
     if isinstance(module, nn.Linear):
         return linear_flops(module)
     return sum(module_flops(child) for child in module.children())
-
-
-@torch.no_grad()
-def measured_flops_per_example(model: nn.Module, dense: Tensor, sparse: KeyedJaggedTensor) -> float:
-    """Forward FLOPs per example of ``model(dense, sparse)`` as counted by ``FlopCounterMode``."""
-    with FlopCounterMode(display=False) as counter:
-        model(dense, sparse)
-    return counter.get_total_flops() / dense.shape[0]
