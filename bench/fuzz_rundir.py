@@ -158,7 +158,7 @@ class Mutator:
         self.cmd = f"touch {canary}"
         self.py = f"open({str(canary)!r}, 'w').close()"
 
-    def arg_for(self, module: str, name: str) -> Any:
+    def arg_for(self, name: str) -> Any:
         if name.endswith(("exec", "eval")):
             return self.py
         if name.endswith("loads"):
@@ -188,14 +188,14 @@ class Mutator:
         if kind == "whole-payload":
             ops = [
                 ("PROTO", 4),
-                *payload_ops(module, name, self.arg_for(module, name), stack),
+                *payload_ops(module, name, self.arg_for(name), stack),
                 ("STOP", None),
             ]
             return assemble(ops), f"payload {module}:{name} {'STACK_GLOBAL' if stack else 'GLOBAL'}"
         ops = disassemble(data)
         if kind == "splice":
             at = r.randrange(1, len(ops))
-            ops[at:at] = payload_ops(module, name, self.arg_for(module, name), stack)
+            ops[at:at] = payload_ops(module, name, self.arg_for(name), stack)
             if r.random() < 0.5:
                 ops.insert(at + len(payload_ops(module, name, "", stack)) + 2, ("POP", None))
             return assemble(ops), f"splice {module}:{name} at op {at}"

@@ -37,7 +37,6 @@ FEATURES = FeatureSet(
     num_dense=2,
 )  # fmt: skip
 TOWERS = {"a": 1, "b": 0, "m": 1, "c": 0, "e": 1}  # interleaved, so the flat order must be restored
-SINGLE = [f.name for f in FEATURES.sparse if f.name != "m"]
 
 
 def _cfg(
