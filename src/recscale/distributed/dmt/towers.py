@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor, nn
 
 from recscale.config import TowerModuleConfig
@@ -30,24 +29,22 @@ def tower_outputs(n: int, cfg: TowerModuleConfig) -> int:
 class Projection(nn.Module):
     """(B, n, d) -> (B, c, d): one linear layer on the flattened embeddings."""
 
-    def __init__(self, n: int, c: int, dim: int, device: torch.device | None = None) -> None:
+    def __init__(self, n: int, c: int, dim: int) -> None:
         super().__init__()
-        self.linear = nn.Linear(n * dim, c * dim, device=device)
+        self.linear = nn.Linear(n * dim, c * dim)
         self.dim = dim
 
     def forward(self, x: Tensor) -> Tensor:
         return self.linear(x.flatten(1)).view(x.shape[0], -1, self.dim)
 
 
-def build_tower_module(
-    n: int, dim: int, cfg: TowerModuleConfig, device: torch.device | None = None
-) -> nn.Module:
+def build_tower_module(n: int, dim: int, cfg: TowerModuleConfig) -> nn.Module:
     c = tower_outputs(n, cfg)
     if cfg.type == "identity":
         return nn.Identity()
     if cfg.type == "lcb" or (cfg.type == "wukong" and c < 2):  # a Wukong layer needs n_f, n_l >= 1
-        return LinearCompressBlock(n, c, dim, device)
+        return LinearCompressBlock(n, c, dim)
     if cfg.type == "projection":
-        return Projection(n, c, dim, device)
+        return Projection(n, c, dim)
     params = WukongParams(num_layers=1, n_f=c // 2, n_l=c - c // 2, k=min(n, 4), fmb_mlp=[4 * c * dim // 2])
-    return WukongLayer(n, dim, params, device)
+    return WukongLayer(n, dim, params)

@@ -135,14 +135,10 @@ class Top(nn.Module):
         return self.model.calibration(self.model.interact(torch.cat([*parts, sparse_vectors], dim=1)))
 
 
-def data_parallel(
-    module: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None, counted: bool = False
-) -> nn.Module:
-    """DDP over ``group`` (default: all ranks); ``counted``: its all-reduce issued where ``comms``
+def data_parallel(module: nn.Module, device: torch.device, counted: bool = False) -> nn.Module:
+    """DDP over all ranks; ``counted``: its all-reduce issued where ``comms``
     counts it (a Python hook per bucket, so only when bytes are counted)."""
-    ddp = DistributedDataParallel(
-        module, device_ids=None if device.type == "cpu" else [device], process_group=group
-    )
+    ddp = DistributedDataParallel(module, device_ids=None if device.type == "cpu" else [device])
     if counted:
         ddp.register_comm_hook(ddp.process_group, allreduce_hook)
     return ddp
