@@ -7,8 +7,8 @@ are built here shard by shard (``ParameterSharding`` with an ``EnumerableShardin
 Kernels: every model-parallel table uses the fused kernel, so the table optimizer (row-wise Adagrad
 by default) runs inside fbgemm's backward. Unconstrained, TorchRec 1.8 plans small tables on CPU as
 ``data_parallel`` with the dense kernel, which silently hands the tables to the dense optimizer.
-``data_parallel`` tables do need the dense kernel (TorchRec has no fused one for them); the trainer
-gives them the table optimizer itself (``replicated_tables``).
+``data_parallel`` tables do need the dense kernel (TorchRec has no fused one for them); ``shard_model``
+gives them the table optimizer itself.
 
 Initial weights: on CPU, TorchRec initialises each shard on its own, so the values would depend on
 the plan and the world size. ``load_full_tables`` copies the unsharded model's tables into the
