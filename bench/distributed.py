@@ -29,8 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "runs" / "bench"
+from rank_workers import OUT, REPO, add_worker_args, rank_batches, run_workers  # bench/ is on sys.path
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -48,7 +47,6 @@ def worker(args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from recscale.config import load_config
-    from recscale.data.dataset import epoch_batches, iterate
     from recscale.distributed import comms
     from recscale.distributed.env import shutdown
     from recscale.train.loop import Trainer
@@ -58,9 +56,7 @@ def worker(args: argparse.Namespace) -> None:
     run_dir = Path(args.run_dir)
     trainer = Trainer(cfg, run_dir, resume=(run_dir / "config.yaml").is_file())  # data made once, reused
     env, meter = trainer.env, trainer.comm
-    index = epoch_batches(len(trainer.train_ds), args.batch, shuffle=True, seed=0, epoch=0, drop_last=True,
-                          rank=env.rank, world_size=env.world_size)  # fmt: skip
-    batches = list(iterate(trainer.train_ds, index[: args.steps]))
+    batches = rank_batches(trainer, args.batch, args.steps)
     timings = {"optimizer": 0.0}
 
     step, optimizer_step = trainer.train_step, trainer.opt.step
@@ -123,36 +119,21 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--sharding", default="table_wise")
     p.add_argument("--dense", default="ddp", choices=["ddp", "fsdp"])
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--run-dir", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_args(p)
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
 
-    from recscale.distributed.launch import launch
-
     OUT.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="recscale-bench-") as tmp:
         for n in args.nprocs:
-            result = Path(tmp) / f"{n}.json"
             flags = [
                 f"--{k}={getattr(args, k)}" for k in ("steps", "batch", "vocab", "dim", "sharding", "dense")
             ]
-            command = [
-                __file__,
-                *flags,
-                "--worker",
-                "--run-dir",
-                str(Path(tmp) / "run"),
-                "--result",
-                str(result),
-            ]
             local = min(n, args.local_world_size) if n % args.local_world_size == 0 else n
-            launch(command, n, local, 0)
-            results.append(json.loads(result.read_text()))
+            results.append(run_workers(__file__, flags, Path(tmp) / "run", Path(tmp) / f"{n}.json", n, local))
             print(json.dumps(results[-1]), flush=True)
     (OUT / "distributed.json").write_text(json.dumps(results, indent=2))
     print("\n| processes | hosts x ranks | examples/s | step ms | embedding | communication | dense fwd/bwd "

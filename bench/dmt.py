@@ -28,8 +28,8 @@ import time
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "runs" / "bench"
+from rank_workers import OUT, REPO, add_worker_args, rank_batches, run_workers  # bench/ is on sys.path
+
 BANDWIDTHS = {"100 Mbit/s": 100e6 / 8, "1 Gbit/s": 1e9 / 8, "10 Gbit/s": 10e9 / 8}
 FLAT = ("table_wise", "row_wise", "table_row_wise")
 DMT = {"dmt_1x": ("identity", 1), "dmt_2x": ("wukong", 2), "dmt_4x": ("wukong", 4)}
@@ -54,7 +54,6 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from recscale.config import load_config
-    from recscale.data.dataset import epoch_batches, iterate
     from recscale.distributed import comms
     from recscale.distributed.dmt.volumes import (
         dmt_embedding_inter,
@@ -71,9 +70,7 @@ def worker(args: argparse.Namespace) -> None:
         cfg = load_config(REPO / "configs" / "demo.yaml", _overrides(args, variant))
         trainer = Trainer(cfg, Path(args.run_dir) / variant)
         env, model, meter, step = trainer.env, trainer.built.model, trainer.comm, trainer.train_step
-        index = epoch_batches(len(trainer.train_ds), args.batch, shuffle=True, seed=0, epoch=0, drop_last=True,
-                              rank=env.rank, world_size=env.world_size)  # fmt: skip
-        batches = list(iterate(trainer.train_ds, index[: args.steps + 2]))
+        batches = rank_batches(trainer, args.batch, args.steps + 2)
 
         for b in batches[:2]:  # warm-up
             step(b)
@@ -137,34 +134,21 @@ def main() -> None:
     p.add_argument("--features", type=int, default=16)
     p.add_argument("--vocab", type=int, default=10_000)
     p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--run-dir", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
+    add_worker_args(p)
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
-
-    from recscale.distributed.launch import launch
 
     OUT.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="recscale-bench-dmt-") as tmp:
         for topo in args.topologies:
             hosts, local = map(int, topo.split("x"))
-            result = Path(tmp) / f"{topo}.json"
             flags = [f"--{k}={getattr(args, k)}" for k in ("steps", "batch", "features", "vocab", "dim")]
-            command = [
-                __file__,
-                *flags,
-                "--worker",
-                "--run-dir",
-                str(Path(tmp) / topo),
-                "--result",
-                str(result),
-            ]
-            launch(command, hosts * local, local, 0)
-            results += json.loads(result.read_text())
+            results += run_workers(
+                __file__, flags, Path(tmp) / topo, Path(tmp) / f"{topo}.json", hosts * local, local
+            )
     (OUT / "dmt.json").write_text(json.dumps(results, indent=2))
     print("| hosts x ranks | variant | intra bytes/step | inter bytes/step | checked inter bytes: measured / closed form "
           "| step ms (measured) | " + " | ".join(f"step ms at {k}" for k in BANDWIDTHS) + " |")  # fmt: skip
