@@ -20,13 +20,14 @@ the run's logged train windows. Writes docs/precision.csv (one row per run) and 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shlex
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from report_files import write_csv  # bench/ is on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 LOG_EVERY = 25  # steps per logged train window (its comm bytes are per window)
@@ -124,10 +125,7 @@ def main() -> None:
         for seed in args.seeds
     ]
     out = Path(args.out)
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows)
 
     by = {(r["model"], r["setting"], r["seed"]): r for r in rows}
     lines = [

@@ -9,6 +9,11 @@ from pathlib import Path
 
 def write_report(out: Path, text: str, rows: list[dict]) -> None:
     out.with_suffix(".md").write_text(text + "\n\nCommand: `" + " ".join(["python", *sys.argv]) + "`\n")
+    write_csv(out, rows)
+
+
+def write_csv(out: Path, rows: list[dict]) -> None:
+    """``rows`` as OUT.csv, with the first row's keys as the header."""
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
