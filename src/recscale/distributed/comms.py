@@ -3,7 +3,7 @@
 The collective functions of ``torch.distributed`` are wrapped once per process; while a ``CommMeter``
 is recording, each call adds the bytes this rank *sends* to each peer, by collective kind and by
 whether the peer is on the same host (``Topology``). Bytes a rank keeps for itself are not counted.
-TorchRec's sharded embeddings, FSDP2 and DDP (through ``dense.CountedDDPWrapper``) all communicate
+TorchRec's sharded embeddings, FSDP2 and DDP (through ``dense.HookedDDPWrapper``) all communicate
 through these functions.
 
 Volumes:

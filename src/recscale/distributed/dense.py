@@ -17,7 +17,8 @@ sharding the tables, on everything it did not shard.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -36,14 +37,20 @@ from torchrec.distributed.types import ShardedModule, ShardingEnv
 from recscale.errors import ConfigError
 
 
-class CountedDDPWrapper(DefaultDataParallelWrapper):
-    """DMP's default DDP, with all-reduces issued through ``torch.distributed`` (see module doc)."""
+class HookedDDPWrapper(DefaultDataParallelWrapper):
+    """DMP's default DDP with ``hook`` on every DDP in the model: torch's ``allreduce_hook`` issues the
+    all-reduces through ``torch.distributed``, where ``comms`` counts them (see module doc); the
+    compression hooks all-reduce the gradients in fp16 or bf16 (counted at their real bytes)."""
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        super().__init__()
+        self.hook = hook
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         super().wrap(dmp, env, device)
         for m in dmp.modules():
             if isinstance(m, DistributedDataParallel):
-                m.register_comm_hook(m.process_group, allreduce_hook)
+                m.register_comm_hook(m.process_group, self.hook)
 
 
 class FSDP2Wrapper(DataParallelWrapper):
@@ -97,21 +104,6 @@ def bf16_allreduce_hook(process_group, bucket):
     return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
 
 
-class CompressedDDPWrapper(DefaultDataParallelWrapper):
-    """DMP's default DDP with gradients all-reduced in fp16 or bf16 (torch's compression hooks, which
-    issue ``torch.distributed.all_reduce`` on the compressed buffer: ``comms`` counts its real bytes)."""
-
-    def __init__(self, precision: Literal["fp16", "bf16"]) -> None:
-        super().__init__()
-        self.hook = fp16_compress_hook if precision == "fp16" else bf16_allreduce_hook
-
-    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
-        super().wrap(dmp, env, device)
-        for m in dmp.modules():
-            if isinstance(m, DistributedDataParallel):
-                m.register_comm_hook(m.process_group, self.hook)
-
-
 def dense_wrapper(
     kind: Literal["ddp", "fsdp"],
     counted: bool = False,
@@ -128,5 +120,5 @@ def dense_wrapper(
             )
         return FSDP2Wrapper(param_dtype)
     if compress != "fp32":
-        return CompressedDDPWrapper(compress)
-    return CountedDDPWrapper() if counted else DefaultDataParallelWrapper()
+        return HookedDDPWrapper(fp16_compress_hook if compress == "fp16" else bf16_allreduce_hook)
+    return HookedDDPWrapper(allreduce_hook) if counted else DefaultDataParallelWrapper()
