@@ -99,9 +99,7 @@ def serial(args: argparse.Namespace) -> None:
         ds = trainer.train_ds
 
         def batches(**kw) -> list:
-            return epoch_batches(
-                len(ds), args.batch, shuffle=True, seed=cfg.seed, epoch=0, drop_last=True, **kw
-            )
+            return epoch_batches(len(ds), args.batch, seed=cfg.seed, epoch=0, drop_last=True, **kw)
 
         for world in args.world:
             out: dict[str, dict] = {}

@@ -113,7 +113,7 @@ def bench_format(fmt: str, path: Path, rows: int, batch: int, tmp: Path, fuxictr
     materialize(read_batches(path, fmt, schema), schema, tmp / f"again-{fmt}", pre=pre)
     t3 = time.perf_counter()
     ds = ArrayDataset(tmp / f"split-{fmt}")
-    index = epoch_batches(len(ds), batch, shuffle=True, seed=0, epoch=0, drop_last=False)
+    index = epoch_batches(len(ds), batch, seed=0, epoch=0, drop_last=False)
     served = sum(b.size for b in iterate(ds, index))
     t4 = time.perf_counter()
     assert served == rows == read, (served, rows, read)

@@ -39,7 +39,7 @@ def warm_trainer(argv: list[str], usage: str, steps: int) -> Iterator[tuple[Trai
     with tempfile.TemporaryDirectory(prefix="recscale-profile-") as tmp:
         trainer = Trainer(cfg, Path(tmp) / "run")
         batch = cfg.train.batch_size
-        index = epoch_batches(len(trainer.train_ds), batch, shuffle=True, seed=0, epoch=0, drop_last=True)
+        index = epoch_batches(len(trainer.train_ds), batch, seed=0, epoch=0, drop_last=True)
         batches = list(iterate(trainer.train_ds, index[: 12 + steps]))
         trainer.module.train()
         for b in batches[:3]:

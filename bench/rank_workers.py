@@ -34,6 +34,6 @@ def rank_batches(trainer: Any, global_batch: int, steps: int) -> list:
     from recscale.data.dataset import epoch_batches, iterate
 
     env = trainer.env
-    index = epoch_batches(len(trainer.train_ds), global_batch, shuffle=True, seed=0, epoch=0, drop_last=True,
+    index = epoch_batches(len(trainer.train_ds), global_batch, seed=0, epoch=0, drop_last=True,
                           rank=env.rank, world_size=env.world_size)  # fmt: skip
     return list(iterate(trainer.train_ds, index[:steps]))

@@ -83,7 +83,7 @@ def measure(trainer, batch: int, steps: int, warmup: int) -> dict:
     from recscale.data.dataset import epoch_batches, iterate
     from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER
 
-    index = epoch_batches(len(trainer.train_ds), batch, shuffle=True, seed=0, epoch=0, drop_last=True)
+    index = epoch_batches(len(trainer.train_ds), batch, seed=0, epoch=0, drop_last=True)
     batches = list(iterate(trainer.train_ds, index[:steps]))
     trainer.module.train()
     step = trainer.train_step  # the step training runs (schedule, clipping, regularisers included)

@@ -361,22 +361,19 @@ def test_materialized_batches(tmp_path):
 
 
 def test_epoch_batches_shard_a_global_batch_across_ranks():
-    one = epoch_batches(103, 10, shuffle=True, seed=3, epoch=1, drop_last=True)
-    parts = [
-        epoch_batches(103, 10, shuffle=True, seed=3, epoch=1, drop_last=True, rank=r, world_size=2)
-        for r in (0, 1)
-    ]
+    one = epoch_batches(103, 10, seed=3, epoch=1, drop_last=True)
+    parts = [epoch_batches(103, 10, seed=3, epoch=1, drop_last=True, rank=r, world_size=2) for r in (0, 1)]
     assert len(one) == 10
     for i, b in enumerate(one):
         assert sorted(np.concatenate([parts[0][i], parts[1][i]]).tolist()) == sorted(b.tolist())
-    other = epoch_batches(103, 10, shuffle=True, seed=3, epoch=2, drop_last=True)
+    other = epoch_batches(103, 10, seed=3, epoch=2, drop_last=True)
     assert not all(np.array_equal(a, b) for a, b in zip(one, other, strict=True))
 
 
 def test_worker_processes_yield_the_same_batches(tmp_path):
     fit(TRAIN, tmp_path)
     ds = ArrayDataset(tmp_path / "split")
-    batches = epoch_batches(5, 2, shuffle=True, seed=0, epoch=0, drop_last=False)
+    batches = epoch_batches(5, 2, seed=0, epoch=0, drop_last=False)
     a = [b.sparse["g"].values().tolist() for b in iterate(ds, batches, num_workers=0)]
     b = [b.sparse["g"].values().tolist() for b in iterate(ds, batches, num_workers=2)]
     assert a == b
@@ -386,7 +383,7 @@ def test_worker_processes_yield_the_same_batches(tmp_path):
 def test_a_batch_that_does_not_split_evenly_gives_every_rank_rows(rows, world):
     """The one batch of a split smaller than the global batch: slices one row apart, every row once
     (ceil-sized slices left the last ranks none: 5 rows over 4 ranks crashed the last rank)."""
-    parts = [epoch_batches(rows, 4096, shuffle=True, seed=0, epoch=0, drop_last=False, rank=r, world_size=world)
+    parts = [epoch_batches(rows, 4096, seed=0, epoch=0, drop_last=False, rank=r, world_size=world)
              for r in range(world)]  # fmt: skip
     sizes = [len(p[0]) for p in parts]
     assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
@@ -418,7 +415,7 @@ held.wait()
 gather = ArrayDataset.gather_arrays
 ArrayDataset.gather_arrays = lambda self, idx: (gc.collect(), gather(self, idx))[1]  # a worker's GC runs
 ds = ArrayDataset(sys.argv[1])
-n = sum(1 for _ in iterate(ds, epoch_batches(5, 2, shuffle=False, seed=0, epoch=0, drop_last=False), 1))
+n = sum(1 for _ in iterate(ds, epoch_batches(5, 2, seed=0, epoch=0, drop_last=False), 1))
 release.set()
 print(n)
 """

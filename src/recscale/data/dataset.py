@@ -163,24 +163,20 @@ def epoch_batches(
     rows: int,
     batch_size: int,
     *,
-    shuffle: bool,
     seed: int,
     epoch: int,
     drop_last: bool,
     rank: int = 0,
     world_size: int = 1,
 ) -> list[np.ndarray]:
-    """Row indices of each batch of one epoch for this rank.
+    """Row indices of each batch of one epoch for this rank, in an order shuffled by ``seed`` and ``epoch``.
 
     ``batch_size`` is the *global* batch; rank r takes the r-th contiguous slice of it, so W ranks
     together see exactly the batches a single process with the same global batch sees. A batch that
     does not split evenly (the last, with ``drop_last=False``) gives the ranks slices one row apart.
     """
-    if shuffle:
-        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-        order = torch.randperm(rows, generator=g).numpy()
-    else:
-        order = np.arange(rows)
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = torch.randperm(rows, generator=g).numpy()
     n_full = rows // batch_size
     bounds = [(i * batch_size, (i + 1) * batch_size) for i in range(n_full)]
     if not drop_last and rows % batch_size:

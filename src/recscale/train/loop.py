@@ -391,7 +391,7 @@ class Trainer:
         n, balance = len(self.train_ds), self.cfg.distributed.balance
         balanced = balance != "none" and env.world_size > 1
         batches = epoch_batches(
-            n, t.batch_size, shuffle=True, seed=self.cfg.seed, epoch=p.epoch, drop_last=n >= t.batch_size,
+            n, t.batch_size, seed=self.cfg.seed, epoch=p.epoch, drop_last=n >= t.batch_size,
             rank=0 if balanced else env.rank, world_size=1 if balanced else env.world_size,
         )[p.batch :]  # fmt: skip
         # A training split smaller than the global batch is one batch the ranks hold unequal parts of:
