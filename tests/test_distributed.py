@@ -288,7 +288,7 @@ def _plan(sharding: str, tables: dict | None = None, world: int = 4, local: int 
     """Per-table ParameterSharding of a 10-row, dim-16 LR-like model's tables on 2 hosts x 2 ranks."""
     features = FeatureSet(sparse=tuple(SparseInput(f"f{i}", 10) for i in range(4)), num_dense=0)
     model = build_model("lr", features, EmbeddingConfig(dim=16), {})
-    env = DistEnv(0, world, 0, local, torch.device("cpu"), "gloo")
+    env = DistEnv(0, world, local, torch.device("cpu"), "gloo")
     cfg = DistributedConfig.model_validate({"sharding": sharding, "tables": tables or {}})
     return dict(plan_tables(model, env, cfg).plan["embedding.ebc"])
 

@@ -172,7 +172,7 @@ def lr_model(n: int = 6):
 
 
 def test_learned_sharding_gives_a_torchrec_plan():
-    env = DistEnv(0, 4, 0, 2, torch.device("cpu"), "gloo")
+    env = DistEnv(0, 4, 2, torch.device("cpu"), "gloo")
     cfg = DistributedConfig.model_validate({"sharding": "learned", "tables": {"f0": {"type": "row_wise"}}})
     plan, prediction = predicted_plan(lr_model(), env, cfg)
     module_plan = plan.plan["embedding.ebc"]
@@ -190,7 +190,7 @@ def test_learned_sharding_row_splits_what_fits_no_other_way():
     sizes = {"f0": 4000, "f1": 10, "f2": 10}
     features = FeatureSet(sparse=tuple(SparseInput(f, n) for f, n in sizes.items()), num_dense=0)
     model = build_model("lr", features, EmbeddingConfig(dim=16), {})
-    env = DistEnv(0, 4, 0, 4, torch.device("cpu"), "gloo")
+    env = DistEnv(0, 4, 4, torch.device("cpu"), "gloo")
     # f0: 272 KB with its row-wise state; its narrowest column shard (4 of 16) 80 KB, a quarter of its rows 68 KB
     cfg = DistributedConfig.model_validate({"sharding": "learned", "learned": {"memory_cap_mb": 75 / 1024}})
     plan, prediction = predicted_plan(model, env, cfg)
@@ -206,7 +206,7 @@ def test_learned_sharding_row_splits_what_fits_no_other_way():
 def test_learned_memory_cap_counts_the_explicit_tables(local_world):
     # f4 and f5 (74,800 bytes with their row-wise state) pinned to rank 0 under a cap of 80,000 bytes:
     # the learned planner used to plan the other tables as if rank 0 were empty (over the cap there).
-    env = DistEnv(0, 4, 0, local_world, torch.device("cpu"), "gloo")
+    env = DistEnv(0, 4, local_world, torch.device("cpu"), "gloo")
     tables = {"f4": {"type": "table_wise", "ranks": [0]}, "f5": {"type": "table_wise", "ranks": [0]}}
     cap = 80_000
     cfg = DistributedConfig.model_validate(
@@ -229,7 +229,7 @@ def test_learned_memory_cap_counts_the_explicit_tables(local_world):
 
 
 def test_learned_sharding_with_every_table_explicit_plans_nothing():
-    env = DistEnv(0, 4, 0, 4, torch.device("cpu"), "gloo")
+    env = DistEnv(0, 4, 4, torch.device("cpu"), "gloo")
     tables = {f"f{i}": {"type": "table_wise", "ranks": [i % 4]} for i in range(6)}
     cfg = DistributedConfig.model_validate({"sharding": "learned", "tables": tables})
     plan, prediction = predicted_plan(lr_model(), env, cfg)

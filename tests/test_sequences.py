@@ -178,7 +178,7 @@ def test_movielens_histories_hold_only_strictly_earlier_ratings_of_the_user(tmp_
 
 
 def _sequence_plan(sharding: str, tables: dict | None = None) -> dict:
-    env = DistEnv(0, 2, 0, 2, torch.device("cpu"), "gloo")
+    env = DistEnv(0, 2, 2, torch.device("cpu"), "gloo")
     cfg = DistributedConfig.model_validate({"sharding": sharding, "tables": tables or {}})
     return plan_tables(_model("causal"), env, cfg).plan
 

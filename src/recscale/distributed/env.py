@@ -37,7 +37,6 @@ _PEER_SETTLE_S = 2.0  # ranks stuck in one collective time out within about a st
 class DistEnv:
     rank: int
     world_size: int
-    local_rank: int
     local_world_size: int
     device: torch.device
     backend: str
@@ -113,7 +112,7 @@ def init_distributed(timeout_s: float | None = None) -> DistEnv:
             os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # TorchRec's planner reads it
             store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return DistEnv(rank, world, local_rank, local_world, device, backend, restarts)
+    return DistEnv(rank, world, local_world, device, backend, restarts)
 
 
 def heartbeat(step: int) -> None:

@@ -28,7 +28,7 @@ def shard_plan(cfg: RunConfig, world: int, local_world: int, out: Path) -> dict[
         pre, splits, _ = prepare_run_data(cfg.data, Path(tmp), resume=False, main=True, progress=False)
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model.name, feature_set(pre), cfg.model.embedding, cfg.model.params)
-        env = DistEnv(0, world, 0, local_world, torch.device("cpu"), "gloo")
+        env = DistEnv(0, world, local_world, torch.device("cpu"), "gloo")
         start = time.perf_counter()
         plan, prediction = predicted_plan(
             model, env, cfg.distributed, None, planner_sample(cfg, splits["train"])

@@ -121,7 +121,7 @@ def build_dmt(
     opt_cls, table_kw = table_optimizer
     apply_optimizer_in_backward(opt_cls, tower.embedding.ebc.parameters(), dict(table_kw))
     local = topo.local_world_size
-    host_env = DistEnv(env.rank % local, local, env.rank % local, local, env.device, env.backend)
+    host_env = DistEnv(env.rank % local, local, local, env.device, env.backend)
     host_plan = DistributedConfig(
         sharding=dmt.sharding, timeout_s=cfg.distributed.timeout_s, count_bytes=cfg.distributed.count_bytes
     )
