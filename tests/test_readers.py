@@ -424,6 +424,19 @@ def test_movielens_schema_must_match_column_types(tmp_path):
         read_batches(root, "movielens", make_schema(sparse=["nope"]))
 
 
+def test_movielens_rating_and_timestamp_must_be_float_columns(tmp_path):
+    """A token timestamp sorted as text ("10" < "100" < "9"): the rating at time 9 got the later ratings
+    as its history and the split put it last; a token rating stopped the read with an Arrow error."""
+    for name in ("timestamp", "rating"):
+        root = write_movielens(tmp_path / name, ["1\t10\t5\t9", "1\t11\t5\t10"])
+        header = "user_id:token\titem_id:token\trating:float\ttimestamp:float".replace(
+            f"{name}:float", f"{name}:token"
+        )
+        write(root / "ml.inter", [header, "1\t10\t5\t9", "1\t11\t5\t10"])
+        with pytest.raises(DataError, match=rf"ml\.inter line 1: column '{name}' is token.*{name}:float"):
+            read_batches(root, "movielens", ML_SCHEMA)
+
+
 def test_movielens_options_are_validated(tmp_path):
     root = write_movielens(tmp_path / "ml", ["1\t10\t5\t1"])
     with pytest.raises(ConfigError, match="fractions"):

@@ -1,7 +1,7 @@
 """MovieLens-100k as CTR data, from RecBole atomic files, with recscale's reproducible time split.
 
 Files (``path`` is their directory or the ``.inter`` file): ``ml-100k.inter`` (``user_id``,
-``item_id``, ``rating``, ``timestamp``) and, when present beside it, ``ml-100k.user`` (``age``,
+``item_id``, ``rating:float``, ``timestamp:float``) and, when present beside it, ``ml-100k.user`` (``age``,
 ``gender``, ``occupation``, ``zip_code``) and ``ml-100k.item`` (``movie_title``, ``release_year``,
 ``class``). They are tab-separated with a typed header (``user_id:token``): ``token`` is one id,
 ``token_seq`` a space-separated list of ids (e.g. ``class`` = the genres), ``float`` a number.
@@ -135,6 +135,13 @@ def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator
     missing = [c for c in (*KEYS.values(), RATING, TIMESTAMP) if c not in inter.types]
     if missing:
         raise missing_columns_error(inter.path, missing, list(inter.types))
+    # A token timestamp would sort as text ("10" < "9"): the split and the histories would leak the future.
+    for name in (RATING, TIMESTAMP):
+        if inter.types[name] != "float":
+            raise DataError(
+                f"{inter.path} line 1: column '{name}' is {inter.types[name]}, but it must be a float "
+                f"column ({name}:float in the header): ratings and timestamps are compared as numbers"
+            )
     if schema.label not in ("label", RATING):
         raise DataError(
             f"{inter.path}: the label is rating >= rating_threshold; set the schema label to 'label', "
