@@ -66,6 +66,19 @@ def test_a_malformed_history_is_one_line_naming_file_and_line(tmp_path, fmt, whe
     assert "\n" not in msg and f"{path} {where}" in msg and words in msg and "'h'" in msg
 
 
+def test_a_sequence_encoder_needs_a_sequence_feature():
+    """A history declared without max_len trained as a mean-pooled bag, the encoder set for it ignored."""
+    from recscale.config import load_config
+    from recscale.train.build import check_features
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    bag = FeatureSet((SparseInput("u", 10), SparseInput("h", 20, "mean")), 1)
+    with pytest.raises(ConfigError, match="no sparse feature is a sequence.*max_len") as e:
+        check_features(load_config(demo, ["model.embedding.sequence={encoder: causal}"]), bag)
+    assert "\n" not in str(e.value)
+    check_features(load_config(demo), bag)  # the default, which every run's config.yaml writes out
+
+
 def test_a_sequence_must_be_a_multi_id_feature():
     with pytest.raises(ValueError, match="multi=true"):
         Schema.model_validate({"sparse": [{"name": "h", "max_len": 3}]})

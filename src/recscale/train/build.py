@@ -34,6 +34,7 @@ from recscale.distributed.planner.features import BATCH
 from recscale.distributed.sharding import shard_model
 from recscale.errors import ConfigError, ResourceError
 from recscale.models.base import RecModel, TrainableModel, count_parameters
+from recscale.models.blocks.sequence import SequenceConfig
 from recscale.models.embedding import FeatureSet, SparseInput, check_feature_options
 from recscale.models.quant import quantize_model
 from recscale.models.registry import build_model
@@ -101,6 +102,14 @@ def check_features(cfg: RunConfig, features: FeatureSet) -> None:
     except ValueError as e:
         raise ConfigError(f"model.embedding: {e}") from None
     sequences = [f.name for f in features.sparse if f.max_len is not None]
+    # Without a sequence feature the encoder is never built: a history declared without max_len would
+    # train as a plain mean-pooled bag. (Compared with the default: a run's config.yaml holds it.)
+    if not sequences and emb.sequence != SequenceConfig():
+        raise ConfigError(
+            "model.embedding.sequence is set but no sparse feature is a sequence, so no encoder would run; "
+            "give the history its max_len (e.g. {name: history, multi: true, max_len: 50}) or drop "
+            "model.embedding.sequence"
+        )
     if sequences and emb.sequence.encoder != "causal":
         single = sorted(f.name for f in features.sparse if f.max_len is None and f.pooling == "sum")
         if emb.sequence.target not in single:
