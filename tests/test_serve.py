@@ -563,6 +563,23 @@ def test_a_served_history_keeps_its_most_recent_max_len_ids(tmp_path):
     assert p[0] == pytest.approx(p[1], rel=1e-5) and abs(p[0] - p[2]) > 1e-4, p
 
 
+def test_a_served_history_with_an_empty_id_is_refused_as_the_readers_refuse_it():
+    """Training data with a history 3||7 is refused as malformed; the server scored ["3", ""] with an OOV
+    position (another score than ["3"]) without a word."""
+    from recscale.data.schema import Schema
+    from recscale.serve.rows import RequestError, RowParser
+
+    schema = Schema.model_validate(
+        {"sparse": [{"name": "m", "multi": True}, {"name": "h", "multi": True, "max_len": 4}]}
+    )
+    parser = RowParser(schema, 8)
+    ok = [{"m": ["a", ""], "h": ["3", 7]}, {"m": None, "h": []}, {"m": [], "h": None}]
+    assert parser.parse(json.dumps({"rows": ok}).encode()).column("h").to_pylist() == [["3", "7"], [], None]
+    with pytest.raises(RequestError, match=r"rows\[1\]\.h: a history's ids must not be empty") as e:
+        parser.parse(json.dumps({"rows": [ok[0], {"m": [], "h": ["3", ""]}]}).encode())
+    assert e.value.status == 422
+
+
 def test_fp16_stored_tables_export_as_the_fp32_their_manifest_names(tmp_path):
     """model.embedding.storage=fp16 exported fp16 tensors under a manifest saying 'tables: fp32'; they
     are now fp32 tensors of the same values (scores unchanged), and `--tables fp16` halves them."""

@@ -61,6 +61,7 @@ class RowParser:
         )
         self._schema = pa.schema([(name, arrow) for name, arrow, _ in self._kinds])
         self._weighted = [(f.name, f.name + WEIGHT_SUFFIX) for f in schema.sparse if f.weighted]
+        self._sequences = {f.name for f in schema.sparse if f.sequence}
         self.max_rows = max_rows
 
     @property
@@ -81,6 +82,16 @@ class RowParser:
                 values = [v if v is None or type(v) is str else str(v) for v in values]
             elif arrow == pa.list_(pa.string()):
                 values = [v if v is None else [x if type(x) is str else str(x) for x in v] for v in values]
+                name = self._kinds[i][0]
+                # The readers refuse an empty element of a history (3||7) as malformed; so does the server.
+                if name in self._sequences:
+                    empty = next((r for r, v in enumerate(values) if v and "" in v), None)
+                    if empty is not None:
+                        raise RequestError(
+                            422,
+                            f"rows[{empty}].{name}: a history's ids must not be empty strings; an empty "
+                            "list or null is an empty history",
+                        )
             try:
                 columns.append(pa.array(values, type=arrow))
             except (pa.ArrowException, UnicodeError, OverflowError) as e:  # e.g. lone surrogates in a string
