@@ -270,6 +270,12 @@ def test_score_answers_in_row_order_and_health_endpoints(client, scorer, trained
     np.testing.assert_allclose(r.json()["scores"], expected[::-1], atol=1e-6)
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json()["ready"] is True
+    # FastAPI's own answers have the server's error shape too (they were {"detail": ...})
+    assert client.get("/nope").json() == {"error": "Not Found"} and client.get("/nope").status_code == 404
+    assert (
+        client.get("/score").json() == {"error": "Method Not Allowed"}
+        and client.get("/score").status_code == 405
+    )
 
 
 GOOD = {"user": 1, "item": "2", "daytime": 3, "weekday": 4, "isweekend": 5, "homework": 6, "cost": 7,

@@ -40,6 +40,7 @@ import pyarrow as pa
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from recscale.errors import DataError
 from recscale.quiet import quiet_upstream
@@ -238,6 +239,11 @@ def _new_app(
 ) -> FastAPI:
     """An app without the interactive docs, with ``GET /healthz``: 200 while the process serves."""
     app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own answers (an unknown path, a wrong method) in the server's error shape, not {"detail"}.
+        return JSONResponse({"error": str(e.detail)}, status_code=e.status_code, headers=e.headers)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
