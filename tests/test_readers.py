@@ -668,3 +668,9 @@ def test_movielens_bad_rows(tmp_path):
     t = read_all(root, "movielens", ML_SCHEMA, {"split": "all"}, on_bad_row="skip", stats=stats)
     assert t.num_rows == 2 and stats.skipped == 2
     assert "ml.inter line 4: has 3 columns, expected 4" in stats.examples[1]
+
+
+def test_a_folder_without_movielens_files_says_what_to_give(tmp_path):
+    """It said only "expected one .inter file in this directory, found []"."""
+    with pytest.raises(DataError, match=r"found \[\]; give a folder of MovieLens atomic files"):
+        read_all(tmp_path, "movielens", ML_SCHEMA, {"split": "all"})

@@ -114,7 +114,8 @@ def files_of(path: Path) -> dict[str, AtomicFile]:
         found = sorted(path.glob("*.inter"))
         if len(found) != 1:
             raise DataError(
-                f"{path}: expected one .inter file in this directory, found {[f.name for f in found]}"
+                f"{path}: expected one .inter file in this directory, found {[f.name for f in found]}; give a "
+                "folder of MovieLens atomic files (RecBole's ml-100k.inter, .user, .item) or the .inter file"
             )
         path = found[0]
     elif not path.exists():
