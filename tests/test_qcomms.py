@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from recscale.distributed.codecs import MXInt8Codec, RowwiseFP8Codec
 
@@ -132,3 +133,14 @@ def test_row_wise_reduce_scatter_stays_fp16_for_every_row_wise_format(forward, b
     assert (a2a.forward.quantized_dtype, a2a.backward.quantized_dtype) == tuple(
         dtype.get(p, torch.uint8) for p in (forward, backward)
     )
+
+
+def test_qcomms_on_replicated_tables_are_refused():
+    """data_parallel tables send no embeddings: qcomms.forward=int8 was dropped without a word."""
+    from recscale.config import DistributedConfig
+
+    with pytest.raises(ValidationError, match="data_parallel tables do not send"):
+        DistributedConfig.model_validate({"sharding": "data_parallel", "qcomms": {"forward": "int8"}})
+    DistributedConfig.model_validate(
+        {"sharding": "data_parallel", "qcomms": {"dense": "fp16"}}
+    )  # DDP's, kept

@@ -261,6 +261,21 @@ class DistributedConfig(Settings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _qcomms_need_an_all_to_all(self) -> DistributedConfig:
+        # Replicated tables send no embeddings: the codecs would be dropped without a word.
+        q = self.qcomms
+        if (
+            self.sharding == "data_parallel"
+            and not self.tables
+            and (q.forward, q.backward) != ("fp32", "fp32")
+        ):
+            raise ValueError(
+                "qcomms.forward and qcomms.backward quantize the embedding all-to-all, which data_parallel "
+                "tables do not send; shard the tables (e.g. distributed.sharding=table_wise) or leave them fp32"
+            )
+        return self
+
 
 class TowerModuleConfig(Settings):
     """DMT's tower module: compresses a tower's n_t embeddings to ceil(n_t / compression) before they
