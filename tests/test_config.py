@@ -198,3 +198,9 @@ def test_numbers_with_an_exponent_are_numbers(tmp_path):
     assert (cfg.train.max_steps, cfg.train.dense_optimizer.lr, cfg.train.grad_clip) == (1000, 1e-3, 100.0)
     with pytest.raises(ConfigError, match="model.embedding.dim: .* fractional part"):
         load_config(CONFIGS / "demo.yaml", ["model.embedding.dim=2.5e0"])
+
+
+def test_one_string_of_overrides_is_refused():
+    """load_config(path, "train.max_steps=3") read the string letter by letter: "override 't'"."""
+    with pytest.raises(ConfigError, match=r"give a list of key=value strings, e.g. \['train.max_steps=3'\]"):
+        load_config(CONFIGS / "demo.yaml", "train.max_steps=3")  # type: ignore[arg-type]

@@ -99,6 +99,10 @@ def merge(base: dict, top: dict) -> dict:
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Set dotted keys, e.g. ``train.max_steps=10``; values are parsed as YAML."""
+    if isinstance(overrides, str):  # a Python caller's one override, which iterating would split into letters
+        raise ConfigError(
+            f"overrides: give a list of key=value strings, e.g. [{overrides!r}], not one string"
+        )
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
