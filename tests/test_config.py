@@ -204,3 +204,10 @@ def test_one_string_of_overrides_is_refused():
     """load_config(path, "train.max_steps=3") read the string letter by letter: "override 't'"."""
     with pytest.raises(ConfigError, match=r"give a list of key=value strings, e.g. \['train.max_steps=3'\]"):
         load_config(CONFIGS / "demo.yaml", "train.max_steps=3")  # type: ignore[arg-type]
+
+
+def test_an_error_in_a_schema_feature_names_the_feature():
+    """'data.schema.sparse.8.max_len' alone made a user count the features to find which one."""
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "frappe.yaml", ["data.schema.sparse=[{name: user}, {name: item, max_len: 0}]"])
+    assert str(e.value).startswith("invalid config: data.schema.sparse.1.max_len ('item'): ")

@@ -379,13 +379,32 @@ class RunConfig(Settings):
         )
 
 
-def format_validation_error(e: ValidationError, section: str = "") -> str:
-    """One line of ``e``'s errors, each named by its dotted key under ``section`` (e.g. ``model``)."""
+def _item_name(raw: object, loc: tuple[int | str, ...]) -> str | None:
+    """The ``name`` of the innermost list item on ``loc``'s path through ``raw`` (a schema feature), if any."""
+    name = None
+    for step in loc:
+        if isinstance(raw, dict) and step in raw:
+            raw = raw[step]
+        elif isinstance(raw, list) and isinstance(step, int) and 0 <= step < len(raw):
+            raw = raw[step]
+            if isinstance(raw, dict) and isinstance(raw.get("name"), str):
+                name = raw["name"]
+        elif step != "function-after":
+            break
+    return name
+
+
+def format_validation_error(e: ValidationError, section: str = "", raw: object = None) -> str:
+    """One line of ``e``'s errors, each named by its dotted key under ``section`` (e.g. ``model``), and by
+    the name of the list item it is in where ``raw`` (the validated data) gives one: a feature's index in
+    ``data.schema.sparse`` alone does not say which it is."""
     parts = []
     for err in e.errors():
         key = ".".join(str(x) for x in err["loc"] if x not in ("function-after",))
         loc = ".".join(k for k in (section, key) if k) or "config"
         loc = loc.replace("schema_", "schema")
+        if (name := _item_name(raw, err["loc"])) is not None:
+            loc += f" ({name!r})"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden" and ":" in str(err["loc"][-1]):  # YAML's {format:mxfp4}
             name, _, value = str(err["loc"][-1]).partition(":")
@@ -402,7 +421,8 @@ def validate_config(raw: dict) -> RunConfig:
         cfg.model.params  # noqa: B018 - validates the model's own parameters
     except ValidationError as e:
         section = "model" if e.title != "RunConfig" else ""
-        raise ConfigError(f"invalid config: {format_validation_error(e, section)}") from None
+        within = raw.get("model") if section else raw
+        raise ConfigError(f"invalid config: {format_validation_error(e, section, within)}") from None
     if cfg.data.format != "synthetic":  # checked now, not when the first file is read
         validate_options(cfg.data.format, cfg.data.options)
     return cfg
