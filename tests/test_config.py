@@ -211,3 +211,9 @@ def test_an_error_in_a_schema_feature_names_the_feature():
     with pytest.raises(ConfigError) as e:
         load_config(CONFIGS / "frappe.yaml", ["data.schema.sparse=[{name: user}, {name: item, max_len: 0}]"])
     assert str(e.value).startswith("invalid config: data.schema.sparse.1.max_len ('item'): ")
+
+
+def test_options_for_synthetic_data_are_refused():
+    """data.options.delimiter=x on synthetic data was dropped without a word."""
+    with pytest.raises(ConfigError, match="data.options: format 'synthetic' reads no file and takes none"):
+        load_config(CONFIGS / "demo.yaml", ["data.options.delimiter=x"])

@@ -425,6 +425,11 @@ def validate_config(raw: dict) -> RunConfig:
         raise ConfigError(f"invalid config: {format_validation_error(e, section, within)}") from None
     if cfg.data.format != "synthetic":  # checked now, not when the first file is read
         validate_options(cfg.data.format, cfg.data.options)
+    elif cfg.data.options:  # no reader would ever see them
+        raise ConfigError(
+            f"data.options: format 'synthetic' reads no file and takes none (got {', '.join(cfg.data.options)}); "
+            "its settings are data.synthetic"
+        )
     return cfg
 
 
