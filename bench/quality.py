@@ -33,6 +33,7 @@ import yaml
 
 from recscale.config import RunConfig, load_config, validate_config
 from recscale.errors import ConfigError
+from recscale.models.flops import mflop_number
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -247,7 +248,7 @@ def main() -> None:
         lines.append(
             f"| {model} | {mean_std([r['auc'] for r in rs])} | {rel}{mean_std([r['logloss'] for r in rs])} "
             f"| {mean_std([r['ne'] for r in rs])} | {rs[0]['dense_params']:,} | {rs[0]['sparse_params']:,} "
-            f"| {rs[0]['mflops_per_example']:.3f} | {mean_std([r['train_seconds'] for r in rs], 1)} "
+            f"| {mflop_number(rs[0]['mflops_per_example'])} | {mean_std([r['train_seconds'] for r in rs], 1)} "
             f"| {pub.get('AUC', '')} | {pub.get('Logloss', '')} |"
         )
     seeds = " ".join(map(str, args.seeds))

@@ -83,3 +83,16 @@ def test_sequence_encoder_cost_is_linear_plus_quadratic_in_the_history_length(en
             enc(values, lengths, target)
         # Exact: DIN's weighted sum, element-wise, was once counted as 2d FLOPs a position.
         assert counter.get_total_flops() / 4 == a * length + b * length**2
+
+
+def test_small_counts_keep_three_significant_digits():
+    """LR and FM rows of the quality tables read 0.000 MFLOP/ex."""
+    from recscale.models.flops import mflop_number
+
+    assert [mflop_number(x) for x in (0.00032, 0.0041, 0.24, 21.64, 0.0)] == [
+        "0.000320",
+        "0.00410",
+        "0.240",
+        "21.640",
+        "0.000",
+    ]

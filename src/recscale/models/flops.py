@@ -26,8 +26,13 @@ class CountsFlops(Protocol):
 def mflop_text(mflops: float) -> str:
     """``mflops`` million FLOPs as text, with 3 decimals or, below 0.1, 3 significant digits: a logistic
     regression's few hundred FLOPs per example are 0.000320 MFLOP, not 0.000."""
+    return f"{mflop_number(mflops)} MFLOP"
+
+
+def mflop_number(mflops: float) -> str:
+    """``mflops`` with 3 decimals or, below 0.1, 3 significant digits (``mflop_text`` without its unit)."""
     decimals = 3 if mflops <= 0 else max(3, 2 - math.floor(math.log10(mflops)))
-    return f"{mflops:.{decimals}f} MFLOP"
+    return f"{mflops:.{decimals}f}"
 
 
 def matmul_flops(m: int, n: int, k: int) -> int:
