@@ -50,23 +50,14 @@ def _make_parent(path: Path, is_dir: bool) -> None:
 
 
 @contextmanager
-def _named(path: Path) -> Iterator[None]:
-    """An OSError creating ``path``'s temporary (a directory that takes no files, such as /proc) names
-    ``path``, the user's path, not the temporary's."""
-    try:
-        yield
-    except OSError as e:
-        raise OSError(e.errno, e.strerror, str(path)) from None
-
-
-@contextmanager
-def naming(path: Path) -> Iterator[None]:
+def naming(path: Path, always: bool = False) -> Iterator[None]:
     """An OSError in the block that names no file (a write to a full disk) names ``path`` instead: a
-    one-line error must say where the disk filled."""
+    one-line error must say where the disk filled. ``always``: one naming a file names ``path`` too (the
+    temporary beside it that a directory such as /proc refuses means nothing to the user)."""
     try:
         yield
     except OSError as e:
-        if e.filename is not None or e.errno is None:
+        if e.errno is None or (e.filename is not None and not always):
             raise
         raise OSError(e.errno, e.strerror, str(path)) from e
 
@@ -91,7 +82,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary file in the same directory, fsync, then rename over ``path``."""
     path = Path(path)
     _make_parent(path, is_dir=False)
-    with _named(path):
+    with naming(path, always=True):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with naming(path):
@@ -129,7 +120,7 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     """
     path = Path(path)
     _make_parent(path, is_dir=True)
-    with _named(path):
+    with naming(path, always=True):
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         with naming(path):
@@ -170,9 +161,8 @@ class Hold:
     def __init__(self, path: Path) -> None:
         lock = Path(path) / ".lock"
         key = _file_key(lock)
-        if (
-            key is not None and key in _HELD
-        ):  # held here already: no second descriptor, whose close would drop the lock
+        # Held here already: no second descriptor, whose close would drop the lock.
+        if key is not None and key in _HELD:
             _HELD[key][1] += 1
             self.release: Callable[[], object] = weakref.finalize(self, _let_go, key)
             return
