@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from recscale.retrieval.index import ExactIndex, Int8Index, ItemIndex, IVFIndex,
 from recscale.retrieval.pipeline import IndexKind, Ranker, RetrievalSpec, RetrieveRank, make_index
 from recscale.retrieval.synthetic import latent_data
 from recscale.retrieval.two_tower import Tower, TwoTower, embed, fit
-from recscale.serve.artifact import WEIGHTS
+from recscale.serve.artifact import MANIFEST, WEIGHTS
 from recscale.serve.retrieval_artifact import load_retrieval, save_retrieval
 
 
@@ -131,6 +132,13 @@ def test_retrieve_rank_saved_and_reloaded(tmp_path: Path, kind: IndexKind) -> No
     weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
     with pytest.raises(CheckpointError, match="sha256 does not match"):
         load_retrieval(tmp_path / "m")
+    # A hand-edited manifest's true or "8" for a size was read as 1 and 8.
+    manifest = tmp_path / "m" / MANIFEST
+    good = manifest.read_text()
+    for key, value in (("k", "true"), ("dim", '"8"')):
+        manifest.write_text(re.sub(rf'"{key}": \d+', f'"{key}": {value}', good))
+        with pytest.raises(CheckpointError, match="not a recscale retrieval manifest"):
+            load_retrieval(tmp_path / "m")
 
 
 def test_retrieval_build_and_query_from_the_command_line(tmp_path: Path, shared_data: Path, capsys) -> None:

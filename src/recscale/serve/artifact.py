@@ -132,7 +132,7 @@ def read_artifact(model_dir: Path) -> Artifact:
         )
     path = model_dir / MANIFEST
     try:
-        manifest = Manifest.model_validate_json(read_regular_file(path, _CAPS[MANIFEST], KIND))
+        manifest = Manifest.model_validate_json(read_regular_file(path, _CAPS[MANIFEST], KIND), strict=True)
     except ValidationError as e:
         raise _bad(
             path, f"is not a recscale model manifest ({one_line(format_validation_error(e))})"

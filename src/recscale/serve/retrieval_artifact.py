@@ -131,7 +131,8 @@ def _load(model_dir: Path) -> tuple[RetrieveRank, Catalog | None]:
             "(POST /score), or build a retrieval model with `recscale retrieval build`"
         )
     try:
-        manifest = RetrievalManifest.model_validate_json(read_regular_file(path, 1 << 20, KIND))
+        # strict: a hand-edited `"k": true` or `"dim": "8"` is refused, not read as 1 and 8.
+        manifest = RetrievalManifest.model_validate_json(read_regular_file(path, 1 << 20, KIND), strict=True)
     except ValidationError as e:
         raise CheckpointError(
             f"{path}: is not a recscale retrieval manifest ({one_line(format_validation_error(e))}); {FIX}"
@@ -157,7 +158,7 @@ def _load(model_dir: Path) -> tuple[RetrieveRank, Catalog | None]:
         return model.eval(), None
     raw = verified_bytes(path.parent / IDS, manifest.ids, 1 << 30, KIND, FIX)
     try:
-        ids = _Ids.model_validate_json(raw)
+        ids = _Ids.model_validate_json(raw, strict=True)
     except ValidationError as e:
         raise CheckpointError(f"{path.parent / IDS}: {one_line(format_validation_error(e))}; {FIX}") from None
     n_users = len(ids.users)
