@@ -301,6 +301,24 @@ def test_upstream_deprecated_collectives_do_not_warn(name):
     assert not seen
 
 
+def test_recscales_own_warnings_are_one_line(tmp_path):
+    """Python's format printed the path and line of the warning's caller and its source line: two lines
+    for one thing the user can act on."""
+    small = [
+        "data.synthetic.rows.train=2000",
+        "data.synthetic.rows.valid=500",
+        "data.synthetic.rows.test=500",
+    ]
+    argv = ["train", str(CONFIGS / "demo.yaml"), "--out", str(tmp_path / "r"), *small, "train.progress=false"]
+    done = subprocess.run(
+        [sys.executable, "-m", "recscale.cli", *argv, "train.max_steps=2", "train.warmup_steps=3"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("warning: train.warmup_steps=3 is longer than the run's 2 steps"), done.stderr
+    assert "UserWarning" not in done.stderr
+
+
 def test_inspect_reads_a_csv_with_its_delimiter(tmp_path, capsys):
     """A ';' file was one column to inspect: it had no way to take data.options.delimiter."""
     path = tmp_path / "t.csv"

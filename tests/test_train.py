@@ -286,6 +286,12 @@ def test_learning_rates_drop_on_plateau(tmp_path):
     assert sparse == pytest.approx(cfg.train.sparse_optimizer.lr * 0.5)
 
 
+def test_a_warmup_longer_than_the_run_warns(tmp_path):
+    cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=10", "train.warmup_steps=11"])
+    with pytest.warns(UserWarning, match="warmup_steps=11 is longer than the run's 10 steps"):
+        Trainer(cfg, tmp_path / "r")
+
+
 @pytest.mark.parametrize("restore", [True, False])
 def test_restore_best_on_plateau(tmp_path, restore):
     """With restore_best, an evaluation without improvement puts the best weights back before training

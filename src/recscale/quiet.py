@@ -1,12 +1,13 @@
 """Upstream notices a user cannot act on, silenced in every recscale process (the CLI, and the server's
 worker processes, which start afresh): ShardedTensor and torch.jit deprecations inside TorchRec, fbgemm
-and DCP. Every other warning, recscale's own included, reaches the user."""
+and DCP. Every other warning reaches the user; recscale's own as one line, ``warning: ...``."""
 
 from __future__ import annotations
 
 import logging
 import os
 import warnings
+from pathlib import Path
 
 _NOISY = (
     (FutureWarning, r"torch\.distributed\.checkpoint|torchrec"),
@@ -14,7 +15,22 @@ _NOISY = (
 )
 
 
+_PACKAGE = Path(__file__).resolve().parent
+_format_upstream = warnings.formatwarning
+
+
+def _format(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
+    # Python's format (path, line number, category, the source line) is for developers; recscale's
+    # warnings are for users, worded as its errors are.
+    if Path(filename).resolve().is_relative_to(_PACKAGE):
+        return f"warning: {message}\n"
+    return _format_upstream(message, category, filename, lineno, line)
+
+
 def quiet_upstream() -> None:
+    warnings.formatwarning = _format
     for category, module in _NOISY:
         warnings.filterwarnings("ignore", category=category, module=module)
     # Raised (from torch.autograd) on every backward through fbgemm's dense (replicated-table) lookup. Its

@@ -23,6 +23,7 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict
@@ -158,6 +159,12 @@ class Trainer:
             )
         self.steps_per_epoch = n // t.batch_size + (1 if n % t.batch_size and n < t.batch_size else 0)
         self.total_steps = min(t.epochs * self.steps_per_epoch, t.max_steps or 10**18)
+        if t.warmup_steps > self.total_steps and self.main:
+            warnings.warn(
+                f"train.warmup_steps={t.warmup_steps} is longer than the run's {self.total_steps} steps: the "
+                "learning rates never reach their set values; shorten the warm-up",
+                stacklevel=2,
+            )
         self.progress = Progress()
         if resume:
             self._resume()
