@@ -236,6 +236,17 @@ def test_table_weight_decay_below_what_fp16_tables_resolve_is_refused():
     assert load_config(demo, ["train.table_weight_decay=1e-3"]).train.table_weight_decay == 1e-3  # fp32
 
 
+def test_an_lr_drop_that_takes_fp16_tables_decay_under_their_resolution_warns(tmp_path):
+    """The check above sees the configured LR only: a plateau's LR drop (0.05 x 0.02 = 1e-3, then 1e-4 from the second evaluation)
+    later rounded the decay away without a word."""
+    es = "train.early_stopping={metric: logloss, patience: 10, min_delta: 1.0, reduce_lr_factor: 0.1}"
+    over = [*SMALL_SYNTH, "model.embedding.storage=fp16", "distributed.sharding=table_wise", es]
+    over += ["train.table_weight_decay=0.02", "train.eval_every=2", "train.max_steps=6"]
+    with pytest.warns(UserWarning, match=r"drop at step 4 the shrink per step is 0.0001, under") as seen:
+        Trainer(load_config(CONFIGS / "demo.yaml", over), tmp_path / "r").fit()
+    assert len([w for w in seen if "table_weight_decay" in str(w.message)]) == 1  # once, not per drop
+
+
 def _tables_after(tmp_path: Path, overrides: list[str]) -> dict[str, torch.Tensor]:
     """The demo model's tables (this rank's shards) after training with ``overrides``."""
     tr = Trainer(load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, *overrides]), tmp_path)

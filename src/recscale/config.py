@@ -24,6 +24,10 @@ from recscale.models.quant import QuantConfig
 from recscale.models.registry import model_names, params_class
 from recscale.settings import Settings
 
+# The smallest per-step shrink of train.table_weight_decay that fp16 table rows resolve: fp16 holds 11
+# significant bits, so w * (1 - shrink) rounds back to w for rows whose mantissa is near 1.
+FP16_SHRINK = 2**-11
+
 
 class DataConfig(Settings):
     """Where the data is and how to read it. Relative paths are resolved against the working directory."""
@@ -332,9 +336,8 @@ class RunConfig(Settings):
                 "another distributed.sharding (e.g. table_wise) or storage fp32"
             )
         shrink = self.train.sparse_optimizer.lr * self.train.table_weight_decay
-        if self.model.embedding.storage == "fp16" and 0 < shrink < 2**-11:
-            # fp16 holds 11 significant bits: w * (1 - shrink) rounds back to w for the rows whose
-            # mantissa is near 1 (every row below 2^-12), so the decay did nothing, without a word.
+        if self.model.embedding.storage == "fp16" and 0 < shrink < FP16_SHRINK:
+            # The decay would do nothing, without a word.
             raise ValueError(
                 f"train.table_weight_decay shrinks each row by table lr x decay = {shrink:.2g} a step, "
                 "under what model.embedding.storage=fp16 resolves (2^-11 = 4.9e-4): the fp16 rows would "

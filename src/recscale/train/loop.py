@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recscale.config import RunConfig
+from recscale.config import FP16_SHRINK, RunConfig
 from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
 from recscale.distributed import comms
@@ -159,6 +159,7 @@ class Trainer:
             )
         self.steps_per_epoch = n // t.batch_size + (1 if n % t.batch_size and n < t.batch_size else 0)
         self.total_steps = min(t.epochs * self.steps_per_epoch, t.max_steps or 10**18)
+        self.decay_resolved = True  # fp16 tables' decay: see _warn_if_decay_rounds_away
         if t.warmup_steps > self.total_steps and self.main:
             warnings.warn(
                 f"train.warmup_steps={t.warmup_steps} is longer than the run's {self.total_steps} steps: the "
@@ -451,12 +452,28 @@ class Trainer:
             if es is not None:
                 restore = p.record_eval(m, improved, es)
                 stop = p.stopped_early
+                if self.main and not stop:
+                    self._warn_if_decay_rounds_away()
         if restore and self.load_best() and self.ema:
             self.ema.reset()
         self.save(self.dir / "ckpt" / f"step_{p.step:08d}")
         if self.main:
             prune_checkpoints(self.dir / "ckpt", t.keep_checkpoints)
         return stop
+
+    def _warn_if_decay_rounds_away(self) -> None:
+        """Once, when an LR drop takes fp16 tables' decay under what they resolve (the config's check sees
+        only the configured LR)."""
+        t, was = self.cfg.train, self.decay_resolved
+        shrink = self.sparse_base_lrs[0] * self.progress.lr_scale * t.table_weight_decay
+        self.decay_resolved = self.cfg.model.embedding.storage != "fp16" or not 0 < shrink < FP16_SHRINK
+        if was and not self.decay_resolved:
+            warnings.warn(
+                f"train.table_weight_decay: after the learning-rate drop at step {self.progress.step} the "
+                f"shrink per step is {shrink:.2g}, under what fp16 tables resolve ({FP16_SHRINK:.2g}): "
+                "from here on it rounds away; use model.embedding.storage=fp32 to keep decaying",
+                stacklevel=2,
+            )
 
     def _evaluate(self, ds: ArrayDataset) -> dict[str, float]:
         t = self.cfg.train
