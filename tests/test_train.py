@@ -137,6 +137,41 @@ def test_eval_scores_the_best_model_that_a_kill_left_set_aside(tmp_path):
     assert (run / "best").is_dir() and not (run / ".best.old").exists()
 
 
+class _Killed(BaseException):
+    """A kill: nothing after it runs (a BaseException, so no handler on the way turns it into an error)."""
+
+
+def test_a_kill_between_an_evaluations_two_writes_leaves_a_best_the_resume_knows(tmp_path, monkeypatch):
+    """An improving evaluation writes its checkpoint and best/. best/ used to go first: killed between the
+    two, best/ held step 4's weights while the resume started from step 2, whose progress names step 2 as
+    the best (a resume that did not retrain step 4 exactly went back to weights it knew nothing of). Now
+    best/ follows the checkpoint, and the resume from step 4 writes it from there."""
+    import recscale.train.loop as loop
+    from recscale.train.state import Progress
+
+    monkeypatch.setattr(Progress, "improves", lambda *_: True)  # both evaluations (steps 2, 4) improve
+    writes, real_save = [], loop.save_checkpoint
+
+    def save(path, state, rank=0):
+        writes.append(path)
+        if len(writes) == 4:  # the second write of step 4's evaluation
+            raise _Killed
+        real_save(path, state, rank)
+
+    monkeypatch.setattr(loop, "save_checkpoint", save)
+    cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=4", "train.eval_every=2"])
+    run = tmp_path / "r"
+    with pytest.raises(_Killed):
+        Trainer(cfg, run).fit()
+    monkeypatch.setattr(loop, "save_checkpoint", real_save)
+    trainer = Trainer(cfg, run, resume=True)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = next(r for r in rows if r["split"] == "valid" and r["step"] == trainer.progress.best_step)
+    kept = eval_run(run, None, split="valid")  # best/'s weights
+    assert kept["logloss"] == pytest.approx(logged["logloss"], rel=1e-6)
+    assert Trainer(cfg, run, resume=True).fit()["best_step"] == 4
+
+
 def test_a_resume_removes_a_split_a_kill_left_half_written(tmp_path):
     """A kill while a data split was written left RUN/data/.valid.XXXX.tmp behind for good."""
     cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=2"])

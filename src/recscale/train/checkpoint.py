@@ -159,6 +159,17 @@ def _write_error(path: Path, e: CheckpointException) -> Exception:
     )
 
 
+def saved_step(path: Path) -> int | None:
+    """The training step the weights in the checkpoint at ``path`` (best/) are from, as its "step" entry
+    says; None where ``path`` holds no state.json or it has no such entry (best/ of an older version).
+    Reads only state.json, checked as ``load_checkpoint`` checks it."""
+    state_file = Path(path) / STATE_FILE
+    if not os.path.lexists(state_file):
+        return None
+    step = dict(_read_state_json(state_file)["__dict__"]).get("step")
+    return step if type(step) is int else None
+
+
 # Model buffers added after checkpoints were first written, whose initial value is what an older model
 # computed: a checkpoint without them loads, and they keep the template's value (the identity calibration).
 OPTIONAL_ENTRIES = ("calibration.scale", "calibration.bias")

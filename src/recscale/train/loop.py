@@ -13,7 +13,7 @@ Run directory::
     metrics.jsonl       one JSON object per logged train window and per evaluation (NaN metrics: null)
     tb/                 TensorBoard logs
     ckpt/step_N/        checkpoints (model, optimizers, data position, RNG)
-    best/               the best model by the early-stopping metric
+    best/               the best model by the early-stopping metric, and its step (written after ckpt/)
     report.json         the final report (standard JSON too: a NaN metric is null)
     .lock               held while a training writes the run (another is refused: recscale.io.Hold)
 """
@@ -53,6 +53,7 @@ from recscale.train.checkpoint import (
     prune_checkpoints,
     remove_partial_checkpoints,
     save_checkpoint,
+    saved_step,
 )
 from recscale.train.data import prepare_run_data
 from recscale.train.evaluate import bayes_floor, eval_batch_size, evaluate, predict
@@ -264,12 +265,25 @@ class Trainer:
                 p, why = self.progress, f"restart {self.env.restart_count} after a failed rank: "
                 print(f"{why if self.env.restart_count else ''}resumed from {ckpts[-1]} "
                       f"(step {p.step}, epoch {p.epoch})", file=sys.stderr)  # fmt: skip
-            self._repatience()
         elif self.main:
             print(f"{self.dir}: no complete checkpoint yet; training from the start", file=sys.stderr)
-        if self.main:  # forget what a killed attempt did after its last checkpoint
+        if self.main:  # forget what a killed attempt did after its last checkpoint; put a set-aside one back
             remove_partial_checkpoints(self.dir)
         self._barrier()
+        if ckpts:
+            self._catch_up_best()
+            self._repatience()
+
+    def _catch_up_best(self) -> None:
+        """Write best/ from the checkpoint just loaded if that checkpoint is the best evaluation's and best/
+        is not from its step: a kill between the two writes of an improving evaluation (the checkpoint,
+        then best/) left it behind. The checkpoint holds the weights best/ would have held."""
+        p = self.progress
+        if self.cfg.train.early_stopping is None or p.best_step != p.step:
+            return
+        if saved_step(self.dir / "best") != p.step:
+            with self._as_evaluated():
+                self._keep_best(p.step)
 
     def _repatience(self) -> None:
         """Early stopping under the resumed config's patience (a key a resume may change): a run that stopped
@@ -286,6 +300,16 @@ class Trainer:
                   f"train.early_stopping.patience={es.patience}: the run {what}", file=sys.stderr)  # fmt: skip
         if not p.stopped_early and es.restore_best and self.load_best() and self.ema:
             self.ema.reset()
+
+    def _keep_best(self, step: int) -> None:
+        """Write the model as it is now to best/, as the weights of training step ``step``."""
+        save_checkpoint(
+            self.dir / "best", {"model": self.module.state_dict(), "step": step}, rank=self.env.rank
+        )
+
+    def _as_evaluated(self) -> AbstractContextManager[None]:
+        """The model as it evaluates and is kept: with the dense average applied (``train.ema_decay``)."""
+        return self.ema.applied() if self.ema else nullcontext()
 
     def load_best(self) -> bool:
         """Load the best model by the early-stopping metric; False when the run keeps none. Without early
@@ -441,13 +465,9 @@ class Trainer:
         p, t = self.progress, self.cfg.train
         es, stop, improved, restore = t.early_stopping, False, False, False
         if self.valid_ds is not None:
-            with self.ema.applied() if self.ema else nullcontext():  # the averaged weights are the model
+            with self._as_evaluated():
                 m = self._evaluate(self.valid_ds)
-                improved = es is not None and p.improves(m, es)
-                if improved:
-                    save_checkpoint(
-                        self.dir / "best", {"model": self.module.state_dict()}, rank=self.env.rank
-                    )
+            improved = es is not None and p.improves(m, es)
             self.log({"split": "valid", "step": p.step, "epoch": p.epoch, **m})
             if es is not None:
                 restore = p.record_eval(m, improved, es)
@@ -457,6 +477,12 @@ class Trainer:
         if restore and self.load_best() and self.ema:
             self.ema.reset()
         self.save(self.dir / "ckpt" / f"step_{p.step:08d}")
+        # best/ after the checkpoint, never before: a kill between the two then leaves best/ behind the
+        # progress of the checkpoint a resume starts from, which brings it up to date (_catch_up_best).
+        # Written first, best/ got ahead of it: a resume went back to weights its progress knew nothing of.
+        if improved:
+            with self._as_evaluated():
+                self._keep_best(p.step)
         if self.main:
             prune_checkpoints(self.dir / "ckpt", t.keep_checkpoints)
         return stop
@@ -481,9 +507,10 @@ class Trainer:
             self.module, ds, eval_batch_size(t.batch_size), self.cfg.data.num_workers, t.precision
         )
 
-    def _calibrate(self) -> tuple[dict[str, float], dict[str, float]]:
-        """Fit the kept model's Platt scaling on the valid split and keep it in best/ (``train.calibrate``);
-        returns it and the calibrated model's valid metrics (from the same logits: valid is scored once)."""
+    def _calibrate(self, step: int) -> tuple[dict[str, float], dict[str, float]]:
+        """Fit the kept model's Platt scaling on the valid split and keep it in best/ (``train.calibrate``),
+        as the weights of ``step``; returns it and the calibrated model's valid metrics (from the same
+        logits: valid is scored once)."""
         assert self.valid_ds is not None  # the config requires a valid split (RunConfig)
         layers = [m for m in self.module.modules() if isinstance(m, Calibration)]
         for c in layers:  # from the identity, also when a finished run is finished again
@@ -495,14 +522,18 @@ class Trainer:
         a, b = layers[0].fit(logits, labels)
         for c in layers[1:]:
             c.set(a, b)
-        save_checkpoint(self.dir / "best", {"model": self.module.state_dict()}, rank=self.env.rank)
+        self._keep_best(step)
         return {"scale": a, "bias": b, "rows": len(self.valid_ds)}, ctr_metrics(layers[0](logits), labels)
 
     def finish(self) -> dict[str, Any]:
         p = self.progress
-        if not self.load_best() and self.ema:  # no best kept: report the average, as evaluated
+        kept = self.load_best()
+        if not kept and self.ema:  # no best kept: report the average, as evaluated
             self.ema.apply()
-        calibration, calibrated_valid = self._calibrate() if self.cfg.train.calibrate else (None, None)
+        calibrate = self.cfg.train.calibrate
+        calibration, calibrated_valid = (
+            self._calibrate(p.best_step if kept else p.step) if calibrate else (None, None)
+        )
         report: dict[str, Any] = {
             "run_dir": str(self.dir.resolve()),
             "model": self.cfg.model.name,
