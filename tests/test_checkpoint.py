@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from recscale.distributed.env import init_distributed, shutdown
-from recscale.errors import CheckpointError
+from recscale.errors import CheckpointError, Terminated
 from recscale.io import atomic_dir
 from recscale.train.checkpoint import (
     join_state,
@@ -79,6 +79,30 @@ def test_a_failed_write_is_an_error_naming_the_checkpoint(tmp_path, monkeypatch,
         save_checkpoint(path, state())
     assert str(path) in str(e.value) and words in str(e.value) and "\n" not in str(e.value)
     assert list((tmp_path / "ckpt").iterdir()) == []
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, Terminated])
+def test_ctrl_c_or_sigterm_inside_dcp_stops_as_itself(tmp_path, monkeypatch, stop):
+    """DCP catches every BaseException in its write and read: a Ctrl-C or SIGTERM that landed there ended
+    `recscale train` as 'the checkpoint could not be written (...); free space or fix the disk', or as a
+    damaged checkpoint on a resume. It is raised as itself, and the unfinished checkpoint is gone."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from recscale.train.dcp_safety import SafeReader
+
+    def interrupted(*args, **kwargs):
+        raise stop
+
+    path = tmp_path / "ckpt" / "step_00000001"
+    with monkeypatch.context() as m:
+        m.setattr(FileSystemWriter, "write_data", interrupted)
+        with pytest.raises(stop):
+            save_checkpoint(path, state())
+    assert list((tmp_path / "ckpt").iterdir()) == []
+    save_checkpoint(path, state())
+    monkeypatch.setattr(SafeReader, "read_data", interrupted)
+    with pytest.raises(stop):
+        load_checkpoint(path, state())
 
 
 class Evil:

@@ -1,5 +1,6 @@
-"""Faults in multi-process training: a killed rank, a hung rank, a restart that resumes, and the launcher's
-bookkeeping behind them. Each test starts its own processes (pytest-xdist may run them side by side)."""
+"""Faults in training: in a multi-process job a killed rank, a hung rank, a restart that resumes, and the
+launcher's bookkeeping behind them; SIGTERM to one process. Each test starts its own processes (pytest-xdist
+may run them side by side)."""
 
 import contextlib
 import json
@@ -15,9 +16,11 @@ import pytest
 import torch
 from test_distributed import CONFIGS, REPO, SMALL, dist_mark
 
+from recscale.cli import main
 from recscale.distributed import env as dist_env
 from recscale.distributed.env import free_port, lost_peer
 from recscale.distributed.launch import _kill_hung
+from recscale.train.checkpoint import list_checkpoints
 
 
 # ---------------------------------------------------------------- faults (no processes needed)
@@ -193,6 +196,57 @@ def test_hung_rank_is_named_and_the_job_ends_soon_after_the_timeout(tmp_path):
     ), f"{err[-2000:]}\n(no step? the training loop calls recscale.distributed.env.heartbeat after each step)"
     assert "Traceback" not in err
     assert elapsed < timeout_s + HANG_MARGIN_S
+
+
+def _stop_with_sigterm(run_dir: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Start a long training of one process into ``run_dir``, SIGTERM it once it has written a checkpoint;
+    returns its exit code and stderr."""
+    cmd = [sys.executable, "-m", "recscale.cli", "train", str(CONFIGS / "demo.yaml"), *SMALL,
+           "train.eval_every=3", "train.epochs=1000", "train.max_steps=100000", "--out", str(run_dir)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not list_checkpoints(run_dir / "ckpt"):
+            assert proc.poll() is None, "the training exited before its first checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, err
+
+
+def test_sigterm_stops_a_training_with_one_line_and_a_resume_continues_it(tmp_path, capsys):
+    """SIGTERM ended `recscale train` with no word (rc -15). It stops as Ctrl-C does, wherever it lands (a
+    write in progress dropped whole), says where with the command that continues the run, and exits 143."""
+    run_dir = tmp_path / "run"
+    code, err = _stop_with_sigterm(run_dir)
+    assert code == 128 + signal.SIGTERM, err[-2000:]
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    stopped = re.fullmatch(
+        r"train: stopped by SIGTERM at step (\d+); continue from (\S+) with `recscale train --resume --out (\S+)`",
+        line,
+    )
+    assert stopped and stopped.group(3) == str(run_dir), line
+    latest = list_checkpoints(run_dir / "ckpt")[-1]
+    assert stopped.group(2) == str(latest) and int(stopped.group(1)) >= int(latest.name[len("step_") :])
+    resumed_to = int(latest.name[len("step_") :]) + 2
+    assert main(["train", "--resume", "--out", str(run_dir), f"train.max_steps={resumed_to}"]) == 0
+    assert f"resumed from {latest} " in capsys.readouterr().err
+    assert [r["step"] for r in _logged(run_dir) if r["split"] == "train"] == list(range(1, resumed_to + 1))
+
+
+def test_sigterm_still_ends_a_rank_at_once(tmp_path):
+    """A rank of --nproc or torchrun keeps dying of SIGTERM: its launcher stops it so, and prints the job's
+    one line."""
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
+    code, err = _stop_with_sigterm(tmp_path / "run", env)
+    assert code == -signal.SIGTERM and "SIGTERM" not in err, err[-2000:]
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1"]

@@ -7,12 +7,17 @@ import errno
 import json
 import math
 import os
+import shlex
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import NoReturn
 
-from recscale.errors import RecscaleError
+from recscale.errors import RecscaleError, Terminated
 from recscale.quiet import quiet_upstream
 
 LOST_PEER_EXIT = 3  # the exit code of a rank that failed because another rank did
@@ -53,6 +58,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from recscale.distributed.dmt.build import check_topology
     from recscale.distributed.env import shutdown
     from recscale.distributed.launch import host_split
+    from recscale.train.checkpoint import list_checkpoints
     from recscale.train.loop import Trainer, check_batch_split, check_run_dir
     from recscale.train.runs import resume_config
 
@@ -80,11 +86,44 @@ def cmd_train(args: argparse.Namespace) -> None:
         return
     if args.local_world_size is not None or args.max_restarts:
         raise RecscaleError("train: --local-world-size and --max-restarts go with --nproc")
-    trainer = Trainer(cfg, out, resume=args.resume)
-    report = trainer.fit()
-    if trainer.main:
-        print_report(report)
+    trainer: Trainer | None = None
+    try:
+        with _sigterm_raises():
+            trainer = Trainer(cfg, out, resume=args.resume)
+            report = trainer.fit()
+            if trainer.main:
+                print_report(report)
+    except Terminated:
+        shutdown()
+        at = f"at step {trainer.progress.step}" if trainer is not None else "while it set up the run"
+        ckpts = list_checkpoints(out / "ckpt")
+        then = (
+            f"continue from {ckpts[-1]} with `recscale train --resume --out {shlex.quote(str(out))}`"
+            if ckpts
+            else "it wrote no checkpoint: run the same command again to start over"
+        )
+        raise Terminated(f"train: stopped by SIGTERM {at}; {then}") from None
     shutdown()  # joins gloo's threads: left to exit-time destructors they can abort the process
+
+
+@contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises ``Terminated`` in the block (the first one: a second ends the process at once). Not in a
+    rank of --nproc or torchrun: its launcher stops it with SIGTERM and needs it gone then, its own line
+    being the job's one line."""
+    if "RANK" in os.environ or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum: int, frame: FrameType | None) -> NoReturn:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _launch(args: argparse.Namespace, out: Path) -> None:
@@ -577,6 +616,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated as e:  # a training stopped by SIGTERM says where (cmd_train)
+        print(e, file=sys.stderr)
+        return 128 + signal.SIGTERM
     except BrokenPipeError:  # the reader went away (`recscale data inspect F | head`): nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 141

@@ -23,3 +23,10 @@ class StaleArtifactError(CheckpointError):
 
 class ResourceError(RecscaleError):
     """The job does not fit the machine, e.g. its tables do not fit a process's memory."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised where a command that asks for it is (``recscale train`` in one process), so the command
+    unwinds as from Ctrl-C: a write in progress is dropped whole, as a kill would drop it, and the command says
+    where it stopped. A BaseException, as KeyboardInterrupt: no ``except Exception`` on the way takes it for a
+    failure of its own (a damaged checkpoint, a bad file)."""

@@ -144,10 +144,19 @@ def save_checkpoint(path: Path, state: dict[str, Any], rank: int = 0) -> None:
         dist.barrier()
 
 
-def _write_error(path: Path, e: CheckpointException) -> Exception:
-    """What a failed DCP write ends the command with: the disk's error (an OSError) naming ``path``, else one
-    line with the first rank's error and the disk's free space (torch's zip writer reports a full disk as
-    'unexpected pos')."""
+def _interruption(e: CheckpointException) -> BaseException | None:
+    """The Ctrl-C or SIGTERM (``KeyboardInterrupt``, ``Terminated``: no Exceptions) that landed inside DCP, which
+    catches every BaseException and reports it as the checkpoint's failure: raised as itself, it stops the
+    command as it would anywhere else, not as a full disk or a damaged checkpoint."""
+    return next((exc for exc, _ in e.failures.values() if not isinstance(exc, Exception)), None)
+
+
+def _write_error(path: Path, e: CheckpointException) -> BaseException:
+    """What a failed DCP write ends the command with: an interruption as itself, the disk's error (an OSError)
+    naming ``path``, else one line with the first rank's error and the disk's free space (torch's zip writer
+    reports a full disk as 'unexpected pos')."""
+    if (stop := _interruption(e)) is not None:
+        return stop
     errors = [exc for exc, _ in e.failures.values()]
     for exc in errors:
         if isinstance(exc, OSError) and exc.errno is not None:
@@ -220,6 +229,8 @@ def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # DCP wraps storage errors in a BaseException subclass
+        if isinstance(e, CheckpointException) and (stop := _interruption(e)) is not None:
+            raise stop from None
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise CheckpointError(
             f"{path}: could not be read into this model ({one_line(first)}); the checkpoint is damaged, "
