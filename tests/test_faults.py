@@ -198,12 +198,18 @@ def test_hung_rank_is_named_and_the_job_ends_soon_after_the_timeout(tmp_path):
     assert elapsed < timeout_s + HANG_MARGIN_S
 
 
-def _stop_with_sigterm(run_dir: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Start a long training of one process into ``run_dir``, SIGTERM it once it has written a checkpoint;
-    returns its exit code and stderr."""
-    cmd = [sys.executable, "-m", "recscale.cli", "train", str(CONFIGS / "demo.yaml"), *SMALL,
-           "train.eval_every=3", "train.epochs=1000", "train.max_steps=100000", "--out", str(run_dir)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+def _stop_with_sigterm(
+    run_dir: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[int, str, list[int]]:
+    """Start a long training into ``run_dir`` (``args``: more of its command line), SIGTERM it once it has
+    written a checkpoint; returns its exit code, its stderr and the processes of the job that outlived it
+    (then killed)."""
+    cmd = [sys.executable, "-m", "recscale.cli", "train", str(CONFIGS / "demo.yaml"), *SMALL, "train.eval_every=3",
+           "train.epochs=1000", "train.max_steps=100000", "--out", str(run_dir), *args]  # fmt: skip
+    # Not a pipe: processes the command leaves behind would hold it open.
+    log = run_dir.with_name("stderr.txt")
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(cmd, stderr=stderr, cwd=REPO, env=env)
     try:
         deadline = time.monotonic() + 120
         while not list_checkpoints(run_dir / "ckpt"):
@@ -211,21 +217,34 @@ def _stop_with_sigterm(run_dir: Path, env: dict[str, str] | None = None) -> tupl
             assert time.monotonic() < deadline, "no checkpoint within 120 s"
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    return proc.returncode, err
+        left = _job_processes(run_dir)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+    return proc.returncode, log.read_text(), left
+
+
+def _job_processes(run_dir: Path) -> list[int]:
+    """The processes of the job writing ``run_dir`` (the launcher, its agents, the ranks)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if str(run_dir).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                pids.append(int(pid))
+    return pids
 
 
 def test_sigterm_stops_a_training_with_one_line_and_a_resume_continues_it(tmp_path, capsys):
     """SIGTERM ended `recscale train` with no word (rc -15). It stops as Ctrl-C does, wherever it lands (a
     write in progress dropped whole), says where with the command that continues the run, and exits 143."""
     run_dir = tmp_path / "run"
-    code, err = _stop_with_sigterm(run_dir)
+    code, err, left = _stop_with_sigterm(run_dir)
     assert code == 128 + signal.SIGTERM, err[-2000:]
-    assert "Traceback" not in err
+    assert "Traceback" not in err and left == []
     line = err.strip().splitlines()[-1]
     stopped = re.fullmatch(
         r"train: stopped by SIGTERM at step (\d+); continue from (\S+) with `recscale train --resume --out (\S+)`",
@@ -245,8 +264,23 @@ def test_sigterm_still_ends_a_rank_at_once(tmp_path):
     one line."""
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
-    code, err = _stop_with_sigterm(tmp_path / "run", env)
+    code, err, _ = _stop_with_sigterm(tmp_path / "run", env=env)
     assert code == -signal.SIGTERM and "SIGTERM" not in err, err[-2000:]
+
+
+@dist_mark
+def test_sigterm_to_the_launcher_stops_its_job_with_one_line(tmp_path):
+    """SIGTERM to `recscale train --nproc` ended the launcher alone: its agents and ranks trained on, orphaned,
+    holding the run. It stops them as Ctrl-C does, and says how to continue, as one process does."""
+    run_dir = tmp_path / "run"
+    code, err, left = _stop_with_sigterm(run_dir, "--nproc", "2", "--local-world-size", "1")
+    assert code == 128 + signal.SIGTERM, err[-2000:]
+    latest = list_checkpoints(run_dir / "ckpt")[-1]
+    assert err.strip().splitlines() == [  # the ranks, stopped by their agents, say nothing
+        f"train: stopped by SIGTERM; continue from {latest} with "
+        f"`recscale train --resume --out {run_dir} --nproc 2 --local-world-size 1`"
+    ]
+    assert left == [], "processes of the job outlived it"
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1"]

@@ -58,7 +58,6 @@ def cmd_train(args: argparse.Namespace) -> None:
     from recscale.distributed.dmt.build import check_topology
     from recscale.distributed.env import shutdown
     from recscale.distributed.launch import host_split
-    from recscale.train.checkpoint import list_checkpoints
     from recscale.train.loop import Trainer, check_batch_split, check_run_dir
     from recscale.train.runs import resume_config
 
@@ -82,7 +81,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         if cfg.dmt is not None:
             check_topology(cfg, hosts)
         check_run_dir(out, cfg, args.resume)
-        _launch(args, out)
+        try:
+            with _sigterm_raises():  # the launcher stops its ranks, which die of the SIGTERM it sends them
+                _launch(args, out)
+        except Terminated:
+            raise _stopped(args, out, None) from None
         return
     if args.local_world_size is not None or args.max_restarts:
         raise RecscaleError("train: --local-world-size and --max-restarts go with --nproc")
@@ -95,15 +98,25 @@ def cmd_train(args: argparse.Namespace) -> None:
                 print_report(report)
     except Terminated:
         shutdown()
-        at = f"at step {trainer.progress.step}" if trainer is not None else "while it set up the run"
-        ckpts = list_checkpoints(out / "ckpt")
-        then = (
-            f"continue from {ckpts[-1]} with `recscale train --resume --out {shlex.quote(str(out))}`"
-            if ckpts
-            else "it wrote no checkpoint: run the same command again to start over"
-        )
-        raise Terminated(f"train: stopped by SIGTERM {at}; {then}") from None
+        raise _stopped(args, out, trainer.progress.step if trainer is not None else None) from None
     shutdown()  # joins gloo's threads: left to exit-time destructors they can abort the process
+
+
+def _stopped(args: argparse.Namespace, out: Path, step: int | None) -> Terminated:
+    """The line of a training into ``out`` that SIGTERM stopped (at ``step``, where known): how to go on."""
+    from recscale.train.checkpoint import list_checkpoints
+
+    at = f" at step {step}" if step is not None else ""
+    ckpts = list_checkpoints(out / "ckpt")
+    if not ckpts:
+        return Terminated(
+            f"train: stopped by SIGTERM{at}, before its first checkpoint; run the same command again"
+        )
+    again = ["recscale", "train", "--resume", "--out", str(out)]
+    if args.nproc is not None:  # the same ranks and hosts: a DMT run resumes only there
+        again += ["--nproc", str(args.nproc)]
+        again += ["--local-world-size", str(args.local_world_size)] if args.local_world_size else []
+    return Terminated(f"train: stopped by SIGTERM{at}; continue from {ckpts[-1]} with `{shlex.join(again)}`")
 
 
 @contextmanager

@@ -12,6 +12,9 @@ When restarts run out the agent exits; this launcher stops the other agents and 
 failure in one line. The ranks print no error lines of their own: each leaves its line in
 ``$RECSCALE_FAULT_DIR/errors/`` (``env.record_error``), so the job's error is one line, not one per rank.
 
+Stopping: Ctrl-C or SIGTERM to the launcher (``recscale train --nproc``; the CLI turns SIGTERM into
+``Terminated``) stops the agents, which stop their workers, before it ends.
+
 Hangs: a rank whose collective times out (``distributed.timeout_s``) names the rank that stopped
 responding and leaves that verdict in ``$RECSCALE_FAULT_DIR`` (see ``recscale.distributed.env``).
 This launcher SIGKILLs the hung rank as soon as it reads it: torch elastic would SIGTERM it and wait
@@ -34,7 +37,7 @@ import uuid
 from pathlib import Path
 
 from recscale.distributed.env import ERRORS_SUBDIR, FAULT_DIR_ENV, free_port
-from recscale.errors import RecscaleError
+from recscale.errors import RecscaleError, Terminated
 
 _POLL_S = 0.2
 _STOP_GRACE_S = 60.0
@@ -67,34 +70,18 @@ def launch(command: list[str], nproc: int, local_world_size: int | None, max_res
         faults = Path(tmp) / "faults"
         (faults / ERRORS_SUBDIR).mkdir(parents=True)
         env[FAULT_DIR_ENV] = str(faults)
-        agents = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "recscale.distributed.launch",
-                    "--hosts",
-                    str(hosts),
-                    "--host",
-                    str(h),
-                    "--local",
-                    str(local),
-                    "--max-restarts",
-                    str(max_restarts),
-                    "--port",
-                    str(port),
-                    "--run-id",
-                    run_id,
-                    "--summary",
-                    str(summaries[h]),
-                    "--",
-                    *command,
-                ],
-                env=env,
-            )  # fmt: skip
-            for h in range(hosts)
-        ]
-        if _wait(agents, faults, max_restarts):
+        agents: list[subprocess.Popen] = []
+        try:
+            for h in range(hosts):
+                agent = [sys.executable, "-m", "recscale.distributed.launch", "--hosts", str(hosts), "--host",
+                         str(h), "--local", str(local), "--max-restarts", str(max_restarts), "--port", str(port),
+                         "--run-id", run_id, "--summary", str(summaries[h]), "--", *command]  # fmt: skip
+                agents.append(subprocess.Popen(agent, env=env))
+            failed = _wait(agents, faults, max_restarts)
+        except (KeyboardInterrupt, Terminated):  # Ctrl-C, or SIGTERM to `recscale train --nproc` (cli)
+            _stop(agents)
+            raise
+        if failed:
             found = [json.loads(p.read_text()) for p in summaries if p.is_file()]
             raise RecscaleError(
                 f"{_root_cause(faults, found, max_restarts, agents)}; the other ranks were stopped"
@@ -132,26 +119,22 @@ def _wait(agents: list[subprocess.Popen], faults: Path, final_attempt: int) -> b
     def doomed() -> bool:  # a rank named a hung one with no restarts left: it is failing, and the job
         return any(v["attempt"] == final_attempt for v in _kill_hung(faults, seen, agents))
 
-    try:
-        while True:
-            if doomed():
-                _stop(agents)
-                return True
-            codes = [a.poll() for a in agents]
-            if any(c not in (None, 0) for c in codes):
-                # Let agents whose ranks are failing too finish writing their summaries: the root
-                # cause may be on a host whose agent exits a moment later than this one.
-                deadline = time.monotonic() + _SETTLE_S
-                while any(a.poll() is None for a in agents) and time.monotonic() < deadline and not doomed():
-                    time.sleep(_POLL_S)
-                _stop(agents)
-                return True
-            if all(c == 0 for c in codes):
-                return False
-            time.sleep(_POLL_S)
-    except KeyboardInterrupt:
-        _stop(agents)
-        raise
+    while True:
+        if doomed():
+            _stop(agents)
+            return True
+        codes = [a.poll() for a in agents]
+        if any(c not in (None, 0) for c in codes):
+            # Let agents whose ranks are failing too finish writing their summaries: the root
+            # cause may be on a host whose agent exits a moment later than this one.
+            deadline = time.monotonic() + _SETTLE_S
+            while any(a.poll() is None for a in agents) and time.monotonic() < deadline and not doomed():
+                time.sleep(_POLL_S)
+            _stop(agents)
+            return True
+        if all(c == 0 for c in codes):
+            return False
+        time.sleep(_POLL_S)
 
 
 def _verdicts(faults: Path) -> list[dict]:
