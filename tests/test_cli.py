@@ -264,6 +264,17 @@ def test_a_batch_that_does_not_split_over_nproc_is_refused_before_the_launch(tmp
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("nproc", [[], ["--nproc", "1"]])
+@pytest.mark.parametrize("qcomms", ["forward=int8", "backward=fp16", "dense=bf16"])
+def test_qcomms_on_one_process_are_refused_before_a_file_is_written(tmp_path, capsys, nproc, qcomms):
+    """One process sends nothing between ranks: qcomms trained as fp32 without a word."""
+    code, _, err = run(capsys, "train", str(CONFIGS / "demo.yaml"), "--out", str(tmp_path / "r"),
+                       "data.synthetic.rows={train: 500, valid: 100, test: 100}", "train.max_steps=1",
+                       f"distributed.qcomms.{qcomms}", *nproc)  # fmt: skip
+    assert code == 2 and "distributed.qcomms" in err and "one process" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
 def test_an_out_that_holds_a_run_is_refused_before_the_launch(tmp_path, capsys):
     """Checked once, here: every rank used to print 'already holds a run', then 'rank N exited with code 2'."""
     run_dir = tmp_path / "r"

@@ -58,7 +58,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from recscale.distributed.dmt.build import check_topology
     from recscale.distributed.env import shutdown
     from recscale.distributed.launch import host_split
-    from recscale.train.loop import Trainer, check_batch_split, check_run_dir
+    from recscale.train.loop import Trainer, check_run_dir, check_world_size
     from recscale.train.runs import resume_config
 
     if args.resume and args.config is not None and "=" in args.config and not Path(args.config).is_file():
@@ -77,7 +77,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:  # checked once, here, rather than by every rank after the launch
         hosts, _ = host_split(args.nproc, args.local_world_size)
-        check_batch_split(cfg, args.nproc)
+        check_world_size(cfg, args.nproc)
         if cfg.dmt is not None:
             check_topology(cfg, hosts)
         check_run_dir(out, cfg, args.resume)

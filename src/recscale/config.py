@@ -280,6 +280,15 @@ class DistributedConfig(Settings):
             )
         return self
 
+    def check_world_size(self, world_size: int) -> None:
+        """What needs more than one rank. Not a validator: the number of ranks is known only at launch."""
+        # One process sends nothing between ranks: the codecs would be dropped without a word.
+        if world_size == 1 and self.qcomms != QComms():
+            raise ConfigError(
+                "distributed.qcomms quantizes the collectives between ranks, and this run is one process "
+                "(no collectives); train on more ranks (--nproc N) or leave qcomms fp32"
+            )
+
 
 class TowerModuleConfig(Settings):
     """DMT's tower module: compresses a tower's n_t embeddings to ceil(n_t / compression) before they

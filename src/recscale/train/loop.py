@@ -85,8 +85,10 @@ def cost_model(
     return CostModel.flops(fixed, [per_length[n] for n in names], padding)
 
 
-def check_batch_split(cfg: RunConfig, world_size: int) -> None:
-    """The global batch is split over the ranks (in equal slices, or balanced by ``distributed.balance``)."""
+def check_world_size(cfg: RunConfig, world_size: int) -> None:
+    """``cfg`` can train on ``world_size`` ranks: the global batch is split over them (in equal slices, or
+    balanced by ``distributed.balance``), and what needs several ranks has them."""
+    cfg.distributed.check_world_size(world_size)
     if cfg.train.batch_size % world_size:
         raise ConfigError(
             f"train.batch_size {cfg.train.batch_size} must be a multiple of the {world_size} "
@@ -120,7 +122,7 @@ class Trainer:
         self.cfg, self.dir = cfg, Path(run_dir)
         self.env = init_distributed(cfg.distributed.timeout_s)
         self.main = self.env.is_main
-        check_batch_split(cfg, self.env.world_size)
+        check_world_size(cfg, self.env.world_size)
         # Restarted by torchrun (--max-restarts): continue from the last complete checkpoint.
         resume = resume or (self.env.restart_count > 0 and (self.dir / "config.yaml").is_file())
         with removed_on_failure(self.dir, enabled=self.main):  # a run that never started leaves no directory
