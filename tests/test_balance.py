@@ -20,6 +20,7 @@ from recscale.distributed.balance import (
 )
 from recscale.distributed.env import shutdown
 from recscale.distributed.launch import launch
+from recscale.errors import ConfigError
 from recscale.models.flops import module_flops
 from recscale.train.loop import Trainer, cost_model
 
@@ -99,6 +100,19 @@ def test_flops_costs_come_from_the_model(tmp_path):
     assert (cost.linear[0], cost.quadratic[0]) == encoder.length_flops()
     assert cost.fixed == flops - module_flops(encoder) > 0
     trainer.log.close()
+
+
+@pytest.mark.parametrize("balance", ["tokens", "tokens2", "flops"])
+def test_balance_without_a_sequence_feature_is_refused(balance):
+    """Every sample costs the same without histories: the "balanced" split was the even one, without a word."""
+    with pytest.raises(ConfigError, match=f"distributed.balance={balance} .* no sequence feature") as e:
+        load_config(CONFIGS / "frappe.yaml", [f"distributed.balance={balance}"])
+    assert "\n" not in str(e.value)
+    # synthetic data's schema, without histories
+    with pytest.raises(ConfigError, match="no sequence feature"):
+        load_config(CONFIGS / "demo.yaml", [f"distributed.balance={balance}"])
+    load_config(CONFIGS / "demo.yaml", [*SMALL, f"distributed.balance={balance}"])
+    load_config(CONFIGS / "movielens" / "sequences.yaml", [f"distributed.balance={balance}"])
 
 
 SMALL = [

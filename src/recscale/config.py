@@ -359,6 +359,18 @@ class RunConfig(Settings):
         return self
 
     @model_validator(mode="after")
+    def _balance_needs_sequences(self) -> RunConfig:
+        # Every cost model prices a sample by its history lengths: without one, all samples cost the same and
+        # the "balanced" split is the even one, without a word.
+        balance = self.distributed.balance
+        if balance != "none" and not any(f.sequence for f in self.data.schema.sparse):
+            raise ValueError(
+                f"distributed.balance={balance} splits batches by history length, and the schema has no "
+                "sequence feature (a sparse feature with max_len); set distributed.balance=none"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _dmt_supports(self) -> RunConfig:
         # Checked here, once, rather than by every rank after a --nproc launch (one line, not N + 1).
         if self.dmt is None:
