@@ -178,7 +178,7 @@ CASES = [
     Case(
         "--resume changes the model",
         lambda c: ["train", "--resume", "--out", str(c.run), "model.name=fm"],
-        ("--resume", "model.name", "another --out"),
+        ("--resume", "model.name", "another run_dir (CLI: --out)"),
         watch=run_dir,
     ),
     Case(

@@ -281,7 +281,8 @@ def test_an_out_that_holds_a_run_is_refused_before_the_launch(tmp_path, capsys):
     (run_dir / "ckpt").mkdir(parents=True)
     (run_dir / "report.json").write_text("{}")
     code, _, err = run(capsys, "train", str(CONFIGS / "demo.yaml"), "--out", str(run_dir), "--nproc", "2")
-    assert code == 2 and "already holds a run; pass --resume" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "already holds a run; pass resume=True (CLI: --resume)" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_debug_reaches_the_ranks_of_nproc(tmp_path, capsys, monkeypatch):

@@ -594,3 +594,21 @@ def test_a_resume_below_the_runs_step_is_refused(tmp_path):
             load_config(CONFIGS / "demo.yaml", [*common, "train.max_steps=4"]), tmp_path / "r", resume=True
         )
     assert (tmp_path / "r" / "config.yaml").read_text() == before
+
+
+def test_trainer_errors_name_the_trainers_arguments_and_the_clis_options(tmp_path):
+    """From Python they said "pass --resume" and "another --out", options only the CLI has."""
+    cfg = load_config(CONFIGS / "demo.yaml", SMALL_SYNTH)
+    run = tmp_path / "r"
+    (run / "ckpt").mkdir(parents=True)
+    (run / "report.json").write_text("{}")
+    with pytest.raises(RecscaleError) as e:
+        Trainer(cfg, run)
+    assert "pass resume=True (CLI: --resume) to continue it or choose another run_dir (CLI: --out)" in str(
+        e.value
+    )
+    with pytest.raises(
+        RecscaleError, match=r"^resume=True \(CLI: --resume\): .* not a recscale run directory"
+    ):
+        Trainer(cfg, tmp_path / "none", resume=True)
+    assert not (tmp_path / "none").exists()

@@ -286,7 +286,7 @@ class DistributedConfig(Settings):
         if world_size == 1 and self.qcomms != QComms():
             raise ConfigError(
                 "distributed.qcomms quantizes the collectives between ranks, and this run is one process "
-                "(no collectives); train on more ranks (--nproc N) or leave qcomms fp32"
+                "(no collectives); train on more ranks (CLI: --nproc N) or leave qcomms fp32"
             )
 
 

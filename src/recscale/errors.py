@@ -1,5 +1,10 @@
 """User-facing errors: the CLI prints these as one line and exits non-zero, no traceback."""
 
+# A training's options as its messages name them: Trainer(cfg, run_dir, resume) and `recscale train` share
+# those messages, and each caller knows its options by its own names.
+RESUME = "resume=True (CLI: --resume)"
+RUN_DIR = "run_dir (CLI: --out)"
+
 
 class RecscaleError(Exception):
     """A mistake the user can fix: the message says what was wrong, where, and how to fix it."""

@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from recscale.errors import CheckpointError
+from recscale.errors import RESUME, CheckpointError
 from recscale.io import atomic_dir
 from recscale.train.dcp_safety import (
     METADATA_FILE,
@@ -164,7 +164,7 @@ def _write_error(path: Path, e: CheckpointException) -> BaseException:
     free = shutil.disk_usage(path.parent).free  # save_checkpoint's atomic_dir created the parent
     return CheckpointError(
         f"{path}: the checkpoint could not be written ({one_line(errors[0] if errors else e)}; "
-        f"{free:,} bytes free on its disk); free space or fix the disk, then continue with --resume"
+        f"{free:,} bytes free on its disk); free space or fix the disk, then continue with {RESUME}"
     )
 
 

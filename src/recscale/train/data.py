@@ -18,7 +18,7 @@ from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import ReadStats
 from recscale.data.schema import Schema
 from recscale.data.sources import open_split, source_fingerprint
-from recscale.errors import CheckpointError, RecscaleError, StaleArtifactError
+from recscale.errors import RUN_DIR, CheckpointError, RecscaleError, StaleArtifactError
 
 
 def _syn(data: DataConfig) -> Any:
@@ -122,7 +122,7 @@ def prepare_run_data(
             if trained.digest() != pre.digest():
                 raise RecscaleError(
                     f"data.prepared {data.prepared}: its vocabularies are not the ones this run was trained "
-                    "with (was it prepared again?); resume with that preparation, or start a new run with another --out"
+                    f"with (was it prepared again?); resume with that preparation, or start a new run with another {RUN_DIR}"
                 )
         elif main:
             pre.save(pre_path, fingerprint=fingerprint)  # the run directory keeps its own copy, for eval
@@ -134,7 +134,7 @@ def prepare_run_data(
         if resume:
             raise RecscaleError(
                 f"{pre_path}: the training data is not what this run was prepared from ({e}); "
-                "resume with the same data, or start a new run with another --out"
+                f"resume with the same data, or start a new run with another {RUN_DIR}"
             ) from None
         fitted = True  # left by a run that failed, or fitted on other data: fit afresh
     except CheckpointError:

@@ -40,7 +40,7 @@ from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
 from recscale.distributed import comms
 from recscale.distributed.balance import Balance, CostModel, Padding, balanced_parts
 from recscale.distributed.env import heartbeat, init_distributed
-from recscale.errors import CheckpointError, ConfigError, RecscaleError
+from recscale.errors import RESUME, RUN_DIR, CheckpointError, ConfigError, RecscaleError
 from recscale.io import Hold, atomic_write_text, removed_on_failure, strict_json
 from recscale.models.base import RecModel, TrainableModel
 from recscale.models.blocks import Calibration
@@ -99,12 +99,12 @@ def check_world_size(cfg: RunConfig, world_size: int) -> None:
 def check_run_dir(run_dir: Path, cfg: RunConfig, resume: bool) -> None:
     """``run_dir`` can take this run: a new run's directory holds no run; a resumed one matches ``cfg``."""
     if run_dir.exists() and not run_dir.is_dir():
-        raise RecscaleError(f"--out {run_dir} is a file; name a directory for the run")
+        raise RecscaleError(f"{RUN_DIR} {run_dir} is a file; name a directory for the run")
     if resume:
         check_resume(run_dir, cfg)
     elif list_checkpoints(run_dir / "ckpt") or (run_dir / "report.json").exists():
         raise RecscaleError(
-            f"{run_dir} already holds a run; pass --resume to continue it or choose another --out"
+            f"{run_dir} already holds a run; pass {RESUME} to continue it or choose another {RUN_DIR}"
         )
 
 

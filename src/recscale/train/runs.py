@@ -20,7 +20,7 @@ from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers.base import SKIP_HINT, OnBadRow
 from recscale.distributed.env import init_distributed
-from recscale.errors import CheckpointError, ConfigError, DataError, RecscaleError
+from recscale.errors import RESUME, RUN_DIR, CheckpointError, ConfigError, DataError, RecscaleError
 from recscale.io import committed
 from recscale.models.base import RecModel
 from recscale.models.embedding import EmbeddingLayer
@@ -95,7 +95,7 @@ def check_resume(run_dir: Path, cfg: RunConfig) -> None:
 
 def _resumable(run_dir: Path) -> RunConfig:
     if not (Path(run_dir) / "config.yaml").is_file():
-        raise RecscaleError(f"--resume: {run_dir} is not a recscale run directory (no config.yaml)")
+        raise RecscaleError(f"{RESUME}: {run_dir} is not a recscale run directory (no config.yaml)")
     return run_config(run_dir)
 
 
@@ -104,9 +104,9 @@ def _refuse_changes(run_dir: Path, saved: RunConfig, cfg: RunConfig) -> None:
     if refused:
         more = f" and {len(refused) - 4} more" if len(refused) > 4 else ""
         raise ConfigError(
-            f"--resume: the config changes {', '.join(refused[:4])}{more} of the run in {run_dir}; a resumed "
+            f"{RESUME}: the config changes {', '.join(refused[:4])}{more} of the run in {run_dir}; a resumed "
             f"run keeps its model, data and optimizer (it may change {', '.join(RESUMABLE_KEYS)}); "
-            "train a new run with another --out instead"
+            f"train a new run with another {RUN_DIR} instead"
         )
 
 
