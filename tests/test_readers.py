@@ -257,6 +257,20 @@ def test_parquet(tmp_path):
     assert t["hist__w"] == [[0.5], [1.0, 2.0], [], [], [3.0]]
 
 
+def test_empty_ids_of_a_multi_id_feature_are_dropped_by_every_reader_with_their_weights(tmp_path):
+    """CSV read `x|` as ['x'], a Parquet list ['x', ''] as ['x', ''] ("" an id of its own): they agree now,
+    a null id is dropped too, and a weighted feature loses the empty ids' weights with them."""
+    schema = make_schema(multi=["t"], weighted=["h"])
+    write(tmp_path / "t.csv", ["label,t,h", "1,x|,a:1|:2|b:3", "0,|,:4", "1,y,"])
+    t = pa.array([["x", ""], ["", None], ["y"]])
+    h, w = pa.array([["a", "", "b"], [None], []]), pa.array([[1.0, 2.0, 3.0], [4.0], []])
+    pq.write_table(pa.table({"label": [1, 0, 1], "t": t, "h": h, "h__w": w}), tmp_path / "t.parquet")
+    expected = {"t": [["x"], [], ["y"]], "h": [["a", "b"], [], []], "h__w": [[1.0, 3.0], [], []]}
+    for fmt in ("csv", "parquet"):
+        got = read_all(tmp_path / f"t.{fmt}", fmt, schema, chunk_rows=2).to_pydict()
+        assert {k: got[k] for k in expected} == expected, fmt
+
+
 def test_parquet_misaligned_weights_are_bad_rows(tmp_path):
     path = tmp_path / "t.parquet"
     pq.write_table(pa.table({"label": [1, 0], "h": [["a", "b"], ["c"]], "h__w": [[1.0], [2.0]]}), path)
@@ -339,7 +353,7 @@ def test_parquet_float_ids_are_the_integers_they_hold(tmp_path):
     pq.write_table(pa.table({"label": [1, 0, 1, 0, 1], "u": ids, "h": history}), path)
     t = read_all(path, "parquet", make_schema(sparse=["u"], multi=["h"])).to_pydict()
     assert t["u"] == ["1", "0", "1000000000000000", None, "7"]
-    assert t["h"] == [["1", "2"], [], ["3", None], [], ["4"]]
+    assert t["h"] == [["1", "2"], [], ["3"], [], ["4"]]  # a null id is no id: dropped, as CSV's 3| is ['3']
 
     ids = pa.array([1.0, 2.5, 3.0, float("nan"), 2.0**60, 4.0])
     history = pa.array([[1.0], [2.0], [3.0, 1.5], [4.0], [5.0], [6.0]], pa.list_(pa.float64()))

@@ -569,6 +569,22 @@ def test_a_served_history_keeps_its_most_recent_max_len_ids(tmp_path):
     assert p[0] == pytest.approx(p[1], rel=1e-5) and abs(p[0] - p[2]) > 1e-4, p
 
 
+def test_a_served_empty_id_of_a_multi_id_feature_is_dropped_as_the_readers_drop_it(tmp_path):
+    """Training reads `x|` (or a list ['x', '']) as ['x']; the server embedded ["1", ""] with an OOV id."""
+    run, model = tmp_path / "run", tmp_path / "model"
+    assert main(["train", str(CONFIGS / "demo.yaml"), "--out", str(run), "train.max_steps=2",
+                 "data.synthetic.rows={train: 512, valid: 256, test: 256}", "train.progress=false"]) == 0  # fmt: skip
+    assert main(["export", str(run), "--out", str(model)]) == 0
+    scorer = Scorer(model, max_rows=8)
+    names = scorer.parser.arrow_schema.names
+    row = {n: (0.5 if n.startswith("d") else [1, 2] if n.startswith("m") else 3) for n in names}
+    multi = [n for n in names if n.startswith("m")]
+    assert multi
+    rows = [row, row | dict.fromkeys(multi, [1, "", 2])]
+    p = scorer.probabilities(scorer.parser.parse(json.dumps({"rows": rows}).encode()))
+    assert p[0] == pytest.approx(p[1], rel=1e-6), p
+
+
 def test_a_served_history_with_an_empty_id_is_refused_as_the_readers_refuse_it():
     """Training data with a history 3||7 is refused as malformed; the server scored ["3", ""] with an OOV
     position (another score than ["3"]) without a word."""

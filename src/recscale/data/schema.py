@@ -5,7 +5,8 @@ Every reader yields ``pyarrow.RecordBatch`` es in one *raw* layout described by 
 - ``label`` (always this name, whatever the source calls it): float32, values 0.0 or 1.0, no nulls;
 - each dense feature: float32, null = missing (filled by preprocessing);
 - each single-id sparse feature: string or int64, null = missing;
-- each multi-id sparse feature: ``list<string>`` or ``list<int64>`` (empty list = missing);
+- each multi-id sparse feature: ``list<string>`` or ``list<int64>`` (empty list = missing); an empty id
+  (``""`` or null) is dropped by every reader (``readers.base.drop_empty_ids``), a sequence's is a bad row;
 - a weighted multi-id feature also has ``{name}__w``: ``list<float32>`` aligned with the ids;
 - a sequence feature (``max_len`` set: an ordered id list such as a user history, oldest first) is a
   multi-id feature whose order matters: at most ``max_len`` ids, an empty list is an empty history.

@@ -19,7 +19,7 @@ import pydantic
 
 from recscale.data.chunks import rechunk
 from recscale.data.readers import criteo, csv, libsvm, movielens, parquet
-from recscale.data.readers.base import BadRows, OnBadRow, ReadStats, raw_arrow_schema, truncate_sequences
+from recscale.data.readers.base import BadRows, OnBadRow, ReadStats, as_trained, raw_arrow_schema
 from recscale.data.schema import Schema
 from recscale.errors import ConfigError, DataError
 
@@ -94,7 +94,7 @@ def _counted(
     for batch in rechunk(batches, chunk_rows, pa.concat_batches):
         rows += batch.num_rows
         stats.rows += batch.num_rows
-        yield truncate_sequences(batch, schema, stats)
+        yield as_trained(batch, schema, stats)
     if not rows:
         dropped = f" ({stats.skipped} bad rows dropped)" if stats.skipped else ""
         raise DataError(f"{path} has no data rows{dropped}")

@@ -278,6 +278,15 @@ def _rows_with(bad_items: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.bincount(owner[bad_items], minlength=len(lengths)) > 0
 
 
+def _keep_items(
+    lengths: np.ndarray, keep: np.ndarray, *values: pa.Array
+) -> tuple[np.ndarray, list[pa.Array]]:
+    """Per-row lengths and ``values`` (items laid out row by row) once the items not in ``keep`` are dropped."""
+    owner = np.repeat(np.arange(len(lengths)), lengths)
+    mask = pa.array(keep)
+    return np.bincount(owner[keep], minlength=len(lengths)), [v.filter(mask) for v in values]
+
+
 def _lists(lengths: np.ndarray, values: pa.Array) -> pa.ListArray:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
@@ -297,9 +306,7 @@ def split_ids(
     lengths = np.diff(parts.offsets.to_numpy())
     nonempty = pc.not_equal(flat, "").to_numpy(zero_copy_only=False)
     if not nonempty.all():
-        owner = np.repeat(np.arange(len(lengths)), lengths)
-        lengths = np.bincount(owner[nonempty], minlength=len(lengths))
-        flat = flat.filter(pa.array(nonempty))
+        lengths, (flat,) = _keep_items(lengths, nonempty, flat)
     if not weighted:
         return _lists(lengths, flat), None, None
     pairs = pc.extract_regex(flat, r"^(?P<id>.*?)(?::(?P<w>[^:]*))?$")
@@ -384,6 +391,32 @@ def check_sequence(cells: pa.Array, name: str, sep: str) -> Problem | None:
         "a null or empty element" if is_list(cells.type) else f"an empty element (write ids as 3{sep}7{sep}9)"
     )
     return Problem(bad, lambda i: f"sequence feature '{name}' has {how}; an empty cell is an empty history")
+
+
+def as_trained(batch: pa.RecordBatch, schema: Schema, stats: ReadStats) -> pa.RecordBatch:
+    """A raw-layout batch of good rows as training takes it, whoever read it (a reader, the server):
+    empty ids dropped, sequences cut to ``max_len`` (cut rows counted in ``stats``)."""
+    return truncate_sequences(drop_empty_ids(batch, schema), schema, stats)
+
+
+def drop_empty_ids(batch: pa.RecordBatch, schema: Schema) -> pa.RecordBatch:
+    """Each plain multi-id feature's lists without their empty ids (``""`` or null) and those ids' weights:
+    a CSV cell ``x|`` is ``['x']``, and so is a list ``['x', '']``. A sequence's empty id is a bad row
+    instead (``check_sequence``): a position of a history cannot be dropped."""
+    for f in schema.sparse:
+        if not f.multi or f.sequence:
+            continue
+        ids = pc.list_flatten(batch.column(f.name))
+        keep = pc.fill_null(pc.not_equal(ids, ""), False).to_numpy(zero_copy_only=False)
+        if keep.all():
+            continue
+        names = [f.name, f.name + WEIGHT_SUFFIX] if f.weighted else [f.name]
+        lengths = pc.fill_null(pc.list_value_length(batch.column(f.name)), 0).to_numpy(zero_copy_only=False)
+        lengths, kept = _keep_items(lengths, keep, *(pc.list_flatten(batch.column(n)) for n in names))
+        for name, values in zip(names, kept, strict=True):
+            i = batch.schema.get_field_index(name)
+            batch = batch.set_column(i, batch.schema.field(i), _lists(lengths, values))
+    return batch
 
 
 def truncate_sequences(batch: pa.RecordBatch, schema: Schema, stats: ReadStats) -> pa.RecordBatch:

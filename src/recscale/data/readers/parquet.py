@@ -3,8 +3,9 @@
 Columns are looked up by the schema's names (the label column by ``schema.label``). Integer ids
 become their decimal text; float ids (a column of floats, or a list of them) that of the integer they
 hold (3.0 is id "3"), and one that is not a whole number (1.5, NaN) makes its row bad. A multi-id
-feature is a list column (of ids as above; list, large_list or fixed_size_list), its weights (if
-weighted) the list<float> column ``{name}__w``; or a string column split like CSV cells. Dictionary-encoded columns are read as their values. A column whose type its
+feature is a list column (of ids as above; list, large_list or fixed_size_list; an empty id, "" or null,
+is dropped with its weight, as CSV's ``x|`` reads ``['x']``), its weights (if weighted) the list<float>
+column ``{name}__w``; or a string column split like CSV cells. Dictionary-encoded columns are read as their values. A column whose type its
 feature cannot read (a struct, a list where one value is read, ...) is a one-line error before any row
 is read. Errors and dropped rows name 1-based data rows.
 """
