@@ -94,7 +94,13 @@ def test_inspect_libsvm_fields_and_bag(tmp_path):
     assert [(c["name"], c["cardinality"]) for c in fields["columns"]] == [("label", 2), ("f1", 3), ("f2", 2)]
     bag = inspect_file(write(tmp_path / "b.svm", ["1 3:0.5 7:1", "0 4:1", "1"]))
     assert bag["options"] == {"mode": "bag"}
-    assert columns(bag)["features"] == {"name": "features", "type": "multi", "cardinality": 3, "missing": 1}
+    assert columns(bag)["features"] == {
+        "name": "features",
+        "type": "multi",
+        "cardinality": 3,
+        "missing": 1,
+        "length": {"mean": 1.0, "p50": 1, "p90": 2, "max": 2},
+    }
 
     # A file of labels alone (a CSV of one column read as libsvm) has no features to inspect.
     with pytest.raises(DataError, match="no libsvm features"):
@@ -117,7 +123,13 @@ def test_inspect_parquet(tmp_path):
         {"name": "label", "type": "label", "cardinality": 2, "missing": 0},
         {"name": "x", "type": "dense", "cardinality": 2, "missing": 1},
         {"name": "id", "type": "sparse", "cardinality": 2, "missing": 1},
-        {"name": "t", "type": "multi", "cardinality": 3, "missing": 2},
+        {
+            "name": "t",
+            "type": "multi",
+            "cardinality": 3,
+            "missing": 2,
+            "length": {"mean": 0.75, "p50": 0, "p90": 2, "max": 2},
+        },
     ]
 
 
@@ -232,3 +244,30 @@ def test_inspect_parquet_float_lists_as_training_reads_them(tmp_path):
     assert (report["rows"], report["bad_rows"], columns(report)["h"]["type"]) == (2, 1, "multi")
     assert report["bad_row_examples"][0].startswith(f"{path} row 2: sparse feature 'h' id 1.5 is not a whole")
     assert _as_training_reads(path, "parquet", report) == (2, 1, report["bad_row_examples"])
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_inspect_reports_history_lengths_and_the_rows_max_len_cuts(tmp_path, fmt, capsys):
+    """inspect said nothing of a history's lengths: how long they run, and how many rows a max_len cuts."""
+    from recscale.cli import main
+    from recscale.data.readers import ReadStats, read_batches
+    from recscale.data.schema import Schema
+
+    histories = [[str(i) for i in range(n)] for n in (0, 1, 1, 2, 3, 3, 4, 5, 8, 10)]
+    path = tmp_path / f"t.{fmt}"
+    if fmt == "csv":  # an empty cell is an empty history
+        write(path, ["label,h", *(f"{i % 2},{'|'.join(h)}" for i, h in enumerate(histories))])
+    else:
+        pq.write_table(pa.table({"label": [i % 2 for i in range(10)], "h": histories}), path)
+    h = columns(inspect_file(path, max_len=4))["h"]
+    assert h["type"] == "multi" and h["missing"] == 1
+    assert h["length"] == {"mean": 3.7, "p50": 3, "p90": 8, "max": 10, "truncated": 3}
+    assert "truncated" not in columns(inspect_file(path))["h"]["length"]
+    stats = ReadStats()
+    schema = Schema.model_validate({"sparse": [{"name": "h", "multi": True, "max_len": 4}]})
+    for _ in read_batches(path, fmt, schema, stats=stats):
+        pass
+    assert stats.truncated == {"h": h["length"]["truncated"]}  # the rows training cuts
+
+    assert main(["data", "inspect", str(path), "--max-len", "8"]) == 0
+    assert columns(json.loads(capsys.readouterr().out))["h"]["length"]["truncated"] == 1

@@ -237,7 +237,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
     options = {"delimiter": args.delimiter} if args.delimiter is not None else None
 
-    print(strict_json(inspect_file(args.path, args.format, options, args.max_rows, args.tables), indent=2))
+    report = inspect_file(args.path, args.format, options, args.max_rows, args.tables, args.max_len)
+    print(strict_json(report, indent=2))
 
 
 def cmd_shard_plan(args: argparse.Namespace) -> None:
@@ -500,6 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--max-rows", type=_int_in(1), help="read only this many rows")
     i.add_argument("--tables", action="store_true",
                    help="also each id column's pooling factor and 17-bin access histogram (learned sharding)")  # fmt: skip
+    i.add_argument("--max-len", type=_int_in(1),
+                   help="also the rows of each multi-id column a sequence feature of this max_len would cut")  # fmt: skip
     i.set_defaults(fn=cmd_inspect)
     dprep = dsub.add_parser("prepare", help="fit the vocabularies and materialise every split once, for many runs",
                          description="Prepare a config's data into DIR (vocabularies, memory-mapped columns); "

@@ -2,7 +2,9 @@
 
 ``inspect_file`` guesses the format (unless given), infers a schema, streams the file once and
 returns a JSON-able summary: rows, bad rows, positive rate, and per column its type, number of
-distinct non-null values (for multi-id columns: distinct ids) and missing values.
+distinct non-null values (for multi-id columns: distinct ids) and missing values; a multi-id column (a
+sequence feature's data, or a bag's) also its ids per row: mean, p50, p90 (nearest rank) and max, and with
+``max_len`` the rows a sequence feature of that ``max_len`` would cut (``truncated``).
 
 The counts are those of a training read of the file with the inferred schema and
 ``data.on_bad_row: skip``: ``rows`` are the rows training reads, ``bad_rows`` the rows it drops (a
@@ -45,7 +47,9 @@ from recscale.data.readers.base import (
     consecutive,
     is_list,
     list_ids,
+    nonempty_ids,
     parse_floats,
+    split_ids,
     to_dense,
     to_ids,
     to_label,
@@ -133,6 +137,35 @@ class _Counts:
         return self._merged().column("n").to_numpy() if self.parts else np.zeros(0, dtype=np.int64)
 
 
+class _Lengths:
+    """How many rows hold each number of ids (a multi-id column's lists, as training reads them)."""
+
+    def __init__(self) -> None:
+        self.rows_of = np.zeros(1, dtype=np.int64)  # [k]: rows with k ids
+
+    def add(self, lengths: np.ndarray) -> None:
+        counts = np.bincount(lengths, minlength=len(self.rows_of))
+        counts[: len(self.rows_of)] += self.rows_of
+        self.rows_of = counts
+
+    def report(self, max_len: int | None) -> dict[str, Any]:
+        rows = int(self.rows_of.sum())
+        cumulative = np.cumsum(self.rows_of)
+
+        def at_most(q: float) -> int | None:  # nearest rank: q of the rows hold at most this many ids
+            return int(np.searchsorted(cumulative, np.ceil(q * rows))) if rows else None
+
+        out: dict[str, Any] = {
+            "mean": round(float(self.rows_of @ np.arange(len(self.rows_of))) / rows, 4) if rows else None,
+            "p50": at_most(0.5),
+            "p90": at_most(0.9),
+            "max": int(np.flatnonzero(self.rows_of)[-1]) if rows else None,
+        }
+        if max_len is not None:
+            out["truncated"] = int(self.rows_of[max_len + 1 :].sum())
+        return out
+
+
 class _Column:
     """Running statistics of one column; ``kind`` None means: infer it from text cells (``decided``: the
     kind an earlier pass inferred, which the rows are then checked as). With ``tables``, id columns also
@@ -143,6 +176,7 @@ class _Column:
         self.missing = 0
         self.rows = self.ids = 0
         self.distinct = _Distinct()
+        self.lengths = _Lengths()  # reported for a multi-id column
         self.counts = _Counts() if tables and (kind or decided) not in (LABEL, "dense") else None
         self.positives = 0
         self.numeric, self.integral, self.has_sep = True, True, False
@@ -174,10 +208,10 @@ class _Column:
             return
         if isinstance(values, pa.DictionaryArray):
             values = values.dictionary_decode()
-        if is_list(values.type):  # missing = null or empty list
-            filled = pc.sum(pc.greater(pc.list_value_length(values), 0)).as_py() or 0
-            self.missing += len(values) - filled
-            self._add_ids(values.flatten())
+        if is_list(values.type):  # ids as training reads them
+            (ids,) = nonempty_ids(list_ids(values)[0])
+            self.lengths.add(pc.list_value_length(ids).to_numpy(zero_copy_only=False))
+            self._add_ids(ids.flatten())
             return
         self.missing += values.null_count
         if self.kind == LABEL:
@@ -205,7 +239,10 @@ class _Column:
             self.nonfinite += pc.sum(pc.invert(pc.is_finite(as_dense))).as_py() or 0  # nulls: missing
         if pc.any(pc.match_substring(cells, MULTI_SEP)).as_py():
             self.has_sep = True
-            return pc.split_pattern(cells, MULTI_SEP).flatten()
+            ids = split_ids(cells, MULTI_SEP)[0]  # as training reads them
+            self.lengths.add(pc.list_value_length(ids).to_numpy(zero_copy_only=False))
+            return ids.flatten()
+        self.lengths.add(cells.is_valid().to_numpy(zero_copy_only=False).astype(np.int64))  # one id, or none
         return cells
 
     def inferred(self) -> str:
@@ -216,12 +253,21 @@ class _Column:
             return self.decided
         return "multi" if self.has_sep else "dense" if self.numeric and not self.integral else "sparse"
 
-    def report(self) -> dict[str, Any]:
+    def report(self, max_len: int | None = None) -> dict[str, Any]:
         kind = self.inferred()
         if kind == UNSUPPORTED:
             return {"name": self.name, "type": kind, "arrow_type": self.arrow_type}
         cardinality = self.distinct.count()
-        out = {"name": self.name, "type": kind, "cardinality": cardinality, "missing": self.missing}
+        # A multi-id row without ids is missing: a null cell or list, an empty one, or only empty ids.
+        missing = int(self.lengths.rows_of[0]) if kind == "multi" else self.missing
+        out: dict[str, Any] = {
+            "name": self.name,
+            "type": kind,
+            "cardinality": cardinality,
+            "missing": missing,
+        }
+        if kind == "multi":
+            out["length"] = self.lengths.report(max_len)
         if self.counts is not None and kind in ("sparse", "multi"):
             out["pooling"] = round(self.ids / max(self.rows, 1), 4)
             out["access_histogram"] = [round(h, 5) for h in histogram_of_counts(self.counts.counts())]
@@ -331,6 +377,7 @@ def inspect_file(
     options: dict | None = None,
     max_rows: int | None = None,
     tables: bool = False,
+    max_len: int | None = None,
 ) -> dict[str, Any]:
     """Summarise a data file: format, rows, bad rows, positive rate and per-column statistics.
 
@@ -338,7 +385,8 @@ def inspect_file(
     schema is needed (see the module doc for the inferred one). With ``tables``, each id column also
     reports the embedding-table features of the learned sharding planner: ``pooling`` (ids per row)
     and ``access_histogram`` (``data.access``; over the rows read: ``max_rows`` 4096 gives the
-    histogram of one batch as the planner's cost models see it).
+    histogram of one batch as the planner's cost models see it). With ``max_len``, each multi-id column's
+    ``length`` also counts the rows a sequence feature of that ``max_len`` would cut (``truncated``).
     """
     path = Path(path)
     fmt = fmt or guess_format(path)
@@ -398,7 +446,7 @@ def inspect_file(
         "bad_rows": stats.skipped,
         "bad_row_examples": stats.examples,
         "positive_rate": label.positives / label.rows if label and label.rows else None,
-        "columns": [c.report() for c in columns],
+        "columns": [c.report(max_len) for c in columns],
     }
 
 

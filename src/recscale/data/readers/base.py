@@ -400,23 +400,28 @@ def as_trained(batch: pa.RecordBatch, schema: Schema, stats: ReadStats) -> pa.Re
 
 
 def drop_empty_ids(batch: pa.RecordBatch, schema: Schema) -> pa.RecordBatch:
-    """Each plain multi-id feature's lists without their empty ids (``""`` or null) and those ids' weights:
-    a CSV cell ``x|`` is ``['x']``, and so is a list ``['x', '']``. A sequence's empty id is a bad row
-    instead (``check_sequence``): a position of a history cannot be dropped."""
+    """Each plain multi-id feature's lists without their empty ids and those ids' weights (``nonempty_ids``).
+    A sequence's empty id is a bad row instead (``check_sequence``): a position of a history cannot be dropped."""
     for f in schema.sparse:
         if not f.multi or f.sequence:
             continue
-        ids = pc.list_flatten(batch.column(f.name))
-        keep = pc.fill_null(pc.not_equal(ids, ""), False).to_numpy(zero_copy_only=False)
-        if keep.all():
-            continue
         names = [f.name, f.name + WEIGHT_SUFFIX] if f.weighted else [f.name]
-        lengths = pc.fill_null(pc.list_value_length(batch.column(f.name)), 0).to_numpy(zero_copy_only=False)
-        lengths, kept = _keep_items(lengths, keep, *(pc.list_flatten(batch.column(n)) for n in names))
-        for name, values in zip(names, kept, strict=True):
+        for name, values in zip(names, nonempty_ids(*(batch.column(n) for n in names)), strict=True):
             i = batch.schema.get_field_index(name)
-            batch = batch.set_column(i, batch.schema.field(i), _lists(lengths, values))
+            batch = batch.set_column(i, batch.schema.field(i), values)
     return batch
+
+
+def nonempty_ids(ids: pa.Array, *aligned: pa.Array) -> list[pa.Array]:
+    """``ids`` (list<string>) without their empty ids, ``""`` or null (a CSV cell ``x|`` is ``['x']``, and so
+    is a list ``['x', '']``), and each ``aligned`` list column (weights) without the same items."""
+    flat = pc.list_flatten(ids)
+    keep = pc.fill_null(pc.not_equal(flat, ""), False).to_numpy(zero_copy_only=False)
+    if keep.all():
+        return [ids, *aligned]
+    lengths = pc.fill_null(pc.list_value_length(ids), 0).to_numpy(zero_copy_only=False)
+    lengths, kept = _keep_items(lengths, keep, flat, *(pc.list_flatten(a) for a in aligned))
+    return [_lists(lengths, values) for values in kept]
 
 
 def truncate_sequences(batch: pa.RecordBatch, schema: Schema, stats: ReadStats) -> pa.RecordBatch:
