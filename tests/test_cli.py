@@ -285,6 +285,42 @@ def test_an_out_that_holds_a_run_is_refused_before_the_launch(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "quant, words",
+    [
+        ("{format: mxfp8_e4m3, where: [nope]}", "model.quant.where: nope matches no linear layer"),
+        ("{layers: {nope: mxfp4}}", "model.quant.layers: nope is no linear layer of this model"),
+    ],
+)
+def test_a_quant_plan_naming_no_layer_is_refused_before_the_launch(
+    tmp_path, capsys, monkeypatch, quant, words
+):
+    """Each rank found it in its own build, after the launch and the data's preparation (30 s on 2 ranks)."""
+    import recscale.distributed.launch as launch
+
+    started = []
+    monkeypatch.setattr(launch, "launch", lambda command, *_: started.append(command))
+    code, _, err = run(capsys, "train", str(CONFIGS / "demo.yaml"), "--out", str(tmp_path / "r"), "--nproc", "2",
+                       f"model.quant={quant}")  # fmt: skip
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    assert not started and not (tmp_path / "r").exists()
+
+
+def test_a_trainer_checks_its_model_before_preparing_the_data(tmp_path, monkeypatch):
+    import recscale.train.loop as loop
+    from recscale.config import load_config
+    from recscale.errors import ConfigError
+
+    def prepared(*_):
+        raise AssertionError("the data was prepared before the model was checked")
+
+    monkeypatch.setattr(loop, "prepare_run_data", prepared)
+    cfg = load_config(CONFIGS / "demo.yaml", ["model.quant={format: mxfp4, where: [head.*, nope]}"])
+    with pytest.raises(ConfigError, match="model.quant.where: nope matches no linear layer"):
+        loop.Trainer(cfg, tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
 def test_debug_reaches_the_ranks_of_nproc(tmp_path, capsys, monkeypatch):
     """--debug showed the launcher's traceback only: the ranks, where the error was, ran without it."""
     import recscale.distributed.launch as launch

@@ -58,6 +58,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from recscale.distributed.dmt.build import check_topology
     from recscale.distributed.env import shutdown
     from recscale.distributed.launch import host_split
+    from recscale.train.build import check_model
     from recscale.train.loop import Trainer, check_run_dir, check_world_size
     from recscale.train.runs import resume_config
 
@@ -80,6 +81,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         check_world_size(cfg, args.nproc)
         if cfg.dmt is not None:
             check_topology(cfg, hosts)
+        check_model(cfg)
         check_run_dir(out, cfg, args.resume)
         try:
             with _sigterm_raises():  # the launcher stops its ranks, which die of the SIGTERM it sends them

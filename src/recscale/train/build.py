@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +30,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recscale.config import RunConfig
 from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
+from recscale.data.schema import Schema
 from recscale.distributed.env import DistEnv
 from recscale.distributed.planner.features import BATCH
 from recscale.distributed.sharding import shard_model
@@ -71,18 +73,17 @@ def local_tensors(w: torch.Tensor) -> list[torch.Tensor]:
 
 
 def feature_set(pre: Preprocessor) -> FeatureSet:
+    return schema_features(pre.schema, pre.num_embeddings)
+
+
+def schema_features(schema: Schema, rows: Callable[[str], int] = lambda _: 1) -> FeatureSet:
+    """The model's inputs for ``schema``, each table of ``rows(name)`` rows (one by default: no dense
+    shape depends on a table's rows, so the model's layers are known before any data is read)."""
     sparse = tuple(
-        SparseInput(
-            f.name,
-            pre.num_embeddings(f.name),
-            "mean" if f.multi else "sum",
-            f.weighted,
-            f.max_len,
-            f.vocabulary,
-        )
-        for f in pre.schema.sparse
+        SparseInput(f.name, rows(f.name), "mean" if f.multi else "sum", f.weighted, f.max_len, f.vocabulary)
+        for f in schema.sparse
     )
-    return FeatureSet(sparse=sparse, num_dense=len(pre.schema.dense))
+    return FeatureSet(sparse=sparse, num_dense=len(schema.dense))
 
 
 def planner_sample(cfg: RunConfig, ds: ArrayDataset) -> KeyedJaggedTensor | None:
@@ -94,8 +95,8 @@ def planner_sample(cfg: RunConfig, ds: ArrayDataset) -> KeyedJaggedTensor | None
 
 
 def check_features(cfg: RunConfig, features: FeatureSet) -> None:
-    """Feature names the config gives the embedding layer exist and the model's parameters fit these
-    features and each other (a ConfigError naming the key)."""
+    """Feature names the config gives the embedding layer exist, the model's parameters fit these
+    features and each other, and ``model.quant`` names layers of this model (a ConfigError naming the key)."""
     emb = cfg.model.embedding
     try:
         check_feature_options([f.name for f in features.sparse if f.max_len is None], emb)
@@ -127,9 +128,16 @@ def check_features(cfg: RunConfig, features: FeatureSet) -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the real build warns
-            build_model(cfg.model.name, one_row, emb, cfg.model.params, device=torch.device("meta"))
+            model = build_model(cfg.model.name, one_row, emb, cfg.model.params, device=torch.device("meta"))
     except ValueError as e:
         raise ConfigError(f"model ({cfg.model.name}): {e}") from None
+    quantize_model(model, cfg.model.quant)  # a model.quant naming no layer of this model: ConfigError
+
+
+def check_model(cfg: RunConfig) -> None:
+    """``check_features`` from the config's schema alone, before any data is read: the launcher checks
+    once what every rank's build would otherwise refuse after the launch and the data's preparation."""
+    check_features(cfg, schema_features(cfg.data.schema))
 
 
 def flat_model(cfg: RunConfig, features: FeatureSet) -> RecModel:

@@ -46,7 +46,7 @@ from recscale.models.base import RecModel, TrainableModel
 from recscale.models.blocks import Calibration
 from recscale.models.blocks.sequence import SequenceEncoder
 from recscale.models.flops import module_flops
-from recscale.train.build import build, feature_set, planner_sample
+from recscale.train.build import build, check_model, feature_set, planner_sample
 from recscale.train.checkpoint import (
     list_checkpoints,
     load_checkpoint,
@@ -123,6 +123,7 @@ class Trainer:
         self.env = init_distributed(cfg.distributed.timeout_s)
         self.main = self.env.is_main
         check_world_size(cfg, self.env.world_size)
+        check_model(cfg)  # before the data is prepared and a file is written
         # Restarted by torchrun (--max-restarts): continue from the last complete checkpoint.
         resume = resume or (self.env.restart_count > 0 and (self.dir / "config.yaml").is_file())
         with removed_on_failure(self.dir, enabled=self.main):  # a run that never started leaves no directory
