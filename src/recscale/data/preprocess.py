@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import ValidationError
 
+from recscale.data.readers.base import ReadStats, as_trained
 from recscale.data.schema import LABEL, WEIGHT_SUFFIX, Schema
 from recscale.errors import CheckpointError, DataError, StaleArtifactError
 from recscale.io import atomic_write_text
@@ -102,6 +103,8 @@ def encode(batch: pa.RecordBatch, pre: Preprocessor) -> tuple[np.ndarray, np.nda
         raise DataError(
             f"the rows lack the model's columns {missing}: give every one of {columns} (null for a missing value)"
         )
+    # As the readers give rows to training: empty ids dropped, a history cut to its most recent max_len.
+    batch = as_trained(batch, schema, ReadStats())
     weighted = any(f.weighted for f in schema.sparse)
     values, lengths, weights = [], [], []
     for f in schema.sparse:

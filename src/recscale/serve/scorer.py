@@ -11,7 +11,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.data.preprocess import encode
 from recscale.data.readers import read_batches
-from recscale.data.readers.base import ReadStats, as_trained
 from recscale.data.schema import LABEL
 from recscale.serve.artifact import WEIGHTS, read_artifact
 from recscale.serve.export import inference_model, load_weights
@@ -41,8 +40,6 @@ class Scorer:
     def logits(self, batch: pa.RecordBatch) -> torch.Tensor:
         """Raw-layout rows (B) -> logits (B,) float32. The batch holds the columns of ``parser.arrow_schema``
         (``parser.parse`` makes one from a JSON request); one lacking a column is a ``DataError``."""
-        # As the readers give rows to training: empty ids dropped, a history cut to its most recent max_len.
-        batch = as_trained(batch, self.pre.schema, ReadStats())
         dense, values, lengths, weights = (torch.from_numpy(a) for a in encode(batch, self.pre))
         kjt = KeyedJaggedTensor(
             keys=self._keys, values=values, lengths=lengths, weights=weights if self._weighted else None
