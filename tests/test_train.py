@@ -612,3 +612,17 @@ def test_trainer_errors_name_the_trainers_arguments_and_the_clis_options(tmp_pat
     ):
         Trainer(cfg, tmp_path / "none", resume=True)
     assert not (tmp_path / "none").exists()
+
+
+def test_a_qcomms_run_resumes_on_one_process_with_qcomms_fp32(tmp_path):
+    """One process refuses qcomms, and a resume refused any change of them: a run of several ranks with
+    qcomms could not continue on one process at all."""
+    common = [*SMALL_SYNTH, "train.eval_every=2"]
+    Trainer(load_config(CONFIGS / "demo.yaml", [*common, "train.max_steps=2"]), tmp_path / "r").fit()
+    saved = tmp_path / "r" / "config.yaml"  # as a 2-rank run with quantized collectives writes it
+    saved.write_text(saved.read_text().replace("forward: fp32", "forward: int8"))
+    longer = [*common, "train.max_steps=4", "distributed.qcomms.forward=int8"]
+    with pytest.raises(ConfigError, match="this run is one process"):
+        Trainer(load_config(CONFIGS / "demo.yaml", longer), tmp_path / "r", resume=True)
+    report = Trainer(load_config(CONFIGS / "demo.yaml", longer[:-1]), tmp_path / "r", resume=True).fit()
+    assert report["steps"] == 4
