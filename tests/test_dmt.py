@@ -405,19 +405,36 @@ def test_settings_dmt_cannot_take_are_refused_by_the_config():
     )
 
 
-@pytest.mark.dist
-def test_a_dmt_run_resumed_on_another_topology_says_so(tmp_path, capsys):
-    """Towers are hosts: at another topology the model differs, and the error said only 'damaged'."""
+@pytest.fixture(scope="module")
+def dmt_run(tmp_path_factory) -> Path:
+    """A 2-host x 1-rank DMT training with Wukong-layer tower modules and a dense EMA, without early stopping:
+    its model is its last checkpoint's averaged weights (both saved under the multi-host model's names)."""
     from recscale.cli import main
 
-    configs = Path(__file__).resolve().parents[1] / "configs"
-    run = tmp_path / "dmt"
-    assert main(["train", str(configs / "demo.yaml"), "--nproc", "2", "--local-world-size", "1", "--out", str(run),
+    run = tmp_path_factory.mktemp("dmt_run") / "run"
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    assert main(["train", str(demo), "--nproc", "2", "--local-world-size", "1", "--out", str(run),
                  "data.synthetic.rows={train: 1024, valid: 256, test: 256}", "train.batch_size=256",
-                 "train.max_steps=2", "dmt={}", "train.progress=false"]) == 0  # fmt: skip
+                 "train.max_steps=3", "dmt={tower_module: {type: wukong, compression: 2}}", "train.ema_decay=0.5",
+                 "train.early_stopping=null", "train.progress=false"]) == 0  # fmt: skip
+    return run
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("launch", [[], ["--nproc", "2", "--local-world-size", "2"]])
+def test_a_dmt_run_resumed_on_another_topology_says_so_before_loading(dmt_run, capsys, launch):
+    """Towers are hosts: on another number of hosts the model differs. The error used to come from the
+    failed load and call the checkpoint damaged; now it names both topologies and changes nothing."""
+    from recscale.cli import main
+
+    before = {p: p.stat().st_mtime_ns for p in dmt_run.rglob("*")}
     capsys.readouterr()
-    assert main(["train", "--resume", "--out", str(run), "train.max_steps=4"]) == 2
-    err = capsys.readouterr().err
-    assert (
-        "resumes only at the hosts and ranks it was trained on" in err and len(err.strip().splitlines()) == 1
+    assert main(["train", "--resume", "--out", str(dmt_run), "train.max_steps=4", *launch]) == 2
+    err = capsys.readouterr().err.strip()
+    local = 2 if launch else 1
+    assert err == (
+        f"error: --resume: {dmt_run / 'ckpt' / 'step_00000003'} was saved by a DMT run on 2 hosts (one tower "
+        f"each) and this job has 1 host of {local} rank{'s' * (local > 1)}; resume it on 2 hosts, e.g. "
+        f"--nproc {2 * local} --local-world-size {local}"
     )
+    assert {p: p.stat().st_mtime_ns for p in dmt_run.rglob("*")} == before

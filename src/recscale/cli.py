@@ -58,6 +58,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from recscale.distributed.dmt.build import check_topology
     from recscale.distributed.env import shutdown
     from recscale.distributed.launch import host_split
+    from recscale.distributed.topology import Topology
     from recscale.train.build import check_model
     from recscale.train.loop import Trainer, check_run_dir, check_world_size
     from recscale.train.runs import resume_config
@@ -77,12 +78,12 @@ def cmd_train(args: argparse.Namespace) -> None:
     else:
         cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:  # checked once, here, rather than by every rank after the launch
-        hosts, _ = host_split(args.nproc, args.local_world_size)
+        hosts, local = host_split(args.nproc, args.local_world_size)
         check_world_size(cfg, args.nproc)
         if cfg.dmt is not None:
             check_topology(cfg, hosts)
         check_model(cfg)
-        check_run_dir(out, cfg, args.resume)
+        check_run_dir(out, cfg, args.resume, Topology(args.nproc, local))
         try:
             with _sigterm_raises():  # the launcher stops its ranks, which die of the SIGTERM it sends them
                 _launch(args, out)

@@ -201,6 +201,20 @@ def _check_sizes(path: Path, wanted: dict[str, Any], saved: dict[str, Any]) -> N
         raise CheckpointError(f"{path}: {key} was saved with size {list(size)}, this run has {own}; {why}")
 
 
+def _complete(path: Path) -> Path:
+    if not path.is_dir() or not (
+        os.path.lexists(path / METADATA_FILE) and os.path.lexists(path / STATE_FILE)
+    ):
+        raise CheckpointError(f"{path}: not a complete recscale checkpoint")
+    return path
+
+
+def saved_keys(path: Path) -> set[str]:
+    """The keys of the tensors checkpoint ``path`` holds (``/model/…``, as ``split_state`` names them),
+    from its checked metadata, before any tensor is read."""
+    return set(SafeReader(str(_complete(Path(path)))).read_metadata().state_dict_metadata)
+
+
 def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     """Load into ``template`` (a state of the same structure, with tensors of the right shapes/sharding).
 
@@ -214,9 +228,7 @@ def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     one-line ``CheckpointError`` naming it.
     """
     path = Path(path)
-    state_file = path / STATE_FILE
-    if not path.is_dir() or not (os.path.lexists(path / METADATA_FILE) and os.path.lexists(state_file)):
-        raise CheckpointError(f"{path}: not a complete recscale checkpoint")
+    state_file = _complete(path) / STATE_FILE
     plain = _read_state_json(state_file)
     reader = SafeReader(str(path))
     saved_keys = reader.read_metadata().state_dict_metadata  # every check first; dcp.load reuses it

@@ -40,6 +40,7 @@ from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
 from recscale.distributed import comms
 from recscale.distributed.balance import Balance, CostModel, Padding, balanced_parts
 from recscale.distributed.env import heartbeat, init_distributed
+from recscale.distributed.topology import Topology
 from recscale.errors import RESUME, RUN_DIR, CheckpointError, ConfigError, RecscaleError
 from recscale.io import Hold, atomic_write_text, removed_on_failure, strict_json
 from recscale.models.base import RecModel, TrainableModel
@@ -62,7 +63,7 @@ from recscale.train.metrics import ctr_metrics
 from recscale.train.optim import lr_factor
 from recscale.train.precision import autocast, warn_if_emulated
 from recscale.train.regularizers import DenseEMA, EmbeddingL2, TableDecay
-from recscale.train.runs import check_resume
+from recscale.train.runs import check_dmt_topology, check_resume
 from recscale.train.state import Progress, RunLog, rng_state, set_rng_state
 
 
@@ -96,12 +97,16 @@ def check_world_size(cfg: RunConfig, world_size: int) -> None:
         )
 
 
-def check_run_dir(run_dir: Path, cfg: RunConfig, resume: bool) -> None:
-    """``run_dir`` can take this run: a new run's directory holds no run; a resumed one matches ``cfg``."""
+def check_run_dir(run_dir: Path, cfg: RunConfig, resume: bool, topology: Topology) -> None:
+    """``run_dir`` can take this run: a new run's directory holds no run; a resumed one matches ``cfg``
+    (and a DMT one was trained on as many hosts as ``topology`` has)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RecscaleError(f"{RUN_DIR} {run_dir} is a file; name a directory for the run")
     if resume:
         check_resume(run_dir, cfg)
+        ckpts = list_checkpoints(run_dir / "ckpt")
+        if cfg.dmt is not None and ckpts:
+            check_dmt_topology(ckpts[-1], topology)
     elif list_checkpoints(run_dir / "ckpt") or (run_dir / "report.json").exists():
         raise RecscaleError(
             f"{run_dir} already holds a run; pass {RESUME} to continue it or choose another {RUN_DIR}"
@@ -183,7 +188,7 @@ class Trainer:
 
     # -------------------------------------------------- setup
     def _prepare_dir(self, resume: bool) -> None:
-        check_run_dir(self.dir, self.cfg, resume)  # before any file is touched
+        check_run_dir(self.dir, self.cfg, resume, self.env.topology)  # before any file is touched
         if self.main:
             self.dir.mkdir(parents=True, exist_ok=True)
             # Until the run ends: a second training into this directory now fails (InUse) rather than mix
@@ -238,15 +243,7 @@ class Trainer:
         if ckpts:
             # Adam's state is created lazily; create it so the checkpoint has tensors to load into.
             self.built.dense.init_state()
-            try:
-                state = load_checkpoint(ckpts[-1], self._state())
-            except CheckpointError as e:
-                if self.cfg.dmt is None:
-                    raise
-                raise CheckpointError(  # the likely cause: towers are hosts, so another topology is another model
-                    f"{e}. A DMT run resumes only at the hosts and ranks it was trained on "
-                    "(the same --nproc and --local-world-size)"
-                ) from None
+            state = load_checkpoint(ckpts[-1], self._state())
             try:  # state.json passed its schema; its values may still not fit (edited by hand)
                 self.opt.load_state_dict(state["optim"])
                 self.progress = Progress(**state["progress"])

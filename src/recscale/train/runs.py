@@ -20,12 +20,13 @@ from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers.base import SKIP_HINT, OnBadRow
 from recscale.distributed.env import init_distributed
+from recscale.distributed.topology import Topology
 from recscale.errors import RESUME, RUN_DIR, CheckpointError, ConfigError, DataError, RecscaleError
 from recscale.io import committed
 from recscale.models.base import RecModel
 from recscale.models.embedding import EmbeddingLayer
 from recscale.train.build import Built, build, feature_set
-from recscale.train.checkpoint import list_checkpoints, load_checkpoint
+from recscale.train.checkpoint import list_checkpoints, load_checkpoint, saved_keys
 from recscale.train.data import prepare_split
 from recscale.train.evaluate import EVAL_BATCH_SIZE, evaluate
 
@@ -110,6 +111,24 @@ def _refuse_changes(run_dir: Path, saved: RunConfig, cfg: RunConfig) -> None:
             f"{RESUME}: the config changes {', '.join(refused[:4])}{more} of the run in {run_dir}; a resumed "
             f"run keeps its model, data and optimizer (it may change {', '.join(RESUMABLE_KEYS)}); "
             f"train a new run with another {RUN_DIR} instead"
+        )
+
+
+def dmt_hosts(ckpt: Path) -> int:
+    """How many hosts trained the DMT model in checkpoint ``ckpt``: each saved its tower as ``towers.T.…``."""
+    prefix = "/model/towers."
+    return len({k.removeprefix(prefix).split(".")[0] for k in saved_keys(ckpt) if k.startswith(prefix)})
+
+
+def check_dmt_topology(ckpt: Path, topology: Topology) -> None:
+    """A DMT checkpoint resumes only on as many hosts as trained it (one tower per host: on another
+    number of hosts the towers, hence the model, differ); the ranks per host may change (DCP reshards)."""
+    saved, hosts, local = dmt_hosts(ckpt), topology.num_hosts, topology.local_world_size
+    if saved != hosts:
+        raise ConfigError(
+            f"--resume: {ckpt} was saved by a DMT run on {saved} hosts (one tower each) and this job has "
+            f"{hosts} host{'s' * (hosts != 1)} of {local} rank{'s' * (local != 1)}; resume it on {saved} "
+            f"hosts, e.g. --nproc {saved * local} --local-world-size {local}"
         )
 
 
