@@ -421,6 +421,30 @@ def dmt_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.dist
+def test_a_dmt_run_evaluates_in_one_process_as_it_did_itself(dmt_run, capsys):
+    """Every host's tower loads into one process (the tables' shards joined by DCP, the wrappers' names
+    mapped): `recscale eval` used to refuse a DMT run ("towers load only at its own hosts")."""
+    from recscale.cli import main
+
+    capsys.readouterr()
+    assert main(["eval", str(dmt_run)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    expected = json.loads((dmt_run / "report.json").read_text())["test"]
+    assert got["rows"] == expected["rows"] == 256
+    for metric in ("auc", "logloss"):
+        assert got[metric] == pytest.approx(expected[metric], abs=1e-6)
+    # export and the precision probe take a flat model: refused in one line that names the way to score it
+    for command in (["export", str(dmt_run), "--out", str(dmt_run.parent / "model")],
+                    ["precision", "probe", str(dmt_run)]):  # fmt: skip
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip()
+        assert (
+            len(err.splitlines()) == 1 and "is a DMT run" in err and "`recscale eval` scores DMT runs" in err
+        )
+    assert not (dmt_run.parent / "model").exists()
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("launch", [[], ["--nproc", "2", "--local-world-size", "2"]])
 def test_a_dmt_run_resumed_on_another_topology_says_so_before_loading(dmt_run, capsys, launch):
     """Towers are hosts: on another number of hosts the model differs. The error used to come from the

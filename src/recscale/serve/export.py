@@ -160,7 +160,7 @@ def export_run(
     from recscale.train.runs import load_trained
 
     check_model_out(out)  # before the model loads, not after
-    cfg, pre, built = load_trained(run_dir, "to export")
+    cfg, pre, built = load_trained(run_dir, "to export", flat_only=True)
     trained = {k: _full(k, v) for k, v in built.model.state_dict().items()}  # type: ignore[attr-defined]
     if cfg.model.embedding.storage == "fp16":
         # Tables trained in fp16 storage export as fp32 tables holding the same values, so the manifest's

@@ -16,6 +16,7 @@ import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,6 +42,9 @@ from recscale.models.embedding import FeatureSet, SparseInput, check_feature_opt
 from recscale.models.quant import quantize_model
 from recscale.models.registry import build_model
 from recscale.train.optim import dense_optimizer_factory, sparse_optimizer
+
+if TYPE_CHECKING:
+    from recscale.distributed.dmt.transform import DMTModel, LocalDMT
 
 
 @dataclass
@@ -196,17 +200,27 @@ def _tables_do_not_fit(cfg: RunConfig, features: FeatureSet, env: DistEnv, e: Ru
 
 
 def build(
-    cfg: RunConfig, features: FeatureSet, env: DistEnv, sample: KeyedJaggedTensor | None = None
+    cfg: RunConfig,
+    features: FeatureSet,
+    env: DistEnv,
+    sample: KeyedJaggedTensor | None = None,
+    dmt_hosts: int | None = None,
 ) -> Built:
     """The run's model on this rank, seeded by ``cfg.seed`` (every rank builds the same one first).
-    ``sample``: a batch of training ids, from which the learned sharding planner reads table features."""
+    ``sample``: a batch of training ids, from which the learned sharding planner reads table features.
+    ``dmt_hosts``: a DMT model of that many hosts' towers, all in this one process (to score a run),
+    instead of one tower per host of this job."""
     check_features(cfg, features)
     opt_cls, opt_kw = sparse_optimizer(cfg.train.sparse_optimizer, env.device, cfg.dense_tables())
     if cfg.dmt is not None:
-        from recscale.distributed.dmt.build import build_dmt
+        from recscale.distributed.dmt.build import build_dmt, build_local
 
-        module, tables, u = build_dmt(cfg, features, env, (opt_cls, opt_kw))
-        model: TrainableModel = module
+        dmt: DMTModel | LocalDMT
+        if dmt_hosts is None:
+            dmt, tables, u = build_dmt(cfg, features, env, (opt_cls, opt_kw))
+        else:
+            dmt, tables, u = build_local(cfg, features, env, (opt_cls, opt_kw), dmt_hosts)
+        module, model = dmt, dmt
         counts, flops = u.counts, u.dense_flops
         table_params = {id(p) for p in tables.params.values()}
         dense_params = {

@@ -148,8 +148,8 @@ def probe(
         raise RecscaleError(f"precision probe: --tolerance {tolerance}; give an AUC drop >= 0, e.g. 0.0005")
     formats = list(dict.fromkeys([*formats, target]))
     run_config(run_dir)  # a directory that is not a run is named first
-    cfg, pre, built = load_trained(run_dir, "to probe")
-    model = cast(RecModel, built.model)  # flat: load_trained refuses DMT runs
+    cfg, pre, built = load_trained(run_dir, "to probe", flat_only=True)
+    model = cast(RecModel, built.model)  # flat: flat_only
     dequantize_model(model)  # a run trained with model.quant: measure against its fp32 computation
     names = linear_names(model)
     if not names:

@@ -19,6 +19,7 @@ from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers.base import SKIP_HINT, OnBadRow
+from recscale.distributed.dmt.transform import local_key
 from recscale.distributed.env import init_distributed
 from recscale.distributed.topology import Topology
 from recscale.errors import RESUME, RUN_DIR, CheckpointError, ConfigError, DataError, RecscaleError
@@ -132,32 +133,50 @@ def check_dmt_topology(ckpt: Path, topology: Topology) -> None:
         )
 
 
-def load_trained(run_dir: Path, purpose: str = "to evaluate") -> tuple[RunConfig, Preprocessor, Built]:
-    """The run's config, preprocessing and best (else latest) model, in this process. ``purpose`` ends
-    the error for a run without a checkpoint: "no complete checkpoint to evaluate"."""
+def load_trained(
+    run_dir: Path, purpose: str = "to evaluate", flat_only: bool = False
+) -> tuple[RunConfig, Preprocessor, Built]:
+    """The run's config, preprocessing and best (else latest) model, in this process; a DMT run with all
+    its hosts' towers (unless ``flat_only``: refused). ``purpose`` ends the error for a run without a
+    checkpoint: "no complete checkpoint to evaluate"."""
     run_dir = Path(run_dir)
     cfg, pre = load_run(run_dir)
-    if cfg.dmt is not None:
-        raise CheckpointError(f"{run_dir}: a DMT run's towers load only at its own hosts; use a flat run")
-    env = init_distributed()
-    # Scores do not depend on the sharding, and a multi-rank run's placements may name ranks this
-    # process does not have: the checkpoint loads into the default plan at any world size (replicated
-    # tables stay replicated: their optimizer may have no fused kernel).
-    plan = DistributedConfig(sharding="data_parallel") if cfg.dense_tables() else DistributedConfig()
-    try:
-        built = build(cfg.model_copy(update={"distributed": plan}), feature_set(pre), env)
-    except ConfigError as e:  # the run's config.yaml does not fit its own features: edited by hand
-        raise CheckpointError(f"{run_dir / 'config.yaml'} does not fit the run ({e}); restore it") from None
+    if cfg.dmt is not None and flat_only:
+        raise CheckpointError(
+            f"{run_dir} is a DMT run, which has no flat model {purpose} (flat runs only; "
+            "`recscale eval` scores DMT runs too)"
+        )
     best = committed(run_dir / "best")  # without it, a kill while best/ was replaced made this the latest
     ckpts = list_checkpoints(run_dir / "ckpt")
     source = best if (best / ".metadata").is_file() else (ckpts[-1] if ckpts else None)
     if source is None:
         raise CheckpointError(f"{run_dir}: no complete checkpoint {purpose}; train the run first")
-    load_checkpoint(source, {"model": built.module.state_dict()})
+    env = init_distributed()
+    # Scores do not depend on the sharding, and a multi-rank run's placements may name ranks this
+    # process does not have: the checkpoint loads into the default plan at any world size (replicated
+    # tables stay replicated: their optimizer may have no fused kernel). A DMT run's towers all load
+    # here, unsharded (``LocalDMT``), whatever the hosts that trained it.
+    plan = DistributedConfig(sharding="data_parallel") if cfg.dense_tables() else DistributedConfig()
+    hosts = dmt_hosts(source) if cfg.dmt is not None else None
+    try:
+        built = build(cfg.model_copy(update={"distributed": plan}), feature_set(pre), env, dmt_hosts=hosts)
+    except ConfigError as e:  # the run's config.yaml does not fit its own features: edited by hand
+        raise CheckpointError(f"{run_dir / 'config.yaml'} does not fit the run ({e}); restore it") from None
+    entries = {"model": built.module.state_dict()}
     if source != best and cfg.train.ema_decay:  # a training checkpoint: its dense average is the model
+        entries["ema"] = built.trainable_dense()
+    for entry, tensors in entries.items():
         with torch.no_grad():
-            load_checkpoint(source, {"ema": built.trainable_dense()})
+            load_checkpoint(source, {entry: tensors if hosts is None else _dmt_names(source, entry, tensors)})
     return cfg, pre, built
+
+
+def _dmt_names(ckpt: Path, entry: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` of a ``LocalDMT`` under the names a multi-host DMT run saved them with in ``entry``."""
+    prefix = f"/{entry}/"
+    saved = {k.removeprefix(prefix) for k in saved_keys(ckpt) if k.startswith(prefix)}
+    names = {local_key(k): k for k in saved}
+    return {names.get(k, k): t for k, t in tensors.items()}
 
 
 def load_training_sample(
@@ -165,14 +184,14 @@ def load_training_sample(
 ) -> tuple[EmbeddingLayer, Batch, Preprocessor]:
     """A trained flat run's embedding layer, its first ``rows`` training rows and its preprocessing
     (``purpose`` as for ``load_trained``)."""
-    _, pre, built = load_trained(run_dir, purpose)
+    _, pre, built = load_trained(run_dir, purpose, flat_only=True)
     split = Path(run_dir) / "data" / "train"
     if not (split / "meta.json").is_file():
         raise RecscaleError(
             f"{split}: the run's materialised training split is gone; retrain or resume the run"
         )
     ds = ArrayDataset(split)
-    model = cast(RecModel, built.model)  # flat: load_trained refuses DMT runs
+    model = cast(RecModel, built.model)  # flat: flat_only
     return model.embedding, ds.gather(np.arange(min(rows, len(ds)))), pre
 
 

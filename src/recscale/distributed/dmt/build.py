@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-from torchrec.optim.keyed import KeyedOptimizer
+from torchrec.optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper
 
 from recscale.config import DistributedConfig, RunConfig
 from recscale.distributed.dmt.assignment import resolve_assignment
 from recscale.distributed.dmt.towers import build_tower_module, tower_outputs
-from recscale.distributed.dmt.transform import DMTGroups, DMTModel, Top, Tower, data_parallel
+from recscale.distributed.dmt.transform import DMTGroups, DMTModel, LocalDMT, Top, Tower, data_parallel
 from recscale.distributed.env import DistEnv
 from recscale.distributed.sharding import shard_model
 from recscale.errors import ConfigError
@@ -130,3 +130,22 @@ def build_dmt(
     dim = cfg.model.embedding.dim
     model = DMTModel(u.towers, mine, tower_dmp, top, u.outputs, dim, groups, u.order, u.dense_flops)
     return model.to(env.device), table_opt, u
+
+
+def build_local(
+    cfg: RunConfig,
+    features: FeatureSet,
+    env: DistEnv,
+    table_optimizer: tuple[type[torch.optim.Optimizer], dict],
+    hosts: int,
+) -> tuple[LocalDMT, KeyedOptimizer, UnshardedDMT]:
+    """As ``build_dmt``, the model of a run trained on ``hosts`` hosts, but all of it, unsharded, in this
+    process (to score the run), with ``table_optimizer`` over its tables."""
+    u = build_unsharded(cfg, features, hosts)
+    model = LocalDMT(u.towers, u.modules, Top(u.top), u.order, u.dense_flops).to(env.device)
+    ids = {id(p) for t in u.modules for p in t.embedding.table_parameters()}
+    opt_cls, table_kw = table_optimizer
+    tables = KeyedOptimizerWrapper(
+        {n: p for n, p in model.named_parameters() if id(p) in ids}, lambda ps: opt_cls(ps, **table_kw)
+    )
+    return model, tables, u

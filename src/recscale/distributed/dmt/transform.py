@@ -24,8 +24,9 @@ the global batch, as the flat model's do. The routing assumes every rank's batch
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -60,14 +61,19 @@ def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group: dis
     return out
 
 
+def tower_parts(sparse: KeyedJaggedTensor, towers: list[list[str]]) -> list[KeyedJaggedTensor]:
+    """A KJT of all features -> one KJT per tower, of its features (same batch)."""
+    keys = sparse.keys()
+    return sparse.permute([keys.index(f) for t in towers for f in t]).split([len(t) for t in towers])
+
+
 def route_ids(
     sparse: KeyedJaggedTensor, towers: list[list[str]], mine: int, group: dist.ProcessGroup
 ) -> KeyedJaggedTensor:
     """This rank's batch (B samples, all features) -> tower ``mine``'s features for the B samples of
     every peer, peer by peer: a KJT of batch H·B (see module doc, step 1)."""
     h, b, k = len(towers), sparse.stride(), len(towers[mine])
-    keys = sparse.keys()
-    parts = sparse.permute([keys.index(f) for t in towers for f in t]).split([len(t) for t in towers])
+    parts = tower_parts(sparse, towers)
     lengths = _exchange(
         torch.cat([p.lengths() for p in parts]), [k * b] * h, [len(t) * b for t in towers], group
     )
@@ -201,6 +207,55 @@ class DMTModel(nn.Module):
             y.flatten(), splits, [b * self.outputs[self.mine] * d] * h, self.groups.peer, 1 / h
         )
         x = torch.cat([p.view(b, -1, d) for p in back.split(splits)], dim=1)
+        if self.order is not None:
+            x = x[:, self.order]
+        return self.top(dense, x)
+
+
+# What DMP (tables: ``towers.T.towers.T.``, dense parameters: ``towers.T._dmp_wrapped_module.`` and its DDP's
+# ``module.``) and the top's DDP (``module.``) add to ``DMTModel``'s names.
+_WRAPPERS = re.compile(r"^(towers\.(\d+)\.)(?:towers\.\2\.|_dmp_wrapped_module\.module\.)|^(top\.)module\.")
+
+
+def local_key(key: str) -> str:
+    """A name in ``DMTModel``'s state (its state dict or its parameters' names) as ``LocalDMT`` names the
+    same tensor."""
+    return _WRAPPERS.sub(lambda m: m.group(1) or m.group(3), key, count=1)
+
+
+class LocalDMT(nn.Module):
+    """A DMT model in one process, unsharded (scoring a trained run): every host's tower and the top.
+    ``DMTModel``'s function without the routing, and its tensors under the names ``local_key`` gives."""
+
+    def __init__(
+        self,
+        towers: list[list[str]],
+        modules: list[Tower],
+        top: Top,
+        order: list[int] | None,
+        dense_flops: int,
+    ) -> None:
+        super().__init__()
+        self.tower_features, self.dense_flops = towers, dense_flops
+        self.towers = nn.ModuleDict({str(t): m for t, m in enumerate(modules)})
+        self.top = top
+        self.order: Tensor | None
+        self.register_buffer("order", torch.tensor(order) if order is not None else None, persistent=False)
+
+    def flops_per_example(self) -> int:
+        return self.dense_flops
+
+    def x0_sources(self) -> list[tuple[nn.Module, float]]:
+        """As ``DMTModel``'s, but every tower serves only this process's samples: weight 1."""
+        sources: list[tuple[nn.Module, float]] = [
+            (cast(Tower, t).embedding, 1.0) for t in self.towers.values()
+        ]
+        dense_mlp = self.top.model.embedding.dense_mlp
+        return sources + ([(dense_mlp, 1.0)] if dense_mlp is not None else [])
+
+    def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
+        parts = tower_parts(ids_as(sparse, self.top.model.embedding.id_dtype), self.tower_features)
+        x = torch.cat([t(p) for t, p in zip(self.towers.values(), parts, strict=True)], dim=1)
         if self.order is not None:
             x = x[:, self.order]
         return self.top(dense, x)
