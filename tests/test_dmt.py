@@ -18,6 +18,7 @@ from torchrec.distributed.model_parallel import get_unwrapped_module
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.config import validate_config
+from recscale.data.dataset import ArrayDataset
 from recscale.distributed import comms
 from recscale.distributed.dmt.assignment import resolve_assignment
 from recscale.distributed.dmt.build import build_unsharded
@@ -405,18 +406,25 @@ def test_settings_dmt_cannot_take_are_refused_by_the_config():
     )
 
 
-@pytest.fixture(scope="module")
-def dmt_run(tmp_path_factory) -> Path:
-    """A 2-host x 1-rank DMT training with Wukong-layer tower modules and a dense EMA, without early stopping:
-    its model is its last checkpoint's averaged weights (both saved under the multi-host model's names)."""
+# The two kinds of run a scorer loads differently: identity tower modules (the flat model, order restored)
+# kept in best/; Wukong-layer tower modules with a dense EMA and no early stopping, whose model is its last
+# checkpoint's averaged weights (the model's and the EMA's tensors, both under the multi-host model's names).
+DMT_RUNS = {
+    "identity": ["dmt={}"],
+    "wukong": ["dmt={tower_module: {type: wukong, compression: 2}}", "train.ema_decay=0.5", "train.early_stopping=null"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(DMT_RUNS))
+def dmt_run(tmp_path_factory, request) -> Path:
+    """A 2-host x 1-rank DMT training of 3 steps (see DMT_RUNS)."""
     from recscale.cli import main
 
-    run = tmp_path_factory.mktemp("dmt_run") / "run"
+    run = tmp_path_factory.mktemp(f"dmt_{request.param}") / "run"
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
     assert main(["train", str(demo), "--nproc", "2", "--local-world-size", "1", "--out", str(run),
                  "data.synthetic.rows={train: 1024, valid: 256, test: 256}", "train.batch_size=256",
-                 "train.max_steps=3", "dmt={tower_module: {type: wukong, compression: 2}}", "train.ema_decay=0.5",
-                 "train.early_stopping=null", "train.progress=false"]) == 0  # fmt: skip
+                 "train.max_steps=3", "train.progress=false", *DMT_RUNS[request.param]]) == 0  # fmt: skip
     return run
 
 
@@ -433,15 +441,40 @@ def test_a_dmt_run_evaluates_in_one_process_as_it_did_itself(dmt_run, capsys):
     assert got["rows"] == expected["rows"] == 256
     for metric in ("auc", "logloss"):
         assert got[metric] == pytest.approx(expected[metric], abs=1e-6)
-    # export and the precision probe take a flat model: refused in one line that names the way to score it
-    for command in (["export", str(dmt_run), "--out", str(dmt_run.parent / "model")],
-                    ["precision", "probe", str(dmt_run)]):  # fmt: skip
-        assert main(command) == 2
-        err = capsys.readouterr().err.strip()
-        assert (
-            len(err.splitlines()) == 1 and "is a DMT run" in err and "`recscale eval` scores DMT runs" in err
+    # The precision probe's plan is a model.quant section, which DMT does not take: refused in one line.
+    assert main(["precision", "probe", str(dmt_run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is a DMT run" in err and "`recscale eval` scores DMT runs" in err
+
+
+@pytest.mark.dist
+def test_a_dmt_run_with_identity_towers_exports_as_the_flat_model_it_computes(dmt_run, capsys):
+    """Identity tower modules: the exported flat model scores the run's test rows as the run does.
+    Compressing ones have no flat form: refused in one line, nothing written."""
+    from recscale.cli import main
+    from recscale.serve.scorer import Scorer
+    from recscale.train.runs import load_trained, run_config
+
+    out = dmt_run.parent / "model"
+    capsys.readouterr()
+    if run_config(dmt_run).dmt.tower_module.type != "identity":
+        assert main(["export", str(dmt_run), "--out", str(out)]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: {dmt_run} is a DMT run with wukong tower modules, a model with no flat form to export "
+            "(only identity tower modules compute the flat model); `recscale eval` scores it"
         )
-    assert not (dmt_run.parent / "model").exists()
+        assert not out.exists()
+        return
+    assert main(["export", str(dmt_run), "--out", str(out)]) == 0
+    test = ArrayDataset(dmt_run / "data" / "test")
+    batch = test.gather(np.arange(len(test)))
+    _, _, built = load_trained(dmt_run)
+    built.module.eval()
+    with torch.no_grad():
+        expected = built.module(batch.dense, batch.sparse)
+        got = Scorer(out).model(batch.dense, batch.sparse)
+    assert expected.std() > 0  # not a constant model: the check can fail
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
 @pytest.mark.dist

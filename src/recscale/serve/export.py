@@ -157,11 +157,20 @@ def export_run(
     run_dir: Path, out: Path, tables: TableFormat = "fp32", dense: DenseFormat = "fp32"
 ) -> Manifest:
     """Export a trained run's best (else latest) model to the model directory ``out``."""
-    from recscale.train.runs import load_trained
+    from recscale.distributed.dmt.transform import LocalDMT
+    from recscale.train.runs import load_trained, run_config
 
     check_model_out(out)  # before the model loads, not after
-    cfg, pre, built = load_trained(run_dir, "to export", flat_only=True)
-    trained = {k: _full(k, v) for k, v in built.model.state_dict().items()}  # type: ignore[attr-defined]
+    dmt = run_config(run_dir).dmt
+    if dmt is not None and dmt.tower_module.type != "identity":
+        raise CheckpointError(
+            f"{run_dir} is a DMT run with {dmt.tower_module.type} tower modules, a model with no flat form to "
+            "export (only identity tower modules compute the flat model); `recscale eval` scores it"
+        )
+    cfg, pre, built = load_trained(run_dir, "to export")
+    model = built.model
+    state = model.flat_state_dict() if isinstance(model, LocalDMT) else model.state_dict()  # type: ignore[attr-defined]
+    trained = {k: _full(k, v) for k, v in state.items()}
     if cfg.model.embedding.storage == "fp16":
         # Tables trained in fp16 storage export as fp32 tables holding the same values, so the manifest's
         # format says what the file holds and scores equal the run's; --tables fp16 halves them again.

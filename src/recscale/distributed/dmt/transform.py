@@ -253,6 +253,13 @@ class LocalDMT(nn.Module):
         dense_mlp = self.top.model.embedding.dense_mlp
         return sources + ([(dense_mlp, 1.0)] if dense_mlp is not None else [])
 
+    def flat_state_dict(self) -> dict[str, Tensor]:
+        """With identity tower modules (``order`` set: DMT computes the flat model), the flat model's state
+        dict: the towers' embedding layers hold its tables, the top the rest (the same tensors)."""
+        assert self.order is not None, "compressing tower modules have no flat form"
+        towers = {k.split(".", 1)[1]: v for k, v in self.towers.state_dict().items()}  # "T.embedding.…"
+        return towers | self.top.model.state_dict()
+
     def forward(self, dense: Tensor, sparse: KeyedJaggedTensor) -> Tensor:
         parts = tower_parts(ids_as(sparse, self.top.model.embedding.id_dtype), self.tower_features)
         x = torch.cat([t(p) for t, p in zip(self.towers.values(), parts, strict=True)], dim=1)
