@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from recscale.config import load_config, validate_config
+from recscale.config_files import load_yaml
 from recscale.errors import ConfigError
 from recscale.models.registry import params_class
 from recscale.models.wukong import WukongParams
@@ -198,6 +199,22 @@ def test_numbers_with_an_exponent_are_numbers(tmp_path):
     assert (cfg.train.max_steps, cfg.train.dense_optimizer.lr, cfg.train.grad_clip) == (1000, 1e-3, 100.0)
     with pytest.raises(ConfigError, match="model.embedding.dim: .* fractional part"):
         load_config(CONFIGS / "demo.yaml", ["model.embedding.dim=2.5e0"])
+
+
+def test_a_key_given_twice_is_refused_with_its_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys: a second ``train:`` section dropped the first one's
+    settings without a word. A key that overrides one merged in by ``<<`` is no repeat."""
+    (tmp_path / "c.yaml").write_text(
+        f"base: {CONFIGS / 'demo.yaml'}\ntrain: {{max_steps: 3}}\nseed: 1\ntrain: {{batch_size: 64}}\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "c.yaml")
+    assert str(e.value).startswith(
+        f"{tmp_path / 'c.yaml'}:4:1: not valid YAML (key 'train' repeats the one on line 2"
+    )
+    with pytest.raises(ConfigError, match="key 'max_steps' repeats the one on line 1"):
+        load_config(CONFIGS / "demo.yaml", ["train={max_steps: 3, max_steps: 4}"])
+    assert load_yaml("a: &t {b: 1, c: 2}\nd: {<<: *t, b: 3}\n")["d"] == {"b": 3, "c": 2}
 
 
 def test_one_string_of_overrides_is_refused():

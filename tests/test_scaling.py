@@ -115,6 +115,19 @@ def test_sweep_config_errors_are_one_line(tmp_path, capsys):
         load_sweep(write_sweep(tmp_path, epochs))
 
 
+def test_a_family_listed_twice_is_refused(tmp_path, capsys):
+    """YAML's last key won: the first `wukong` family was dropped and its name trained the second's model."""
+    path = tmp_path / "sweep.yaml"
+    path.write_text(
+        f"base: {CONFIGS / 'demo.yaml'}\nfamilies:\n  wukong: {{model: {{name: wukong}}, sizes: [{{}}]}}\n"
+        "  wukong: {model: {name: dlrm}, sizes: [{}]}\n"
+    )
+    assert main(["sweep", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:4:3: not valid YAML (key 'wukong' repeats the one on line 3" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("family", ["..", ".", "+", "", "a/b", "-x"])
 def test_family_names_that_would_escape_the_runs_directory_are_refused(tmp_path, capsys, family):
     """A family's name starts its runs' directory names, which a restarted sweep removes: `..` would have

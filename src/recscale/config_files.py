@@ -15,7 +15,26 @@ from recscale.errors import ConfigError
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader, reading numbers with an exponent as YAML 1.2 does: ``1e-3`` and ``1e3`` are
     floats (YAML 1.1, which PyYAML follows, wants ``1.0e-3`` and reads them as strings, so ``max_steps: 1e3``
-    was refused as 'unable to parse string as an integer')."""
+    was refused as 'unable to parse string as an integer'); a key given twice in one mapping is an error
+    (PyYAML keeps the last silently: a second ``train:`` section, or a sweep family listed twice, would
+    drop the first without a word)."""
+
+    def compose_mapping_node(self, anchor: str | None) -> yaml.MappingNode:
+        node = super().compose_mapping_node(anchor)
+        # Checked on the composed node, before ``<<`` merges: a key that overrides a merged one is no repeat.
+        first: dict[tuple[str, str], yaml.Mark] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            if (key.tag, key.value) in first:
+                raise yaml.composer.ComposerError(
+                    None, None,
+                    f"key {key.value!r} repeats the one on line {first[key.tag, key.value].line + 1} of the "
+                    "same mapping; keep one",
+                    key.start_mark,
+                )  # fmt: skip
+            first[key.tag, key.value] = key.start_mark
+        return node
 
 
 _Loader.add_implicit_resolver(
