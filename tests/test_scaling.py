@@ -305,6 +305,13 @@ def test_results_of_several_sweeps_merge_into_one_family(tmp_path, capsys):
     assert main(["scaling", "fit", str(first), str(later), "--merge", "w=w_lnog"]) == 2
     err = capsys.readouterr().err
     assert "--merge: family 'w_lnog' is in none of the results" in err and "w, w_lr, w_long" in err, err
+    # one family merged into two: the last --merge won without a word
+    assert (
+        main(["scaling", "fit", str(first), str(later), "--merge", "w=w_long", "--merge", "x=w_lr,w_long"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "--merge: family 'w_long' is merged into both 'w' and 'x'; merge it into one" in err, err
     clash = write_results(tmp_path / "c.csv", [sweep_row("w", "s", 100, 0, 1e12, 0.49)])
     with pytest.raises(
         RecscaleError, match="c.csv: run w-s-n100 is also in .*a.csv with another valid_logloss"
@@ -319,13 +326,17 @@ GOOD = "w,w-0,1e12,0.5,0.38\n"
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        (HEADER + GOOD + "w,w-1,2e12,abc,0.38\n", ":3: column valid_logloss is not a number ('abc')"),
+        (HEADER + GOOD + "w,w-1,2e12,abc,0.38\n", ":3: column valid_logloss is not a number >= 0 ('abc')"),
         (HEADER + GOOD + "w,w-1,2e12\n", ":3: 3 cells where the header has 5"),
         (HEADER + GOOD + "w,w-1,2e12,0.4,0.38,x\n", ":3: 6 cells where the header has 5"),
         (HEADER + GOOD + "w,w-\xe9,2e12,0.4,0.38\n", ":3: not UTF-8 text (byte 0xe9"),  # written as Latin-1
-        (HEADER + "w,w-1,,0.4,0.38\n", ":2: column train_flops is not a finite number ('')"),
-        (HEADER + "w,w-1,inf,0.4,0.38\n", ":2: column train_flops is not a finite number ('inf')"),
-        (HEADER + "w,w-1,1e12,0.4,n/a\n", ":2: column bayes_logloss is not a number ('n/a')"),
+        (HEADER + "w,w-1,,0.4,0.38\n", ":2: column train_flops is not a finite number > 0 ('')"),
+        (HEADER + "w,w-1,inf,0.4,0.38\n", ":2: column train_flops is not a finite number > 0 ('inf')"),
+        # Compute 0 was a numpy warning and "nan orders of magnitude"; below 0, a frontier at -5 FLOPs.
+        (HEADER + GOOD + "w,w-2,0,0.4,0.38\n", ":3: column train_flops is not a finite number > 0 ('0')"),
+        (HEADER + "w,w-1,-5,0.4,0.38\n", ":2: column train_flops is not a finite number > 0 ('-5')"),
+        (HEADER + "w,w-1,1e12,-0.4,0.38\n", ":2: column valid_logloss is not a number >= 0 ('-0.4')"),
+        (HEADER + "w,w-1,1e12,0.4,n/a\n", ":2: column bayes_logloss is not a number >= 0 ('n/a')"),
         (HEADER + ",w-1,1e12,0.4,0.38\n", ":2: column family is empty"),
         ("", ": not a sweep results CSV (needs the columns"),
         (HEADER, ": no runs, only a header"),
@@ -338,6 +349,9 @@ GOOD = "w,w-0,1e12,0.5,0.38\n"
         "not-utf8",
         "blank-flops",
         "inf-flops",
+        "zero-flops",
+        "negative-flops",
+        "negative-logloss",
         "bad-floor",
         "no-family",
         "empty-file",

@@ -299,14 +299,18 @@ def cmd_scaling_fit(args: argparse.Namespace) -> None:
     from recscale.scaling.fit import load_results, report
     from recscale.scaling.plot import plot_scaling
 
-    merge = {}
+    merge: dict[str, str] = {}
     for spec in args.merge:
         new, _, old = spec.partition("=")
         if not new or not old:
             raise RecscaleError(
                 f"--merge {spec}: write NEW=OLD[,OLD...], e.g. --merge wukong=wukong_long,wukong_xl"
             )
-        merge.update({name: new for name in old.split(",")})
+        for name in old.split(","):
+            if merge.setdefault(name, new) != new:  # else the last --merge would win without a word
+                raise RecscaleError(
+                    f"--merge: family {name!r} is merged into both {merge[name]!r} and {new!r}; merge it into one"
+                )
     families = load_results(args.results, merge, args.drop)
     text, fits = report(families, pin_floor=args.pin_floor, left_out=families.left_out)
     print(text)

@@ -26,6 +26,7 @@ import csv
 import fnmatch
 import io
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -222,25 +223,26 @@ def _read_rows(path: Path) -> list[dict[str, str]]:
         r = dict(zip(header, row, strict=True), _where=where)
         if not r["family"]:
             raise RecscaleError(f"{where}: column family is empty; fix or remove that row")
-        _number(r, "train_flops", finite=True)
-        _number(r, "valid_logloss")  # nan or inf: a run that diverged, which load_results leaves out
+        # Compute 0 or below has no logarithm (the fit's axis); a LogLoss below 0 is no LogLoss.
+        _number(r, "train_flops", "finite number > 0", lambda x: math.isfinite(x) and x > 0)
+        # nan or inf: a run that diverged, which load_results leaves out
+        _number(r, "valid_logloss", "number >= 0", lambda x: not x < 0)
         if r["bayes_logloss"]:  # blank: the teacher's floor is not known
-            _number(r, "bayes_logloss")
+            _number(r, "bayes_logloss", "number >= 0", lambda x: not x < 0)
         rows.append(r)
     return rows
 
 
-def _number(r: dict[str, str], column: str, finite: bool = False) -> None:
-    """RecscaleError naming the row unless the cell is a number (a finite one with ``finite``)."""
+def _number(r: dict[str, str], column: str, what: str, ok: Callable[[float], bool]) -> None:
+    """RecscaleError naming the row unless the cell is a number for which ``ok`` holds (``what`` says so)."""
     value = r[column]
     try:
-        ok = math.isfinite(float(value)) or not finite
+        good = ok(float(value))
     except ValueError:
-        ok = False
-    if not ok:
+        good = False
+    if not good:
         raise RecscaleError(
-            f"{r['_where']}: column {column} is not a {'finite ' if finite else ''}number ({value!r}); "
-            "fix or remove that row"
+            f"{r['_where']}: column {column} is not a {what} ({value!r}); fix or remove that row"
         )
 
 
