@@ -158,6 +158,20 @@ def test_prepare_once_then_train_runs_on_it(tmp_path, capsys):
     assert code == 0 and json.loads(out)["rows"] == 20, err
 
 
+def test_a_preparation_killed_mid_write_leaves_no_temporary_split_behind(tmp_path, capsys):
+    """SIGKILL inside a split's write leaves its temporary directory (as large as the split: 70 MB for the
+    demo's train) in DIR/data; the next `data prepare` into DIR (or sweep sharing it) kept it forever."""
+    train = frappe_like(tmp_path / "train.csv", GOOD)
+    data = [f"data.train={train}", f"data.valid={train}"]
+    prep = tmp_path / "prep"
+    left = prep / "data" / ".train.k1ll3d.tmp"
+    (left / ".scratch").mkdir(parents=True)
+    (left / "label.bin").write_bytes(b"\0" * 64)
+    code, _, err = run(capsys, "data", "prepare", str(CONFIGS / "frappe.yaml"), *data, "--out", str(prep))
+    assert code == 0, err
+    assert sorted(p.name for p in (prep / "data").iterdir()) == ["train", "valid"]
+
+
 def test_a_prepared_dir_that_does_not_match_is_refused(tmp_path, capsys):
     train = frappe_like(tmp_path / "train.csv", GOOD)
     other = frappe_like(tmp_path / "other.csv", GOOD[:40])

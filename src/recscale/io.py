@@ -147,6 +147,23 @@ def atomic_dir(path: Path) -> Iterator[Path]:
         raise
 
 
+def remove_partial_writes(parent: Path) -> None:
+    """Clean up after a process killed inside ``atomic_dir`` (SIGKILL, power loss: no ``except`` ran) in
+    ``parent``: drop the temporary directories of unfinished writes, and put back a complete directory that
+    was set aside (``.NAME.old``) to be replaced when its replacement never arrived."""
+    if not parent.is_dir():
+        return
+    for p in parent.iterdir():
+        if p.name.startswith(".") and p.name.endswith(".tmp") and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.name.startswith(".") and p.name.endswith(".old") and p.is_dir():
+            target = p.with_name(p.name[1 : -len(".old")])
+            if target.exists():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.rename(target)
+
+
 class InUse(OSError):
     """Another process holds the directory (``Hold``)."""
 

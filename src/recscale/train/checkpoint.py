@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from recscale.errors import RESUME, CheckpointError
-from recscale.io import atomic_dir
+from recscale.io import atomic_dir, remove_partial_writes
 from recscale.train.dcp_safety import (
     METADATA_FILE,
     SafeReader,
@@ -281,14 +281,4 @@ def remove_partial_checkpoints(run_dir: Path) -> None:
     directories of unfinished writes, and put back a checkpoint that was set aside (``.NAME.old``) to be
     replaced when its replacement never arrived."""
     for parent in (Path(run_dir), Path(run_dir) / "ckpt", Path(run_dir) / "data"):
-        if not parent.is_dir():
-            continue
-        for p in parent.iterdir():
-            if p.name.startswith(".") and p.name.endswith(".tmp") and p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-            elif p.name.startswith(".") and p.name.endswith(".old") and p.is_dir():
-                target = p.with_name(p.name[1 : -len(".old")])
-                if target.exists():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.rename(target)
+        remove_partial_writes(parent)

@@ -19,6 +19,7 @@ from recscale.data.readers import ReadStats
 from recscale.data.schema import Schema
 from recscale.data.sources import open_split, source_fingerprint
 from recscale.errors import RUN_DIR, CheckpointError, RecscaleError, StaleArtifactError
+from recscale.io import remove_partial_writes
 
 
 def _syn(data: DataConfig) -> Any:
@@ -127,6 +128,8 @@ def prepare_run_data(
         elif main:
             pre.save(pre_path, fingerprint=fingerprint)  # the run directory keeps its own copy, for eval
         return pre, _hold_out(data, splits), stats
+    if main:  # a split whose write was killed left its temporary directory (as large as the split) behind
+        remove_partial_writes(run_dir / "data")
     fitted = False
     try:
         pre = Preprocessor.load(pre_path, expect_fingerprint=fingerprint)
