@@ -201,6 +201,37 @@ def test_numbers_with_an_exponent_are_numbers(tmp_path):
         load_config(CONFIGS / "demo.yaml", ["model.embedding.dim=2.5e0"])
 
 
+def test_overrides_set_list_items_by_index():
+    """`data.schema.sparse.1.min_count=3` was "'sparse' is not a section": a list item could only be
+    changed by retyping the whole list."""
+    cfg = load_config(CONFIGS / "frappe.yaml", ["data.schema.sparse.1.min_count=3", "model.name=dlrm",
+                                                 "model.top_mlp=[8, 4]", "model.top_mlp.1=2"])  # fmt: skip
+    assert (cfg.data.schema.sparse[1].name, cfg.data.schema.sparse[1].min_count) == ("item", 3)
+    assert cfg.data.schema.sparse[0].min_count == 1 and cfg.model.params.top_mlp == [8, 2]
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        (
+            "data.schema.sparse.10.name=x",
+            "'10' is no index of its list of 10 items; use 0 to 9, or set the whole",
+        ),
+        ("data.schema.sparse.-1.name=x", "'-1' is no index of its list of 10 items"),
+        ("data.schema.sparse.user.name=x", "'user' is no index of its list of 10 items"),
+        ("data.schema.label.x=3", "data.schema.label is 'label', which has no keys; set it whole"),
+        # an empty name between dots was a key '' that the schema reported as "train.: unknown key"
+        ("train..max_steps=3", "the key's names joined by single dots"),
+        ("train.max_steps.=3", "the key's names joined by single dots"),
+        (".train=3", "the key's names joined by single dots"),
+    ],
+)
+def test_overrides_that_miss_a_list_item_or_a_key_say_how(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "frappe.yaml", [override])
+    assert str(e.value).startswith(f"override '{override}': ") and words in str(e.value), e.value
+
+
 def test_a_key_given_twice_is_refused_with_its_lines(tmp_path):
     """PyYAML keeps the last of two equal keys: a second ``train:`` section dropped the first one's
     settings without a word. A key that overrides one merged in by ``<<`` is no repeat."""

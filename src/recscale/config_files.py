@@ -116,28 +116,48 @@ def merge(base: dict, top: dict) -> dict:
     return out
 
 
+def _index(node: list, part: str, item: str) -> int:
+    """``part`` as an index into the list ``node``; ConfigError unless it is one."""
+    if not part.isdecimal() or int(part) >= len(node):
+        raise ConfigError(
+            f"override '{item}': '{part}' is no index of its list of {len(node)} items; use 0 to "
+            f"{len(node) - 1}, or set the whole list"
+        )
+    return int(part)
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Set dotted keys, e.g. ``train.max_steps=10``; values are parsed as YAML."""
+    """Set dotted keys, e.g. ``train.max_steps=10``, and list items by index, e.g.
+    ``data.schema.sparse.0.min_count=2``; values are parsed as YAML."""
     if isinstance(overrides, str):  # a Python caller's one override, which iterating would split into letters
         raise ConfigError(
             f"overrides: give a list of key=value strings, e.g. [{overrides!r}], not one string"
         )
     for item in overrides:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override '{item}': write overrides as key=value, e.g. train.max_steps=100")
-        node = raw
         parts = key.split(".")
-        for p in parts[:-1]:
-            child = node.setdefault(p, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override '{item}': '{p}' is not a section")
+        if not sep or "" in parts:  # `train..max_steps` set a key '' that the schema named "train."
+            raise ConfigError(
+                f"override '{item}': write overrides as key=value, the key's names joined by single dots, "
+                "e.g. train.max_steps=100"
+            )
+        node: dict | list = raw
+        for i, p in enumerate(parts[:-1]):
+            child = node[_index(node, p, item)] if isinstance(node, list) else node.setdefault(p, {})
+            if not isinstance(child, dict | list):
+                raise ConfigError(
+                    f"override '{item}': {'.'.join(parts[: i + 1])} is {child!r}, which has no keys; set it whole"
+                )
             node = child
         try:
-            node[parts[-1]] = load_yaml(value)
+            parsed = load_yaml(value)
         except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: a date like 2020-13-01
             raise ConfigError(
                 f"override '{item}': the value is not valid YAML ({yaml_problem(e)}); fix its brackets, or "
                 "quote the whole override for the shell, e.g. 'data.synthetic.rows={train: 1000, valid: 100}'"
             ) from None
+        if isinstance(node, list):
+            node[_index(node, parts[-1], item)] = parsed
+        else:
+            node[parts[-1]] = parsed
     return raw
