@@ -31,6 +31,9 @@ from recscale.train.loop import Trainer
 def warm_trainer(argv: list[str], usage: str, steps: int) -> Iterator[tuple[Trainer, list[Batch]]]:
     """The run's trainer for ``CONFIG [key=value ...]`` (``argv``) after 3 warm-up steps and 9 timed ones
     (examples/s and dense GFLOP/s printed), with ``steps`` more batches to measure."""
+    if argv[:1] in (["-h"], ["--help"]):  # else read as the config's path: a traceback, "config file --help"
+        print(f"usage: {usage} CONFIG [key=value ...]\n{sys.modules['__main__'].__doc__}")
+        raise SystemExit(0)
     if not argv:
         raise SystemExit(f"usage: {usage} CONFIG [key=value ...]")
     warnings.filterwarnings("ignore")

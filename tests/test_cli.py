@@ -511,3 +511,14 @@ def test_a_second_hold_in_one_process_keeps_the_directory_held(tmp_path):
     assert not other_process_gets_it()
     second.release()
     assert other_process_gets_it()
+
+
+@pytest.mark.parametrize("script", ["profile_step.py", "op_time.py"])
+def test_profiling_benches_answer_help(script):
+    """`bench/profile_step.py --help` read --help as the config's path: a traceback."""
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    done = subprocess.run(
+        [sys.executable, str(bench / script), "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.startswith(f"usage: {script} CONFIG"), done.stderr
+    assert "Traceback" not in done.stderr
