@@ -128,6 +128,34 @@ def test_a_family_listed_twice_is_refused(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("result", "words"),
+    [
+        (b'{"family": "wu', "holds a result.json but cannot be read back (Unterminated string"),
+        (b"\xff", "holds a result.json but cannot be read back ('utf-8' codec"),
+        (b"[1, 2]", "result.json: not a sweep run's result"),  # was AttributeError: an internal error
+        (b"{}", "result.json: not a sweep run's result"),  # was a blank row in results.csv
+        (
+            b'{"family": "lr", "run": "r", "train_flops": 1, "valid_logloss": 0.5, "x": 1}',
+            "not a sweep run's",
+        ),
+    ],
+)
+def test_a_finished_run_whose_result_is_unreadable_is_one_line(tmp_path, capsys, monkeypatch, result, words):
+    path = write_sweep(tmp_path, {"lr": {"model": {"name": "lr"}, "sizes": [{}]}})
+    (run,) = load_sweep(path)[1]
+    run_dir = tmp_path / "out" / "runs" / run.name
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(run.config.to_yaml())
+    (run_dir / "result.json").write_bytes(result)
+    monkeypatch.setattr(sweep_mod, "_train", lambda *a: pytest.fail("a finished run was trained again"))
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.rstrip().endswith("remove that directory (the sweep trains it again) or give "
+                                                  "the sweep another out"), err  # fmt: skip
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out" / "results.csv").exists()
+
+
 @pytest.mark.parametrize("family", ["..", ".", "+", "", "a/b", "-x"])
 def test_family_names_that_would_escape_the_runs_directory_are_refused(tmp_path, capsys, family):
     """A family's name starts its runs' directory names, which a restarted sweep removes: `..` would have

@@ -58,6 +58,7 @@ COLUMNS = [
     "wall_s", "train_s",
 ]  # fmt: skip
 RESULT = "result.json"
+_ROW_NEEDS = ("family", "run", "train_flops", "valid_logloss")  # in every result.json a sweep has written
 FAMILY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 
@@ -271,13 +272,23 @@ def _finished(run: Run, run_dir: Path) -> dict[str, Any] | None:
     result = run_dir / RESULT
     if not result.is_file():
         return None
-    stored = load_yaml((run_dir / "config.yaml").read_text())
+    fix = "remove that directory (the sweep trains it again) or give the sweep another out"
+    try:
+        stored = read_yaml_mapping(run_dir / "config.yaml", "a run's config")
+        row = json.loads(result.read_bytes())
+    except (ConfigError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise RecscaleError(f"{run_dir} holds a {RESULT} but cannot be read back ({e}); {fix}") from None
+    # A row with other keys would fail the CSV writer, one without them become a blank row in results.csv
+    # that `scaling fit` refuses; rows of older sweeps lack later columns (those cells stay blank).
+    if not isinstance(row, dict) or not set(row) <= set(COLUMNS) or not set(_ROW_NEEDS) <= set(row):
+        raise RecscaleError(
+            f"{result}: not a sweep run's result (a JSON object of results.csv's columns); {fix}"
+        )
     if stored != load_yaml(run.config.to_yaml()):
         raise RecscaleError(
-            f"{run_dir} holds a finished run with another config than the sweep asks for; "
-            "remove that directory or give the sweep another out"
+            f"{run_dir} holds a finished run with another config than the sweep asks for; {fix}"
         )
-    return json.loads(result.read_text())
+    return row
 
 
 def _train(run: Run, run_dir: Path, shared: Path) -> dict[str, Any]:
