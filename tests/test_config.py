@@ -232,6 +232,31 @@ def test_overrides_that_miss_a_list_item_or_a_key_say_how(override, words):
     assert str(e.value).startswith(f"override '{override}': ") and words in str(e.value), e.value
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (  # was two errors under distributed.sharding.literal['planner','learned'] and .literal['data_parallel',...]
+            "distributed.sharding=tablewise",
+            "distributed.sharding: Input should be one of 'planner', 'learned', 'data_parallel', 'table_wise', "
+            "'column_wise', 'row_wise', 'table_row_wise', 'table_column_wise'",
+        ),
+        (  # was model.embedding.sequence.buckets.constrained-int: ...; ...buckets.literal['pow2']: ...
+            "model.embedding.sequence.buckets=pow3",
+            "model.embedding.sequence.buckets: Input should be a valid integer, unable to parse string as an "
+            "integer, or Input should be 'pow2'",
+        ),
+        (
+            "train.precision=fp8",
+            "train.precision: Input should be 'fp32' or 'bf16'",
+        ),  # no union: as pydantic says
+    ],
+)
+def test_a_union_type_is_one_error_naming_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "demo.yaml", [override])
+    assert str(e.value) == f"invalid config: {message}"
+
+
 def test_a_key_given_twice_is_refused_with_its_lines(tmp_path):
     """PyYAML keeps the last of two equal keys: a second ``train:`` section dropped the first one's
     settings without a word. A key that overrides one merged in by ``<<`` is no repeat."""

@@ -8,6 +8,7 @@ names the key.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -418,14 +419,26 @@ def _item_name(raw: object, loc: tuple[int | str, ...]) -> str | None:
     return name
 
 
+# The tags pydantic puts in an error's location for the branch of a union type it tried; a plain type name
+# only as the last step (a feature may be called "str", but a type name ends a location).
+_UNION_BRANCH = re.compile(r"literal\[.*\]|constrained-\w+|(list|dict|function-\w+)\[.*\]")
+_UNION_LEAF = re.compile(r"int|float|str|bool|none")
+
+
 def format_validation_error(e: ValidationError, section: str = "", raw: object = None) -> str:
     """One line of ``e``'s errors, each named by its dotted key under ``section`` (e.g. ``model``), and by
     the name of the list item it is in where ``raw`` (the validated data) gives one: a feature's index in
-    ``data.schema.sparse`` alone does not say which it is."""
-    parts = []
+    ``data.schema.sparse`` alone does not say which it is. The branches of a union type are one key's
+    errors, said once (``distributed.sharding.literal['planner','learned']: ...; distributed.sharding.literal[
+    'data_parallel',...]: ...`` left the user to piece the allowed values together)."""
+    parts: dict[str, list[str]] = {}
+    allowed: dict[str, list[str]] = {}  # per key, the values its Literal errors allow
     for err in e.errors():
-        key = ".".join(str(x) for x in err["loc"] if x not in ("function-after",))
-        loc = ".".join(k for k in (section, key) if k) or "config"
+        *steps, last = err["loc"] or ("",)
+        path = [x for x in steps if x != "function-after" and not _UNION_BRANCH.fullmatch(str(x))]
+        if not (_UNION_BRANCH.fullmatch(str(last)) or _UNION_LEAF.fullmatch(str(last))):
+            path.append(last)
+        loc = ".".join(k for k in (section, ".".join(map(str, path))) if k) or "config"
         loc = loc.replace("schema_", "schema")
         if (name := _item_name(raw, err["loc"])) is not None:
             loc += f" ({name!r})"
@@ -435,8 +448,14 @@ def format_validation_error(e: ValidationError, section: str = "", raw: object =
             msg = f"unknown key (YAML reads a colon without a space as part of the key: write '{name}: {value}')"
         elif err["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling; see configs/ for examples)"
-        parts.append(f"{loc}: {msg}")
-    return "; ".join(parts)
+        elif err["type"] == "literal_error":
+            allowed.setdefault(loc, []).extend(re.findall(r"'[^']*'", err["ctx"]["expected"]))
+        parts.setdefault(loc, []).append(msg)
+    for loc, values in allowed.items():
+        if sum(m.startswith("Input should be '") for m in parts[loc]) > 1:  # Literal | Literal
+            others = [m for m in parts[loc] if not m.startswith("Input should be '")]
+            parts[loc] = [*others, "Input should be one of " + ", ".join(values)]
+    return "; ".join(f"{loc}: {', or '.join(msgs)}" for loc, msgs in parts.items())
 
 
 def validate_config(raw: dict) -> RunConfig:
