@@ -225,6 +225,14 @@ def test_fit_pins_the_asymptote_to_the_floor_when_asked():
     exact = 0.38 + 0.07 * (compute / compute[0]) ** -0.3
     fit = fit_power_law(compute, exact, floor=0.38, pin_floor=True)
     assert (fit.a_c0, fit.b) == pytest.approx((0.07, 0.3), rel=1e-5)
+    # A family without one known floor is fitted free under --pin-floor: the report says so for that family
+    # (the header's "pinned" alone claimed it for every fit).
+    text, fits = report(
+        [FamilyRuns("w", compute, loss, None), FamilyRuns("d", compute, exact, 0.38)], pin_floor=True
+    )
+    note = "no one Bayes floor in its runs' bayes_logloss (blank, or differing between runs): L_inf fitted, not pinned"
+    assert f"w: {note}" in text and f"d: {note}" not in text
+    assert not fits["w"].at_floor and fits["d"].at_floor
 
 
 def test_fit_reports_a_family_that_saturates_at_once():

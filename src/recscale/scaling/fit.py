@@ -392,6 +392,11 @@ def report(
         except RecscaleError as e:
             lines.append(f"{fam.name}: not fitted: {e}")
             continue
+        if pin_floor and fam.bayes is None:  # else the header's "pinned" would claim it for this fit too
+            lines.append(
+                f"{fam.name}: no one Bayes floor in its runs' bayes_logloss (blank, or differing between runs): "
+                "L_inf fitted, not pinned"
+            )
         fits[fam.name] = fit
         # Without --pin-floor a free fit whose L_inf fell below the floor is held there: say which it was.
         at_floor = "pinned to the floor" if pin_floor else "held at the floor: the free fit went below it"
