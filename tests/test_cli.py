@@ -419,6 +419,18 @@ def test_an_output_path_in_the_way_is_named_as_given(tmp_path, capsys, where):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f"] and not any((tmp_path / "d").iterdir())
 
 
+def test_shard_plan_refuses_a_batch_the_ranks_cannot_split(tmp_path, capsys):
+    """`train --nproc 3` refuses batch 2048; `shard plan --nproc 3` planned that run anyway."""
+    out = tmp_path / "plan.json"
+    code, _, err = run(capsys, "shard", "plan", str(CONFIGS / "demo.yaml"), "--out", str(out), "--nproc", "3",
+                       "data.synthetic.rows={train: 512, valid: 64}")  # fmt: skip
+    assert code == 2 and not out.exists()
+    assert (
+        err
+        == "error: train.batch_size 2048 must be a multiple of the 3 ranks: the global batch is split over them\n"
+    )
+
+
 def test_the_summary_prints_the_held_out_report_half(capsys):
     """With data.report_fraction the held-out half is the number nothing was tuned on; the summary
     printed only the selection half."""
