@@ -170,6 +170,8 @@ def test_data_options_are_checked_with_the_config(override, words):
 def test_missing_and_broken_files(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "none.yaml")
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory; name a YAML file$"):
+        load_config(tmp_path)  # was "not found", of a directory that is there
     (tmp_path / "bad.yaml").write_text("data: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(tmp_path / "bad.yaml")

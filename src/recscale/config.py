@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from recscale.config_files import apply_overrides, load_raw
+from recscale.config_files import apply_overrides, load_raw, not_a_file
 from recscale.data.readers import validate_options
 from recscale.data.schema import Schema
 from recscale.data.synthetic import SyntheticSpec
@@ -479,5 +479,5 @@ def validate_config(raw: dict) -> RunConfig:
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found")
+        raise ConfigError(not_a_file(path, "config file"))
     return validate_config(apply_overrides(load_raw(path), overrides or []))

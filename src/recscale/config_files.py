@@ -61,6 +61,11 @@ def yaml_error(path: Path, e: yaml.YAMLError) -> str:
     return f"{where}: not valid YAML ({yaml_problem(e)}); fix the file's indentation or quoting there"
 
 
+def not_a_file(path: Path, what: str) -> str:
+    """The one line for ``what`` (say, "config file") at ``path``, which is no file: missing or a directory."""
+    return f"{what} {path} {'is a directory; name a YAML file' if path.is_dir() else 'not found; check the path'}"
+
+
 def read_yaml_mapping(path: Path, what: str = "a config") -> dict:
     """A YAML file that must hold a mapping; any problem is one ``ConfigError`` line naming the file."""
     if not path.is_file():

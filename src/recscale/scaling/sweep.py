@@ -46,7 +46,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from recscale.config import RunConfig, format_validation_error, validate_config
-from recscale.config_files import apply_overrides, load_raw, load_yaml, read_yaml_mapping
+from recscale.config_files import apply_overrides, load_raw, load_yaml, not_a_file, read_yaml_mapping
 from recscale.errors import ConfigError, RecscaleError
 from recscale.io import Hold, atomic_write_text
 from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER, mflop_text
@@ -158,14 +158,14 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
     """Read and validate a sweep file and every run config it implies (nothing is trained)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"sweep file {path} not found")
+        raise ConfigError(not_a_file(path, "sweep file"))
     try:
         sweep = SweepConfig.model_validate(read_yaml_mapping(path, "a sweep"))
     except ValidationError as e:
         raise ConfigError(f"{path}: {format_validation_error(e)}") from None
     base_path = path.parent / sweep.base
     if not base_path.is_file():
-        raise ConfigError(f"{path}: base config {base_path} not found")
+        raise ConfigError(f"{path}: {not_a_file(base_path, 'base config')}")
     base = apply_overrides(load_raw(base_path), sweep.overrides)
     _one_epoch(path, "the overrides", sweep.overrides)
     _set(base, "train.epochs", 1)
