@@ -17,7 +17,11 @@ import torch
 from recscale.distributed.codecs import MXInt8Codec, RowwiseFP8Codec
 from recscale.models.blocks import Calibration
 
-assert torch.cuda.is_available()
+if sys.argv[1:2] in (["-h"], ["--help"]):
+    print(f"usage: device_codecs.py  (no arguments)\n{__doc__}")
+    sys.exit(0)
+if not torch.cuda.is_available():  # a one-line reason, not an AssertionError's traceback
+    sys.exit("device_codecs.py: needs a CUDA device (torch.cuda.is_available() is False)")
 out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
 torch.manual_seed(0)
 x = torch.randn(4096 * 32) * torch.logspace(-6, 3, 4096).repeat_interleave(32)

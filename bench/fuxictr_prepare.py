@@ -14,11 +14,19 @@ import sys
 import tempfile
 import time
 
-from fuxictr.preprocess import FeatureProcessor, build_dataset
+USAGE = "usage: fuxictr_prepare.py FILE.csv ROWS  (with FuxiCTR's interpreter)"
 
 
 def main() -> None:
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(f"{USAGE}\n{__doc__}")
+        return
+    if len(sys.argv) != 3 or not sys.argv[2].isdecimal():
+        raise SystemExit(USAGE)
     path, rows = sys.argv[1], int(sys.argv[2])
+    # Imported here, so that --help answers under any interpreter (FuxiCTR's alone has fuxictr).
+    from fuxictr.preprocess import FeatureProcessor, build_dataset
+
     features = [
         {
             "name": [f"I{i}" for i in range(1, 14)],

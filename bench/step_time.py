@@ -19,19 +19,28 @@ import sys
 import tempfile
 from pathlib import Path
 
+USAGE = "usage: step_time.py [--runs N] --label NAME -- CMD... [--vs NAME -- CMD...]..."
+
 
 def parse(argv: list[str]) -> tuple[int, list[tuple[str, list[str]]]]:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{USAGE}\n{__doc__}")
+        raise SystemExit(0)
     runs = 3
     if argv[:1] == ["--runs"]:
+        if len(argv) < 2 or not argv[1].isdecimal() or int(argv[1]) < 1:
+            raise SystemExit(f"--runs takes a number of runs >= 1; {USAGE}")
         runs, argv = int(argv[1]), argv[2:]
     variants: list[tuple[str, list[str]]] = []
     while argv:
         if argv[0] not in ("--label", "--vs") or len(argv) < 3 or argv[2] != "--":
-            raise SystemExit("usage: step_time.py [--runs N] --label NAME -- CMD... [--vs NAME -- CMD...]...")
+            raise SystemExit(USAGE)
         name, argv = argv[1], argv[3:]
         end = next((i for i, a in enumerate(argv) if a == "--vs"), len(argv))
         variants.append((name, argv[:end]))
         argv = argv[end:]
+    if not variants:  # else an IndexError once nothing has run
+        raise SystemExit(USAGE)
     return runs, variants
 
 

@@ -525,12 +525,15 @@ def test_a_second_hold_in_one_process_keeps_the_directory_held(tmp_path):
     assert other_process_gets_it()
 
 
-@pytest.mark.parametrize("script", ["profile_step.py", "op_time.py"])
-def test_profiling_benches_answer_help(script):
-    """`bench/profile_step.py --help` read --help as the config's path: a traceback."""
+@pytest.mark.parametrize(
+    "script", ["profile_step.py", "op_time.py", "step_time.py", "device_codecs.py", "fuxictr_prepare.py"]
+)
+def test_benches_that_parse_their_own_arguments_answer_help(script):
+    """`--help` was a traceback: profile_step.py and op_time.py read it as the config's path,
+    device_codecs.py asserted CUDA, fuxictr_prepare.py imported fuxictr first; step_time.py exited 1."""
     bench = Path(__file__).resolve().parents[1] / "bench"
     done = subprocess.run(
         [sys.executable, str(bench / script), "--help"], capture_output=True, text=True, timeout=300
     )
-    assert done.returncode == 0 and done.stdout.startswith(f"usage: {script} CONFIG"), done.stderr
+    assert done.returncode == 0 and done.stdout.startswith(f"usage: {script} "), done.stderr
     assert "Traceback" not in done.stderr
