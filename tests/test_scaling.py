@@ -405,6 +405,16 @@ def test_malformed_results_are_one_line_errors(tmp_path, capsys, text, message):
     assert f"{path}{message}" in err
 
 
+def test_a_results_file_given_twice_is_refused(tmp_path, capsys, monkeypatch):
+    """Its rows, without knobs, examples and seed, counted twice: "2-2 seeds per point" of one run each."""
+    path = tmp_path / "results.csv"
+    path.write_text(HEADER + GOOD)
+    monkeypatch.chdir(tmp_path)
+    assert main(["scaling", "fit", str(path), "results.csv"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: results.csv: the same results file as {path}, given twice; give it once\n"
+
+
 def test_diverged_runs_are_left_out_of_the_fit(tmp_path, capsys):
     """A run with a nan or inf LogLoss diverged: the fit leaves it out and says so, instead of a nan mean
     (or a crash) for its point and family; a family left with no runs is dropped, with a note."""
@@ -418,7 +428,8 @@ def test_diverged_runs_are_left_out_of_the_fit(tmp_path, capsys):
     assert "w: left out 1 run with a non-finite valid_logloss (diverged): w-s0-n100\n" in out
     assert "d: dropped, every run has a non-finite valid_logloss (diverged): d-s0-n100\n" in out
     assert "w: 8 frontier points" in out and "w: 1.00e+12: +0.00%" in out and "nan" not in out
-    (fam,) = load_results([results, results])  # the same diverged run in two files is one run
+    again = write_results(tmp_path / "again.csv", rows)
+    (fam,) = load_results([results, again])  # the same diverged run in two files is one run
     assert fam.seeds.tolist() == [1] * 8 and fam.loss[0] == pytest.approx(loss[0])
     diverged = write_results(tmp_path / "diverged.csv", rows[-2:])
     assert main(["scaling", "fit", str(diverged)]) == 2

@@ -291,7 +291,12 @@ def load_results(
     rows: list[dict[str, str]] = []
     seen: dict[tuple[str, ...], tuple[Path, str]] = {}
     found: dict[str, None] = {}  # every family in the files, in order, before --drop and --merge
+    read: dict[Path, Path] = {}  # resolved -> as given
     for path in map(Path, paths if isinstance(paths, list) else [paths]):
+        # Rows without knobs, examples and seed (hand-made, or from before seeds) are not recognised as
+        # repeats: a file given twice counted its runs twice, as two seeds of every point.
+        if (first := read.setdefault(path.resolve(), path)) is not path:
+            raise RecscaleError(f"{path}: the same results file as {first}, given twice; give it once")
         for r in _read_rows(path):
             found[r["family"]] = None
             if any(fnmatch.fnmatchcase(r["family"], pattern) for pattern in drop):
