@@ -419,6 +419,19 @@ def test_an_output_path_in_the_way_is_named_as_given(tmp_path, capsys, where):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "f"] and not any((tmp_path / "d").iterdir())
 
 
+@pytest.mark.parametrize(
+    ("argv", "prog"),
+    [
+        (["train", "C", "--bogus"], "recscale train"),
+        (["data", "inspect", "F", "x=1"], "recscale data inspect"),
+    ],
+)
+def test_an_unknown_option_is_named_by_its_command(capsys, argv, prog):
+    """It was `recscale: unrecognized arguments: --bogus (see recscale --help)`, whose help lists no options."""
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and err == f"error: {prog}: unrecognized arguments: {argv[-1]} (see {prog} --help)\n"
+
+
 def test_shard_plan_refuses_a_batch_the_ranks_cannot_split(tmp_path, capsys):
     """`train --nproc 3` refuses batch 2048; `shard plan --nproc 3` planned that run anyway."""
     out = tmp_path / "plan.json"

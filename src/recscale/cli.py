@@ -630,7 +630,12 @@ def main(argv: list[str] | None = None) -> int:
         args, extra = parser.parse_known_args(argv)
         if extra:
             if not hasattr(args, "overrides") or any(x.startswith("-") for x in extra):
-                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+                # Named by the command that got them (`recscale train: ...`, `see recscale train --help`),
+                # where its options are listed, not by `recscale`.
+                words = [parser.prog, args.command, getattr(args, f"{args.command}_command", None)]
+                _Parser(prog=" ".join(w for w in words if w)).error(
+                    f"unrecognized arguments: {' '.join(extra)}"
+                )
             args.overrides += extra
     except SystemExit as e:  # --help, or a usage error already printed as one line
         return int(e.code or 0)
