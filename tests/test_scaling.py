@@ -405,6 +405,17 @@ def test_malformed_results_are_one_line_errors(tmp_path, capsys, text, message):
     assert f"{path}{message}" in err
 
 
+def test_a_drop_pattern_that_matches_nothing_is_a_warning(tmp_path):
+    """A misspelled --drop fitted the family meant to be left out, without a word."""
+    path = tmp_path / "results.csv"
+    path.write_text(HEADER + GOOD + "d,d-0,1e12,0.5,0.38\n")
+    with pytest.warns(
+        UserWarning, match=r"^--drop wukng\*: matches none of the results' families \(w, d\); nothing"
+    ):
+        families = load_results(path, drop=["wukng*", "d"])
+    assert [f.name for f in families] == ["w"]
+
+
 def test_a_results_file_given_twice_is_refused(tmp_path, capsys, monkeypatch):
     """Its rows, without knobs, examples and seed, counted twice: "2-2 seeds per point" of one run each."""
     path = tmp_path / "results.csv"

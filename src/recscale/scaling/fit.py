@@ -26,6 +26,7 @@ import csv
 import fnmatch
 import io
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -266,8 +267,8 @@ class Families(list[FamilyRuns]):
 
 def _check_merge(families: list[str], merge: dict[str, str]) -> None:
     """A --merge family that is in none of the results is an error: a misspelled one would fit the family
-    meant apart, without a word. (A --drop pattern may match nothing: commands drop by pattern across sets
-    of files.)"""
+    meant apart, without a word. (A --drop pattern may match nothing, with a warning: commands drop by
+    pattern across sets of files.)"""
     absent = [old for old in merge if old not in families]
     if absent:
         raise RecscaleError(
@@ -316,6 +317,12 @@ def load_results(
                 seen[key] = (path, r["valid_logloss"])
             rows.append(dict(r, _key=_point_key(r, r["_where"])))
     _check_merge(list(found), merge)
+    for pattern in drop:  # not an error (one command may drop across sets of files), but not silent either
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in found):
+            warnings.warn(
+                f"--drop {pattern}: matches none of the results' families ({', '.join(found)}); nothing dropped",
+                stacklevel=2,
+            )
     if not rows:
         raise RecscaleError("no runs left to fit: --drop left out every family")
     left_out: dict[str, list[str]] = {}
