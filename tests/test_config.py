@@ -223,9 +223,9 @@ def test_overrides_set_list_items_by_index():
         ("data.schema.sparse.user.name=x", "'user' is no index of its list of 10 items"),
         ("data.schema.label.x=3", "data.schema.label is 'label', which has no keys; set it whole"),
         # an empty name between dots was a key '' that the schema reported as "train.: unknown key"
-        ("train..max_steps=3", "the key's names joined by single dots"),
-        ("train.max_steps.=3", "the key's names joined by single dots"),
-        (".train=3", "the key's names joined by single dots"),
+        ("train..max_steps=3", "write the key as its names joined by single dots"),
+        ("train.max_steps.=3", "write the key as its names joined by single dots"),
+        (".train=3", "write the key as its names joined by single dots"),
     ],
 )
 def test_overrides_that_miss_a_list_item_or_a_key_say_how(override, words):

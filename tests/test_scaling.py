@@ -115,6 +115,22 @@ def test_sweep_config_errors_are_one_line(tmp_path, capsys):
         load_sweep(write_sweep(tmp_path, epochs))
 
 
+def test_size_keys_set_list_items_and_bad_ones_are_one_line(tmp_path, capsys):
+    """A size key into a list (top_mlp.0) was 'internal error TypeError: list indices must be integers',
+    one under a number (embedding.dim.x) 'internal error TypeError: 'int' object does not support item
+    assignment'. A list item is now set by its index, on a copy: the family's list stays for its other sizes."""
+    dlrm = {"model": {"name": "dlrm", "top_mlp": [64, 32]}, "sizes": [{"top_mlp.0": 128}, {"top_mlp.1": 16}]}
+    _, runs = load_sweep(write_sweep(tmp_path, {"d": dlrm}))
+    assert [r.config.model.params.top_mlp for r in runs] == [[128, 32], [64, 16]]
+    path = write_sweep(tmp_path, {"d": {"model": {"name": "dlrm"}, "sizes": [{"embedding.dim.x": 8}]}})
+    assert main(["sweep", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {path}: family d, size 1 {{'embedding.dim.x': 8}}: model key 'embedding.dim.x': embedding.dim "
+        "is 8, which has no keys; set it whole\n"
+    )
+
+
 def test_a_family_listed_twice_is_refused(tmp_path, capsys):
     """YAML's last key won: the first `wukong` family was dropped and its name trained the second's model."""
     path = tmp_path / "sweep.yaml"

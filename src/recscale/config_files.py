@@ -121,39 +121,47 @@ def merge(base: dict, top: dict) -> dict:
     return out
 
 
-def _index(node: list, part: str, item: str) -> int:
-    """``part`` as an index into the list ``node``; ConfigError unless it is one."""
+def _index(node: list, part: str, what: str) -> int:
+    """``part`` as an index into the list ``node``; ConfigError (naming ``what``) unless it is one."""
     if not part.isdecimal() or int(part) >= len(node):
         raise ConfigError(
-            f"override '{item}': '{part}' is no index of its list of {len(node)} items; use 0 to "
-            f"{len(node) - 1}, or set the whole list"
+            f"{what}: '{part}' is no index of its list of {len(node)} items; use 0 to {len(node) - 1}, "
+            "or set the whole list"
         )
     return int(part)
 
 
+def set_key(raw: dict, key: str, value: Any, what: str) -> None:
+    """Set the dotted ``key`` of ``raw`` to ``value``: missing sections are created, list items are named by
+    their index (``data.schema.sparse.0.min_count``); ``what`` (the override, say) names it in errors."""
+    parts = key.split(".")
+    if "" in parts:  # `train..max_steps` set a key '' that the schema named "train."
+        raise ConfigError(f"{what}: write the key as its names joined by single dots, e.g. train.max_steps")
+    node: dict | list = raw
+    for i, p in enumerate(parts[:-1]):
+        child = node[_index(node, p, what)] if isinstance(node, list) else node.setdefault(p, {})
+        if not isinstance(child, dict | list):
+            raise ConfigError(
+                f"{what}: {'.'.join(parts[: i + 1])} is {child!r}, which has no keys; set it whole"
+            )
+        node = child
+    if isinstance(node, list):
+        node[_index(node, parts[-1], what)] = value
+    else:
+        node[parts[-1]] = value
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Set dotted keys, e.g. ``train.max_steps=10``, and list items by index, e.g.
-    ``data.schema.sparse.0.min_count=2``; values are parsed as YAML."""
+    ``data.schema.sparse.0.min_count=2`` (``set_key``); values are parsed as YAML."""
     if isinstance(overrides, str):  # a Python caller's one override, which iterating would split into letters
         raise ConfigError(
             f"overrides: give a list of key=value strings, e.g. [{overrides!r}], not one string"
         )
     for item in overrides:
         key, sep, value = item.partition("=")
-        parts = key.split(".")
-        if not sep or "" in parts:  # `train..max_steps` set a key '' that the schema named "train."
-            raise ConfigError(
-                f"override '{item}': write overrides as key=value, the key's names joined by single dots, "
-                "e.g. train.max_steps=100"
-            )
-        node: dict | list = raw
-        for i, p in enumerate(parts[:-1]):
-            child = node[_index(node, p, item)] if isinstance(node, list) else node.setdefault(p, {})
-            if not isinstance(child, dict | list):
-                raise ConfigError(
-                    f"override '{item}': {'.'.join(parts[: i + 1])} is {child!r}, which has no keys; set it whole"
-                )
-            node = child
+        if not sep:
+            raise ConfigError(f"override '{item}': write overrides as key=value, e.g. train.max_steps=100")
         try:
             parsed = load_yaml(value)
         except (yaml.YAMLError, ValueError, RecursionError) as e:  # ValueError: a date like 2020-13-01
@@ -161,8 +169,5 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                 f"override '{item}': the value is not valid YAML ({yaml_problem(e)}); fix its brackets, or "
                 "quote the whole override for the shell, e.g. 'data.synthetic.rows={train: 1000, valid: 100}'"
             ) from None
-        if isinstance(node, list):
-            node[_index(node, parts[-1], item)] = parsed
-        else:
-            node[parts[-1]] = parsed
+        set_key(raw, key, parsed, f"override '{item}'")
     return raw

@@ -46,7 +46,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from recscale.config import RunConfig, format_validation_error, validate_config
-from recscale.config_files import apply_overrides, load_raw, load_yaml, not_a_file, read_yaml_mapping
+from recscale.config_files import apply_overrides, load_raw, load_yaml, not_a_file, read_yaml_mapping, set_key
 from recscale.errors import ConfigError, RecscaleError
 from recscale.io import Hold, atomic_write_text
 from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER, mflop_text
@@ -125,13 +125,6 @@ class Run(BaseModel):
     config: RunConfig
 
 
-def _set(node: dict, dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    for key in parents:
-        node = node.setdefault(key, {})
-    node[last] = value
-
-
 def _slug(family: str, knobs: dict[str, Any]) -> str:
     """A readable, filesystem-safe run name from the knobs: ``wukong-num_layers2-fmb_mlp512x512``."""
 
@@ -168,7 +161,7 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
         raise ConfigError(f"{path}: {not_a_file(base_path, 'base config')}")
     base = apply_overrides(load_raw(base_path), sweep.overrides)
     _one_epoch(path, "the overrides", sweep.overrides)
-    _set(base, "train.epochs", 1)
+    set_key(base, "train.epochs", 1, "train.epochs")
     runs, names = [], set()
     seeds: list[int | None] = [*sweep.seeds] or [None]
     for family, spec in sweep.families.items():
@@ -176,9 +169,11 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
             try:
                 raw = apply_overrides(json.loads(json.dumps(base)), spec.overrides)  # on a deep copy
                 _one_epoch(path, f"family {family}'s overrides", spec.overrides)
-                raw["model"] = {**raw.get("model", {}), **spec.model}
+                # Copies: a knob that sets a list item (top_mlp.0) must not change the family's list for the
+                # sizes after it.
+                raw["model"] = {**raw.get("model", {}), **json.loads(json.dumps(spec.model))}
                 for key, value in knobs.items():
-                    _set(raw["model"], key, value)
+                    set_key(raw["model"], key, value, f"model key {key!r}")
                 cfg = validate_config(raw)
             except ConfigError as e:
                 raise ConfigError(f"{path}: family {family}, size {i + 1} {knobs}: {e}") from None
