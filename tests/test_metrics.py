@@ -78,3 +78,19 @@ def test_one_class_splits_and_unclipped_logloss():
     assert math.isnan(zeros["auc"]) and math.isnan(zeros["ne"]) and math.isnan(zeros["calibration"])
     miss = ctr_metrics(torch.tensor([100.0, -100.0]), torch.tensor([0.0, 1.0]))
     assert miss["logloss"] == pytest.approx(100.0) and miss["ne"] == pytest.approx(100.0 / math.log(2))
+
+
+def test_logloss_of_infinite_logits_is_zero_when_right_and_infinite_when_wrong():
+    """An overflowed logit (a diverging model, an fp8 layer in the precision probe) gave a NaN LogLoss:
+    binary_cross_entropy_with_logits multiplies inf by a zero label. Right, it costs nothing; wrong, all."""
+    right = ctr_metrics(torch.tensor([math.inf, -math.inf, 0.0]), torch.tensor([1.0, 0.0, 1.0]))
+    assert right["logloss"] == pytest.approx(math.log(2) / 3)
+    wrong = ctr_metrics(torch.tensor([-math.inf, 0.0]), torch.tensor([1.0, 0.0]))
+    assert wrong["logloss"] == math.inf and wrong["ne"] == math.inf
+    rng = np.random.default_rng(2)  # and finite logits are scored as before, to the last bits
+    labels, logits = (rng.random(500) < 0.4).astype(np.float64), rng.normal(scale=30, size=500)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(
+        torch.from_numpy(logits), torch.from_numpy(labels)
+    )
+    m = ctr_metrics(torch.from_numpy(logits), torch.from_numpy(labels))
+    assert m["logloss"] == pytest.approx(bce.item(), rel=1e-12)

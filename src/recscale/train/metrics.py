@@ -1,7 +1,7 @@
 """CTR metrics: AUC, LogLoss, normalized entropy (NE) and calibration.
 
 LogLoss is exact: from the logits in float64, unclipped (no epsilon), so a confident miss at logit z
-costs about |z| nats. NE, the metric of Meta's recommendation papers, is the LogLoss divided by the
+costs about |z| nats (an infinite logit: 0 nats when right, infinite when wrong). NE, the metric of Meta's recommendation papers, is the LogLoss divided by the
 entropy of the evaluated rows' own CTR (the LogLoss of always predicting their mean label): 1.0 means
 no better than that base rate. He et al. (2014) divide by the entropy of the training CTR instead; the
 two differ as far as the split's CTR differs from training's. Calibration is the mean predicted
@@ -51,7 +51,9 @@ def ctr_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     n = int(labels.numel())
     if n == 0:
         raise ValueError("no rows to evaluate")
-    logloss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).item()
+    # log(1 + exp(-z)) for a positive, log(1 + exp(z)) for a negative: exact, and an infinite logit costs
+    # 0 or inf nats (binary_cross_entropy_with_logits gives NaN for both, as it multiplies inf by 0).
+    logloss = torch.logaddexp(torch.zeros_like(logits), (1 - 2 * labels) * logits).mean().item()
     ctr = labels.mean().item()
     return {
         "auc": auc(logits, labels),
