@@ -142,3 +142,13 @@ def test_restoring_a_calibrated_best_trains_on_without_the_calibration(tmp_path)
     state = {"calibration.scale": torch.zeros(()), "calibration.bias": torch.zeros(())}
     load_checkpoint(run / "ckpt" / "step_00000012", {"model": state})
     assert (state["calibration.scale"].item(), state["calibration.bias"].item()) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("label", [0.0, 1.0])
+def test_labels_of_one_class_keep_the_identity(label):
+    """A valid split of one class has no finite Platt fit: L-BFGS stopped somewhere along b -> +inf and
+    the model then scored every row near 1 (all positive); all negative kept the identity by chance."""
+    z = torch.randn(500, generator=torch.Generator().manual_seed(0))
+    cal = Calibration()
+    assert cal.fit(z, torch.full((500,), label)) == (1.0, 0.0)
+    assert torch.equal(cal(z), z)

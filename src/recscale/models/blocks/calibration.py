@@ -31,20 +31,11 @@ class Calibration(nn.Module):
     def fit(self, logits: Tensor, labels: Tensor) -> tuple[float, float]:
         """Set (a, b) to minimise the LogLoss of sigmoid(a * logits + b) on (logits (N,), labels (N,)),
         where ``logits`` are this model's uncalibrated outputs; returns them. Deterministic (float64
-        L-BFGS from the identity), so every rank fitting the same gathered logits gets the same numbers."""
+        L-BFGS from the identity), so every rank fitting the same gathered logits gets the same numbers.
+        Labels of one class, or a fit that reverses or flattens the ranking, keep the identity."""
         z, y = logits.double().cpu(), labels.double().cpu()
-        ab = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
-        opt = torch.optim.LBFGS([ab], max_iter=100, tolerance_change=1e-12, line_search_fn="strong_wolfe")
-
-        def closure() -> Tensor:
-            opt.zero_grad()
-            with torch.enable_grad():
-                loss = F.binary_cross_entropy_with_logits(ab[0] * z + ab[1], y)
-                loss.backward()
-            return loss
-
-        opt.step(closure)
-        a, b = ab.detach().tolist()
+        # One class: the LogLoss falls without end as b grows, so there is nothing to fit.
+        a, b = (1.0, 0.0) if bool((y == y[0]).all()) else _platt(z, y)
         if not a > 0:  # a ranking reversed or flat is no calibration: keep the identity
             a, b = 1.0, 0.0
         self.set(a, b)
@@ -54,3 +45,20 @@ class Calibration(nn.Module):
     def set(self, scale: float, bias: float) -> None:
         self.scale.fill_(scale)
         self.bias.fill_(bias)
+
+
+def _platt(z: Tensor, y: Tensor) -> tuple[float, float]:
+    """The (a, b) minimising the LogLoss of sigmoid(a * z + b) against y, float64 L-BFGS from (1, 0)."""
+    ab = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([ab], max_iter=100, tolerance_change=1e-12, line_search_fn="strong_wolfe")
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        with torch.enable_grad():
+            loss = F.binary_cross_entropy_with_logits(ab[0] * z + ab[1], y)
+            loss.backward()
+        return loss
+
+    opt.step(closure)
+    a, b = ab.detach().tolist()
+    return a, b
