@@ -84,6 +84,23 @@ def test_eval_on_a_bad_row_names_its_own_option(tmp_path, capsys):
     assert json.loads(out)["skipped_rows"] == 1 and json.loads(out)["rows"] == 64
 
 
+def test_eval_of_one_class_says_why_its_metrics_are_null(tmp_path, capsys):
+    """A file of one class printed "auc": null, "ne": null and nothing else: a metric that is undefined
+    read like one left out. A note on stderr now says why; the JSON on stdout stays one line."""
+    train = frappe_like(tmp_path / "train.csv", GOOD)
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), "--out", str(tmp_path / "run"),
+                       f"data.train={train}", f"data.valid={train}", "train.max_steps=2", "train.batch_size=16",
+                       "train.progress=false", "model.name=lr")  # fmt: skip
+    assert code == 0, err
+    ones = frappe_like(tmp_path / "ones.csv", [r for r in GOOD if r.startswith("1,")])
+    code, out, err = run(capsys, "eval", str(tmp_path / "run"), "--data", str(ones))
+    m = json.loads(out)
+    assert code == 0 and m["auc"] is None and m["ne"] is None and m["calibration"] is not None
+    assert err == "note: auc, ne are null: all 32 rows are positive (AUC and NE need both classes)\n"
+    code, out, err = run(capsys, "eval", str(tmp_path / "run"), "--data", str(train))
+    assert code == 0 and err == "" and json.loads(out)["auc"] is not None
+
+
 def test_help_for_each_command():
     for argv in ([], ["train"], ["eval"], ["data", "inspect"], ["data", "prepare"], ["export"], ["serve"]):
         r = subprocess.run(
@@ -550,3 +567,13 @@ def test_benches_that_parse_their_own_arguments_answer_help(script):
     )
     assert done.returncode == 0 and done.stdout.startswith(f"usage: {script} "), done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_training_report_notes_a_split_of_one_class(capsys):
+    from recscale.cli import print_report
+
+    split = {"auc": float("nan"), "logloss": 0.5, "ne": float("nan"), "calibration": 0.9, "rows": 10}
+    report = {"model": "lr", "steps": 1, "examples_per_s": 1.0, "parameters": {"dense": 1, "sparse": 1},
+              "mflops_per_example": 0.0, "valid": split, "run_dir": "r"}  # fmt: skip
+    print_report(report)
+    assert "note: valid auc, ne are null: all 10 rows are positive" in capsys.readouterr().out

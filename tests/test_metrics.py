@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from recscale.train.metrics import binary_entropy, ctr_metrics, normalized_entropy
+from recscale.train.metrics import binary_entropy, ctr_metrics, normalized_entropy, undefined_note
 
 
 def pairwise_auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -94,3 +94,17 @@ def test_logloss_of_infinite_logits_is_zero_when_right_and_infinite_when_wrong()
     )
     m = ctr_metrics(torch.from_numpy(logits), torch.from_numpy(labels))
     assert m["logloss"] == pytest.approx(bce.item(), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("logits", "labels", "note"),
+    [
+        ([0.0, 1.0], [0.0, 1.0], None),
+        ([0.0, 1.0], [0.0, 0.0], "auc, ne, calibration are null: none of the 2 rows is positive"),
+        ([float("nan"), 1.0], [0.0, 1.0], "auc, logloss, ne, calibration are null: the model scored NaN"),
+        ([-math.inf, 1.0], [1.0, 0.0], "logloss, ne are null: the model scored an infinite logit"),
+    ],
+)
+def test_undefined_note_says_why_a_metric_is_null(logits, labels, note):
+    got = undefined_note(ctr_metrics(torch.tensor(logits), torch.tensor(labels)))
+    assert got == note if note is None else got.startswith(note)

@@ -29,11 +29,13 @@ def _fmt(v: object) -> str:
 
 def print_report(report: dict) -> None:
     from recscale.models.flops import mflop_text
+    from recscale.train.metrics import undefined_note
 
     lines = [f"model {report['model']}  ·  {report['steps']} steps  ·  {report['examples_per_s']} examples/s"]
     p = report["parameters"]
     lines.append(f"parameters: dense {p['dense']:,}  sparse {p['sparse']:,}  ·  "
                  f"{mflop_text(report['mflops_per_example'])}/example (forward)")  # fmt: skip
+    notes = []
     for split in ("valid", "report", "test"):  # report: valid's held-out half (data.report_fraction)
         if split in report:
             m = report[split]
@@ -41,6 +43,9 @@ def print_report(report: dict) -> None:
                 f"{split:6s} "
                 + "  ".join(f"{k} {_fmt(m[k])}" for k in ("auc", "logloss", "ne", "calibration", "rows"))
             )
+            if (note := undefined_note(m)) is not None:
+                notes.append(f"note: {split} {note}")
+    lines += notes
     if "bayes_logloss" in report:
         lines.append(
             f"Bayes floor (synthetic teacher): logloss {report['bayes_logloss']:.4f}  ne {report['bayes_ne']:.4f}"
@@ -157,11 +162,14 @@ def _launch(args: argparse.Namespace, out: Path) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     from recscale.distributed.env import shutdown
     from recscale.io import strict_json
+    from recscale.train.metrics import undefined_note
     from recscale.train.runs import eval_run
 
     metrics = eval_run(Path(args.run_dir), args.data, args.format, on_bad_row=args.on_bad_row)
     shutdown()  # as train and export: gloo's threads joined now, not by exit-time destructors
     print(strict_json(metrics))
+    if (note := undefined_note(metrics)) is not None:  # beside the JSON, which stays one line
+        print(f"note: {note}", file=sys.stderr)
 
 
 def cmd_export(args: argparse.Namespace) -> None:

@@ -62,3 +62,21 @@ def ctr_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
         "calibration": torch.sigmoid(logits).mean().item() / ctr if ctr > 0 else float("nan"),
         "rows": n,
     }
+
+
+def undefined_note(m: dict[str, float]) -> str | None:
+    """Why ``ctr_metrics``' result ``m`` holds a non-finite value (JSON writes it as null), or None: a
+    one-class split or a diverged model must not read as a metric that was merely left out."""
+    bad = [k for k in ("auc", "logloss", "ne", "calibration") if not math.isfinite(m[k])]
+    if not bad:
+        return None
+    rows = m["rows"]
+    if math.isnan(m["logloss"]):
+        why = "the model scored NaN (a diverged model)"
+    elif math.isinf(m["logloss"]):
+        why = "the model scored an infinite logit on a row of the other class (a diverged model)"
+    elif math.isnan(m["calibration"]):
+        why = f"none of the {rows:,} rows is positive (AUC and NE need both classes, calibration a positive)"
+    else:
+        why = f"all {rows:,} rows are positive (AUC and NE need both classes)"
+    return f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} null: {why}"
