@@ -101,6 +101,21 @@ def test_eval_of_one_class_says_why_its_metrics_are_null(tmp_path, capsys):
     assert code == 0 and err == "" and json.loads(out)["auc"] is not None
 
 
+def test_eval_of_a_file_whose_multi_id_column_is_empty_throughout(tmp_path, capsys):
+    """A file where no row held an id of a multi-id field (tags empty in every row of a small eval file)
+    crashed eval with "internal error ValueError: cannot mmap an empty file"; it scores as empty bags."""
+    schema = ("data.schema={label: label, sparse: [{name: user}, {name: item}, "
+              "{name: city, multi: true, weighted: true}]}")  # fmt: skip
+    train = frappe_like(tmp_path / "train.csv", GOOD)
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), "--out", str(tmp_path / "run"), schema,
+                       f"data.train={train}", f"data.valid={train}", "train.max_steps=2", "train.batch_size=16",
+                       "train.progress=false", "model.name=lr")  # fmt: skip
+    assert code == 0, err
+    empty = frappe_like(tmp_path / "no-city.csv", [r.rsplit(",", 1)[0] + "," for r in GOOD])
+    code, out, err = run(capsys, "eval", str(tmp_path / "run"), "--data", str(empty))
+    assert code == 0 and err == "" and json.loads(out)["rows"] == 64
+
+
 def test_help_for_each_command():
     for argv in ([], ["train"], ["eval"], ["data", "inspect"], ["data", "prepare"], ["export"], ["serve"]):
         r = subprocess.run(

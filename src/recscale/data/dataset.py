@@ -42,6 +42,12 @@ def read_meta(split_dir: Path) -> dict | None:
     return meta if meta.get("version") == FORMAT_VERSION else None
 
 
+def _map_ids(path: Path, dtype: type[np.generic]) -> np.ndarray:
+    """A field's ids (or weights) file, mapped read-only. Empty where no row of the split holds an id of
+    the field (a multi-id column empty throughout, e.g. a small eval file): mmap refuses an empty file."""
+    return np.memmap(path, dtype, "r") if path.stat().st_size else np.zeros(0, dtype)
+
+
 class ArrayDataset:
     """Random access to a materialised split. ``gather(idx)`` builds one ``Batch``."""
 
@@ -74,13 +80,13 @@ class ArrayDataset:
             }
             for f in self.meta["sparse"]:
                 name = f["name"]
-                arrays[f"{name}.values"] = np.memmap(d / f"{name}.values.bin", np.int64, "r")
+                arrays[f"{name}.values"] = _map_ids(d / f"{name}.values.bin", np.int64)
                 if f["multi"]:
                     arrays[f"{name}.offsets"] = np.memmap(
                         d / f"{name}.offsets.bin", np.int64, "r", shape=(n + 1,)
                     )
                 if f["weighted"]:
-                    arrays[f"{name}.weights"] = np.memmap(d / f"{name}.weights.bin", np.float32, "r")
+                    arrays[f"{name}.weights"] = _map_ids(d / f"{name}.weights.bin", np.float32)
             self._arrays = arrays
         return self._arrays
 
