@@ -310,6 +310,17 @@ def test_bad_requests_get_a_4xx_with_one_line(client, body, status, words):
     assert words in reason and "\n" not in reason, reason
 
 
+def test_dense_values_up_to_float32_max_are_scored_as_training_reads_them(client, scorer):
+    """The server refused |x| above 3.4e38 as "not a finite number", where float32 (and training's
+    readers) go to 3.4028235e38: 3.40282e38 was accepted in a training file and refused here."""
+    top = float(np.finfo(np.float32).max)
+    for x in (3.40282e38, top, -top):
+        r = client.post("/score", json={"rows": [GOOD | {"x": x}]})
+        assert r.status_code == 200 and np.isfinite(r.json()["scores"]).all(), r.text
+    r = client.post("/score", json={"rows": [GOOD | {"x": 3.5e38}]})
+    assert r.status_code == 422 and "float32" in r.json()["error"]
+
+
 def test_bad_request_counts_wrong_fields_not_union_branches() -> None:
     """A value that is neither a string nor an integer fails both members of the union: one wrong field was
     reported as "(and 1 more errors)", three as "(and 4 more errors)"."""

@@ -3,7 +3,7 @@
 A request is ``{"rows": [{"<feature>": value, ...}, ...]}``. Each row names every feature of the
 model's schema and nothing else: a single-id sparse feature is a string or an integer (its decimal
 text, as the readers turn integer ids into text), a multi-id one a list of them, a weighted one's
-``<feature>__w`` a list of numbers of the same length, a dense feature a finite number. ``null`` is a
+``<feature>__w`` a list of numbers of the same length, a dense feature a finite float32 number. ``null`` is a
 missing value, mapped as in training (the OOV id, an empty bag, the dense fill value); an id the
 vocabulary never saw is OOV. Anything else is a ``RequestError`` of one line naming the row and field.
 """
@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
+import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, StrictStr, ValidationError, create_model
 
 from recscale.data.schema import WEIGHT_SUFFIX, Schema
 from recscale.train.dcp_safety import one_line
 
-_FLOAT32_MAX = 3.4e38
+# The model computes in float32: a larger magnitude is infinite there, as the readers refuse it in training.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False, ge=-_FLOAT32_MAX, le=_FLOAT32_MAX)]
 Id = StrictStr | StrictInt
 
@@ -38,7 +40,7 @@ class RowParser:
         fields: dict[str, Any] = {}
         self._kinds: list[tuple[str, pa.DataType, str]] = []  # (column, arrow type, what a value must be)
         for d in schema.dense:
-            self._kinds.append((d.name, pa.float32(), "a finite number or null"))
+            self._kinds.append((d.name, pa.float32(), "a finite float32 number (|x| <= 3.4028e38) or null"))
         for f in schema.sparse:
             if f.multi:
                 self._kinds.append((f.name, pa.list_(pa.string()), "a list of strings or integers, or null"))
