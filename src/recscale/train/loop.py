@@ -63,7 +63,7 @@ from recscale.train.metrics import ctr_metrics
 from recscale.train.optim import lr_factor
 from recscale.train.precision import autocast, warn_if_emulated
 from recscale.train.regularizers import DenseEMA, EmbeddingL2, TableDecay
-from recscale.train.runs import check_dmt_topology, check_resume
+from recscale.train.runs import check_dmt_topology, check_resume, refuse_artifact
 from recscale.train.state import Progress, RunLog, rng_state, set_rng_state
 
 
@@ -107,7 +107,10 @@ def check_run_dir(run_dir: Path, cfg: RunConfig, resume: bool, topology: Topolog
         ckpts = list_checkpoints(run_dir / "ckpt")
         if cfg.dmt is not None and ckpts:
             check_dmt_topology(ckpts[-1], topology)
-    elif list_checkpoints(run_dir / "ckpt") or (run_dir / "report.json").exists():
+        return
+    # A run written into a model directory would overwrite its config.yaml and break both.
+    refuse_artifact(run_dir, f"choose another {RUN_DIR} for the run")
+    if list_checkpoints(run_dir / "ckpt") or (run_dir / "report.json").exists():
         raise RecscaleError(
             f"{run_dir} already holds a run; pass {RESUME} to continue it or choose another {RUN_DIR}"
         )

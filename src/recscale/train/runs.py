@@ -26,6 +26,7 @@ from recscale.errors import RESUME, RUN_DIR, CheckpointError, ConfigError, DataE
 from recscale.io import committed
 from recscale.models.base import RecModel
 from recscale.models.embedding import EmbeddingLayer
+from recscale.serve.artifact import MANIFEST, manifest_format
 from recscale.train.build import Built, build, feature_set
 from recscale.train.checkpoint import list_checkpoints, load_checkpoint, saved_keys
 from recscale.train.data import prepare_split
@@ -63,10 +64,23 @@ def resume_changes(saved: RunConfig, new: RunConfig) -> tuple[list[str], list[st
     return allowed, [k for k in changed if k not in RESUMABLE_KEYS]
 
 
+_ARTIFACTS = {"recscale-model": "an exported model", "recscale-retrieval": "a retrieval model"}
+
+
+def refuse_artifact(run_dir: Path, fix: str) -> None:
+    """One line ending in ``fix`` if ``run_dir`` is a model directory (``recscale export``, ``retrieval
+    build``) rather than a run."""
+    kind = _ARTIFACTS.get(str(manifest_format(Path(run_dir) / MANIFEST)))
+    if kind is not None:
+        raise CheckpointError(f"{run_dir}: is {kind}, not a run directory; {fix}")
+
+
 def run_config(run_dir: Path) -> RunConfig:
     """The resolved config a run directory was trained with."""
     run_dir = Path(run_dir)
     cfg_path = run_dir / "config.yaml"
+    # An export holds a config.yaml too, but no checkpoint: it read as "no complete checkpoint; train the run".
+    refuse_artifact(run_dir, "give the run it was exported from (serve the export with `recscale serve`)")
     if not cfg_path.is_file():
         raise CheckpointError(f"{run_dir}: not a recscale run directory (no config.yaml)")
     try:
