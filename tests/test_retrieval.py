@@ -240,6 +240,9 @@ def test_recscale_serve_answers_a_retrieval_model(tmp_path: Path, shared_data: P
             (b'{"users": ["1"], "k": 3}', 422, 'the body must be {"users"'),
             (b'{"users": ["1", "2", "3"]}', 413, "at most 2 per request"),
             (b'{"users": ["nobody"]}', 422, "not in the model's catalog"),
+            (b'{"users": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "not valid JSON"),  # was a 500
+            (b'{"users": ["1"]', 400, "not valid JSON"),
+            (b"\xff", 400, "not valid JSON"),
         ):
             r = c.post("/retrieve", content=body)
             assert r.status_code == status and words in r.json()["error"], (body, r.text)

@@ -40,6 +40,7 @@ import pyarrow as pa
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic_core import from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from recscale.errors import DataError
@@ -214,10 +215,11 @@ def create_retrieval_app(
     @app.post("/retrieve")
     async def retrieve(request: Request) -> JSONResponse:
         try:
-            body = json.loads(await _read_body(request, opts.max_body_bytes))
+            # pydantic's parser, as /score's: json.loads raised RecursionError (a 500) on deeply nested arrays.
+            body = from_json(await _read_body(request, opts.max_body_bytes))
         except RequestError as e:
             return _error(e.status, str(e))
-        except (ValueError, UnicodeDecodeError) as e:
+        except ValueError as e:
             return _error(400, f"the body is not valid JSON: {one_line(e, 120)}")
         users = body.get("users") if type(body) is dict and body.keys() == {"users"} else None
         if type(users) is not list or not users or not all(type(u) in (str, int) for u in users):
