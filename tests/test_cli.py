@@ -116,6 +116,21 @@ def test_eval_of_a_file_whose_multi_id_column_is_empty_throughout(tmp_path, caps
     assert code == 0 and err == "" and json.loads(out)["rows"] == 64
 
 
+def test_eval_batches_rows_as_the_run_evaluated_them(tmp_path, capsys):
+    """eval scored in batches of 8192 whatever the run's train.batch_size, where the run's own evaluations
+    use max(batch_size, 8192): with fp8's per-tensor (per batch) activation scales `recscale eval` then
+    disagreed with the report's test metrics for the same model and rows."""
+    out = tmp_path / "run"
+    code, _, err = run(capsys, "train", str(CONFIGS / "demo.yaml"), "--out", str(out),
+                       "data.synthetic.rows={train: 9000, valid: 500, test: 9000}", "train.batch_size=9000",
+                       "train.max_steps=1", "train.progress=false", "data.num_workers=0", "model.num_layers=1",
+                       "model.embedding.dim=8", "model.quant={format: fp8_e4m3, where: ['*']}")  # fmt: skip
+    assert code == 0, err
+    code, printed, err = run(capsys, "eval", str(out))
+    assert code == 0, err
+    assert json.loads(printed) == json.loads((out / "report.json").read_text())["test"]
+
+
 def test_help_for_each_command():
     for argv in ([], ["train"], ["eval"], ["data", "inspect"], ["data", "prepare"], ["export"], ["serve"]):
         r = subprocess.run(

@@ -30,7 +30,7 @@ from recscale.serve.artifact import MANIFEST, manifest_format
 from recscale.train.build import Built, build, feature_set
 from recscale.train.checkpoint import list_checkpoints, load_checkpoint, saved_keys
 from recscale.train.data import prepare_split
-from recscale.train.evaluate import EVAL_BATCH_SIZE, evaluate
+from recscale.train.evaluate import eval_batch_size, evaluate
 
 
 def flat_keys(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -252,7 +252,8 @@ def eval_run(
             ds, stats = prepare_split(data, pre, split, data_path, Path(tmp) / "eval", progress=False)
         except DataError as e:  # the readers' hint names a config key, which eval takes no overrides for
             raise DataError(str(e).replace(SKIP_HINT, "(pass --on-bad-row skip to drop such rows)")) from None
-        m = evaluate(built.module, ds, EVAL_BATCH_SIZE, 0, cfg.train.precision)
+        # The batches the run's own evaluations used: an fp8 activation's scale is its batch's.
+        m = evaluate(built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision)
     if stats.skipped:
         m["skipped_rows"] = stats.skipped
     return m
