@@ -131,6 +131,24 @@ def test_eval_batches_rows_as_the_run_evaluated_them(tmp_path, capsys):
     assert json.loads(printed) == json.loads((out / "report.json").read_text())["test"]
 
 
+def test_eval_names_the_fields_none_of_whose_ids_training_saw(tmp_path, capsys):
+    """A file writing its ids as 3.0 where training's wrote 3 scored every row as OOV: AUC fell to chance
+    with nothing said. eval now lists such fields (unknown_id_fields) and says why on stderr."""
+    train = frappe_like(tmp_path / "train.csv", GOOD)
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), "--out", str(tmp_path / "run"),
+                       f"data.train={train}", f"data.valid={train}", "train.max_steps=2", "train.batch_size=16",
+                       "train.progress=false", "model.name=lr")  # fmt: skip
+    assert code == 0, err
+    floats = [",".join([r[0], *(f"{c}.0" for c in r.split(",")[1:3]), *r.split(",")[3:]]) for r in GOOD]
+    code, out, err = run(
+        capsys, "eval", str(tmp_path / "run"), "--data", str(frappe_like(tmp_path / "f.csv", floats))
+    )
+    assert code == 0 and json.loads(out)["unknown_id_fields"] == ["user", "item"]
+    assert err.startswith("note: no id of user, item is in the run's vocabularies") and err.count("\n") == 1
+    code, out, err = run(capsys, "eval", str(tmp_path / "run"), "--data", str(train))
+    assert code == 0 and err == "" and "unknown_id_fields" not in json.loads(out)
+
+
 def test_help_for_each_command():
     for argv in ([], ["train"], ["eval"], ["data", "inspect"], ["data", "prepare"], ["export"], ["serve"]):
         r = subprocess.run(

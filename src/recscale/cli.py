@@ -170,6 +170,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(strict_json(metrics))
     if (note := undefined_note(metrics)) is not None:  # beside the JSON, which stays one line
         print(f"note: {note}", file=sys.stderr)
+    if unknown := metrics.get("unknown_id_fields"):
+        print(
+            f"note: no id of {', '.join(unknown)} is in the run's vocabularies (every row OOV or missing); "
+            "check that the file writes ids as the training data did (e.g. not 3.0 for 3)",
+            file=sys.stderr,
+        )
 
 
 def cmd_export(args: argparse.Namespace) -> None:

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.data.batch import Batch
+from recscale.data.preprocess import OOV
 from recscale.errors import DataError
 
 FORMAT_VERSION = 1
@@ -98,6 +99,14 @@ class ArrayDataset:
         """A view of the rows where ``mask`` (len(self),) is true, in order."""
         rows = np.flatnonzero(mask)
         return ArrayDataset(self.dir, rows if self.index is None else self.index[rows])
+
+    def unknown_fields(self) -> list[str]:
+        """The sparse fields where every id of the materialised split (all its rows, whatever the view) is
+        OOV: unseen in training or missing. A field holding no id at all is not one. Such a field is
+        usually written another way than training's file wrote it (3.0 for 3, another id space)."""
+        a = self._open()
+        names = (f["name"] for f in self.meta["sparse"])
+        return [n for n in names if len(ids := a[f"{n}.values"]) and bool((ids == OOV).all())]
 
     def hold_out(self, fraction: float) -> tuple[ArrayDataset, ArrayDataset]:
         """(selection rows, held-out rows): ``held_out(len(self), fraction)`` splits the view in two."""

@@ -215,8 +215,9 @@ def eval_run(
     fmt: str | None = None,
     split: str = "test",
     on_bad_row: OnBadRow | None = None,
-) -> dict[str, float]:
-    """The metrics (auc, logloss, ne, calibration, rows; skipped_rows if any) of the run's best (else
+) -> dict[str, Any]:
+    """The metrics (auc, logloss, ne, calibration, rows; skipped_rows and unknown_id_fields, the sparse
+    fields no id of which the run's vocabularies know, if any) of the run's best (else
     latest) model on the file ``data_path``, read as ``fmt`` (default: the run's format); a run on
     synthetic data, without a file, on its own synthetic ``split``. Bad rows as ``on_bad_row`` says
     (default: as the run read its data)."""
@@ -253,7 +254,12 @@ def eval_run(
         except DataError as e:  # the readers' hint names a config key, which eval takes no overrides for
             raise DataError(str(e).replace(SKIP_HINT, "(pass --on-bad-row skip to drop such rows)")) from None
         # The batches the run's own evaluations used: an fp8 activation's scale is its batch's.
-        m = evaluate(built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision)
+        m: dict[str, Any] = evaluate(
+            built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision
+        )
+        unknown = ds.unknown_fields()
     if stats.skipped:
         m["skipped_rows"] = stats.skipped
+    if unknown:
+        m["unknown_id_fields"] = unknown
     return m
