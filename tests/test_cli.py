@@ -149,6 +149,23 @@ def test_eval_names_the_fields_none_of_whose_ids_training_saw(tmp_path, capsys):
     assert code == 0 and err == "" and "unknown_id_fields" not in json.loads(out)
 
 
+@pytest.mark.parametrize(("fraction", "words"), [(0.01, "for the report; give a valid split with more rows, or a "
+                                                   "larger fraction"), (0.99, "for selection")])  # fmt: skip
+def test_a_report_fraction_that_empties_a_half_is_one_line(tmp_path, capsys, fraction, words):
+    """A valid split too small for data.report_fraction left one half empty, and the run crashed with
+    "internal error ValueError: torch.cat(): expected a non-empty list of Tensors" when it scored it."""
+    train, valid = frappe_like(tmp_path / "train.csv", GOOD), frappe_like(tmp_path / "valid.csv", GOOD[:2])
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), "--out", str(tmp_path / "run"),
+                       f"data.train={train}", f"data.valid={valid}", f"data.report_fraction={fraction}",
+                       "train.max_steps=2", "train.batch_size=16", "train.progress=false", "model.name=lr")  # fmt: skip
+    assert code == 2 and err.count("\n") == 1, err
+    assert (
+        err.startswith(f"error: data.report_fraction={fraction} leaves no row of the valid split's 2 ")
+        and words in err
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_help_for_each_command():
     for argv in ([], ["train"], ["eval"], ["data", "inspect"], ["data", "prepare"], ["export"], ["serve"]):
         r = subprocess.run(

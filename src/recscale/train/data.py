@@ -18,7 +18,7 @@ from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import ReadStats
 from recscale.data.schema import Schema
 from recscale.data.sources import open_split, source_fingerprint
-from recscale.errors import RUN_DIR, CheckpointError, RecscaleError, StaleArtifactError
+from recscale.errors import RUN_DIR, CheckpointError, DataError, RecscaleError, StaleArtifactError
 from recscale.io import remove_partial_writes
 
 
@@ -159,7 +159,18 @@ def prepare_run_data(
 
 def _hold_out(data: DataConfig, splits: dict[str, ArrayDataset]) -> dict[str, ArrayDataset]:
     if data.report_fraction is not None and "valid" in splits:  # valid keeps the selection rows
+        rows = len(splits["valid"])
         splits["valid"], splits["report"] = splits["valid"].hold_out(data.report_fraction)
+        # An empty half has nothing to score: evaluation crashed on it after the training data was read.
+        for half, left, fix in (
+            ("the report", splits["report"], "larger"),
+            ("selection", splits["valid"], "smaller"),
+        ):
+            if len(left) == 0:
+                raise DataError(
+                    f"data.report_fraction={data.report_fraction} leaves no row of the valid split's {rows} "
+                    f"for {half}; give a valid split with more rows, or a {fix} fraction"
+                )
     return splits
 
 
