@@ -166,6 +166,28 @@ def test_a_report_fraction_that_empties_a_half_is_one_line(tmp_path, capsys, fra
     assert not (tmp_path / "run").exists()
 
 
+def test_eval_in_another_format_does_not_apply_the_runs_format_options(tmp_path, capsys):
+    """A run on ';'-delimited CSV evaluated on Parquet failed with "data.options.delimiter: unknown key
+    for format 'parquet'", a config key eval takes no override for: the CSV reader's options went along."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    train = frappe_like(tmp_path / "train.csv", GOOD)
+    train.write_text(train.read_text().replace(",", ";"))
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), "--out", str(tmp_path / "run"),
+                       f"data.train={train}", f"data.valid={train}", "data.options={delimiter: ';'}",
+                       "train.max_steps=2", "train.batch_size=16", "train.progress=false", "model.name=lr")  # fmt: skip
+    assert code == 0, err
+    columns = list(zip(*(r.split(",") for r in GOOD), strict=True))
+    table = pa.table({n: [int(v) for v in c] for n, c in zip(FRAPPE_HEADER.split(","), columns, strict=True)})
+    pq.write_table(table, tmp_path / "valid.parquet")
+    code, out, err = run(capsys, "eval", str(tmp_path / "run"), "--data", str(tmp_path / "valid.parquet"),
+                         "--format", "parquet")  # fmt: skip
+    assert code == 0, err
+    code, same, err = run(capsys, "eval", str(tmp_path / "run"), "--data", str(train))
+    assert code == 0 and json.loads(out) == json.loads(same)
+
+
 def test_help_for_each_command():
     for argv in ([], ["train"], ["eval"], ["data", "inspect"], ["data", "prepare"], ["export"], ["serve"]):
         r = subprocess.run(

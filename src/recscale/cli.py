@@ -437,7 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--data",
         help="file in the same format as the run's training data (a synthetic run: its own test split)",
     )
-    e.add_argument("--format", help="override the data format (default: the run's)")
+    e.add_argument(
+        "--format",
+        help="override the data format (default: the run's; another format reads with its default data.options)",
+    )
     e.add_argument(
         "--on-bad-row",
         choices=["error", "skip"],

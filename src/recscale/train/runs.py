@@ -245,8 +245,14 @@ def eval_run(
             f"{run_dir} was trained on synthetic data whose data.synthetic.rows has no {split} split "
             f"(it has {', '.join(rows)}); train a run with {split} rows to score one"
         )
+    # The run's data.options are its own format's reader's: another --format reads with its defaults.
+    other = fmt is not None and fmt != cfg.data.format
     data = cfg.data.model_copy(
-        update={"format": fmt or cfg.data.format, "on_bad_row": on_bad_row or cfg.data.on_bad_row}
+        update={
+            "format": fmt or cfg.data.format,
+            "on_bad_row": on_bad_row or cfg.data.on_bad_row,
+            "options": {} if other else cfg.data.options,
+        }
     )
     with tempfile.TemporaryDirectory(prefix="recscale-eval-") as tmp:
         try:
