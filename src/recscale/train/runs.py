@@ -217,7 +217,7 @@ def eval_run(
     on_bad_row: OnBadRow | None = None,
 ) -> dict[str, Any]:
     """The metrics (auc, logloss, ne, calibration, rows; skipped_rows and unknown_id_fields, the sparse
-    fields no id of which the run's vocabularies know, if any) of the run's best (else
+    fields with a vocabulary none of whose ids the file holds, if any) of the run's best (else
     latest) model on the file ``data_path``, read as ``fmt`` (default: the run's format); a run on
     synthetic data, without a file, on its own synthetic ``split``. Bad rows as ``on_bad_row`` says
     (default: as the run read its data)."""
@@ -263,7 +263,8 @@ def eval_run(
         m: dict[str, Any] = evaluate(
             built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision
         )
-        unknown = ds.unknown_fields()
+        # A field whose vocabulary is empty (min_count above every id's count) is OOV in training too.
+        unknown = [f for f in ds.unknown_fields() if pre.num_embeddings(f) > 1]
     if stats.skipped:
         m["skipped_rows"] = stats.skipped
     if unknown:
