@@ -251,18 +251,22 @@ def test_export_refuses_to_overwrite_a_directory_that_is_not_a_model(trained, tm
 
 def test_run_commands_given_an_exported_model_say_so_and_leave_it_whole(trained, tmp_path, capsys):
     """An export holds a config.yaml, so `eval MODEL_DIR` said "no complete checkpoint to evaluate; train
-    the run first", and `train --out MODEL_DIR` trained into it, overwriting the config.yaml and
-    preprocess.json its manifest hashes: the export no longer loaded."""
+    the run first", and `train --out MODEL_DIR` (or `data prepare --out`) wrote into it, overwriting the
+    config.yaml and preprocess.json its manifest hashes: the export no longer loaded."""
     model = _copy(_export(trained), tmp_path / "model")
     before = {p.name: p.read_bytes() for p in model.iterdir()}
     assert main(["eval", str(model), "--data", str(trained["valid"])]) == 2
     assert capsys.readouterr().err == (
-        f"error: {model}: is an exported model, not a run directory; give the run it was exported from "
+        f"error: {model}: is an exported model; not a run directory: give the run it was exported from "
         "(serve the export with `recscale serve`)\n"
     )
     assert main(["train", str(CONFIGS / "frappe.yaml"), "--out", str(model), "train.progress=false"]) == 2
     assert capsys.readouterr().err == (
-        f"error: {model}: is an exported model, not a run directory; choose another --out for the run\n"
+        f"error: {model}: is an exported model; choose another --out for the run\n"
+    )
+    assert main(["data", "prepare", str(CONFIGS / "frappe.yaml"), "--out", str(model)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {model}: is an exported model; choose another --out for the prepared data\n"
     )
     assert {p.name: p.read_bytes() for p in model.iterdir()} == before
     Scorer(model)  # still loads

@@ -279,6 +279,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     from recscale.config import load_config
     from recscale.io import Hold, removed_on_failure
     from recscale.train.data import prepare_run_data
+    from recscale.train.runs import refuse_artifact
 
     cfg = load_config(args.config, args.overrides)
     if cfg.data.prepared is not None:
@@ -291,6 +292,9 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         raise RecscaleError(
             f"--out {out} is a file; name a directory for the prepared data (it is created if missing)"
         )
+    refuse_artifact(
+        out, "choose another --out for the prepared data"
+    )  # its preprocess.json would be replaced
     t0 = time.perf_counter()
     with removed_on_failure(out):
         out.mkdir(parents=True, exist_ok=True)

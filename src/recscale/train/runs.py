@@ -72,7 +72,7 @@ def refuse_artifact(run_dir: Path, fix: str) -> None:
     build``) rather than a run."""
     kind = _ARTIFACTS.get(str(manifest_format(Path(run_dir) / MANIFEST)))
     if kind is not None:
-        raise CheckpointError(f"{run_dir}: is {kind}, not a run directory; {fix}")
+        raise CheckpointError(f"{run_dir}: is {kind}; {fix}")
 
 
 def run_config(run_dir: Path) -> RunConfig:
@@ -80,7 +80,10 @@ def run_config(run_dir: Path) -> RunConfig:
     run_dir = Path(run_dir)
     cfg_path = run_dir / "config.yaml"
     # An export holds a config.yaml too, but no checkpoint: it read as "no complete checkpoint; train the run".
-    refuse_artifact(run_dir, "give the run it was exported from (serve the export with `recscale serve`)")
+    refuse_artifact(
+        run_dir,
+        "not a run directory: give the run it was exported from (serve the export with `recscale serve`)",
+    )
     if not cfg_path.is_file():
         raise CheckpointError(f"{run_dir}: not a recscale run directory (no config.yaml)")
     try:
