@@ -257,8 +257,8 @@ def test_run_commands_given_an_exported_model_say_so_and_leave_it_whole(trained,
     before = {p.name: p.read_bytes() for p in model.iterdir()}
     assert main(["eval", str(model), "--data", str(trained["valid"])]) == 2
     assert capsys.readouterr().err == (
-        f"error: {model}: is an exported model; not a run directory: give the run it was exported from "
-        "(serve the export with `recscale serve`)\n"
+        f"error: {model}: is an exported model; not a run directory: give a run's (what `recscale train "
+        "--out` wrote)\n"
     )
     assert main(["train", str(CONFIGS / "frappe.yaml"), "--out", str(model), "train.progress=false"]) == 2
     assert capsys.readouterr().err == (

@@ -292,9 +292,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         raise RecscaleError(
             f"--out {out} is a file; name a directory for the prepared data (it is created if missing)"
         )
-    refuse_artifact(
-        out, "choose another --out for the prepared data"
-    )  # its preprocess.json would be replaced
+    # Its preprocess.json would be replaced, and the model no longer load.
+    refuse_artifact(out, "choose another --out for the prepared data")
     t0 = time.perf_counter()
     with removed_on_failure(out):
         out.mkdir(parents=True, exist_ok=True)

@@ -80,10 +80,7 @@ def run_config(run_dir: Path) -> RunConfig:
     run_dir = Path(run_dir)
     cfg_path = run_dir / "config.yaml"
     # An export holds a config.yaml too, but no checkpoint: it read as "no complete checkpoint; train the run".
-    refuse_artifact(
-        run_dir,
-        "not a run directory: give the run it was exported from (serve the export with `recscale serve`)",
-    )
+    refuse_artifact(run_dir, "not a run directory: give a run's (what `recscale train --out` wrote)")
     if not cfg_path.is_file():
         raise CheckpointError(f"{run_dir}: not a recscale run directory (no config.yaml)")
     try:
