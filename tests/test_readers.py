@@ -567,6 +567,28 @@ def test_a_quoted_line_break_is_an_error_not_a_shifted_line_count(tmp_path):
     assert read_all(quoted, "csv", make_schema(sparse=["a"])).column("a").to_pylist() == ["u,1", "y"]
 
 
+def test_a_carriage_return_inside_a_line_is_an_error_naming_it(tmp_path):
+    """pyarrow ends a row at a lone \\r: a later bad row crashed (IndexError) locating its line, a Criteo
+    line's parts were blamed on lines 1 and 2, and a file of \\r line ends read as header only."""
+    csv = tmp_path / "t.csv"
+    csv.write_bytes(b"label,a\n1,u\r0,v\n0,w\n2,x\n")
+    with pytest.raises(DataError, match=r"t\.csv line 2: a carriage return \(\\r\) inside the line"):
+        read_all(csv, "csv", make_schema(sparse=["a"]), on_bad_row="skip")
+    row = ["1", "5", *[""] * 12, "68f\rd1e64", *[""] * 25]
+    tsv = tmp_path / "t.tsv"
+    tsv.write_bytes(("\t".join(row) + "\n" + "\t".join(["0", *row[1:14], "ab", *row[15:]]) + "\n").encode())
+    with pytest.raises(DataError, match=r"t\.tsv line 1: a carriage return"):
+        read_all(tsv, "criteo", make_schema(dense=["I1"], sparse=["C1"]), on_bad_row="skip")
+    mac = tmp_path / "mac.csv"
+    mac.write_bytes(b"label,a\r1,u\r0,v\r")
+    with pytest.raises(DataError, match=r"mac\.csv line 1: a carriage return"):
+        read_all(mac, "csv", make_schema(sparse=["a"]))
+    # CRLF line ends, a \\r before one, and a quoted \\r still read.
+    ok = tmp_path / "ok.csv"
+    ok.write_bytes(b'label,a\r\n1,u\r\r\n0,"v\rw"\r\n')
+    assert read_all(ok, "csv", make_schema(sparse=["a"])).column("a").to_pylist() == ["u", "v\rw"]
+
+
 def test_options_are_validated():
     assert set(options_model("libsvm").model_fields) == {"mode"}
     with pytest.raises(ConfigError, match="delimtier"):

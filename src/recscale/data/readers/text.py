@@ -23,6 +23,8 @@ from recscale.errors import DataError
 BLOCK_BYTES = 8 << 20
 
 R = TypeVar("R")
+# pyarrow ends a row at a carriage return alone too, where recscale counts lines by their line feeds.
+BARE_CR = "a carriage return (\\r) inside the line, which ends a row for the parser; remove it (lines end in \\n or \\r\\n)"
 
 
 def iter_chunks(path: Path, skip_first_line: bool = False) -> Iterator[tuple[int, bytearray]]:
@@ -89,6 +91,8 @@ def read_header(path: Path, delimiter: str, quote: bool) -> list[str]:
         raise DataError(f"{path} is empty: no header line")
     if b"\0" in line:
         raise DataError(f"{path} line 1: binary data, not delimited text; check the path and data.format")
+    if b"\r" in line:  # e.g. a file whose lines end in \r alone: its "first line" is the whole file
+        raise DataError(f"{path} line 1: {BARE_CR}")
     try:
         table = pacsv.read_csv(
             io.BytesIO(line + b"\n"),
@@ -115,6 +119,15 @@ def _nonempty_lines(chunk: bytes | bytearray) -> np.ndarray:
     length = ends - starts
     cr_only = (length == 1) & (buf[np.minimum(starts, len(buf) - 1)] == 13)
     return np.flatnonzero((length > 0) & ~cr_only)
+
+
+def _first_bare_cr_line(chunk: bytes | bytearray) -> int:
+    """0-based line of a chunk's first carriage return that no line feed follows."""
+    buf = np.frombuffer(chunk, dtype=np.uint8)
+    cr = np.flatnonzero(buf == 13)
+    after = np.append(buf, 0)[cr + 1]
+    pos = int(cr[after != 10][0])
+    return int(np.count_nonzero(buf[:pos] == 10))
 
 
 @dataclass
@@ -237,7 +250,11 @@ def _parse_chunk(
         last = first + chunk.count(b"\n") - chunk.endswith(b"\n")
         raise DataError(f"{path} lines {first}-{last}: {e}") from None
     lines = cache(lambda: _nonempty_lines(chunk))
-    if dialect[1] and b'"' in chunk and table.num_rows + len(bad_rows) != len(lines()):
+    bare_cr = chunk.count(b"\r") != chunk.count(b"\r\n")
+    if ((dialect[1] and b'"' in chunk) or bare_cr) and table.num_rows + len(bad_rows) != len(lines()):
+        if bare_cr:
+            # The line's parts would be rows of their own, and every later line number off.
+            raise DataError(f"{path} line {first + _first_bare_cr_line(chunk)}: {BARE_CR}")
         # A quoted cell spanning lines: pyarrow joins them into one row, every later line number would be
         # off, and where a chunk ends inside it, the halves are two bad rows.
         last = first + chunk.count(b"\n") - chunk.endswith(b"\n")
