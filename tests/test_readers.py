@@ -1,5 +1,6 @@
 """Readers: every format's happy path, streaming, the real Frappe/MovieLens files, and bad input."""
 
+import datetime
 import gzip
 import math
 from pathlib import Path
@@ -302,6 +303,11 @@ def test_parquet_misaligned_weights_are_bad_rows(tmp_path):
             make_schema(dense=["h"]),
             r"column 'h' is list<.*one number per row \(a dense feature\)",
         ),
+        (
+            [datetime.date(2024, 1, 1)] * 2,
+            make_schema(dense=["h"]),
+            r"column 'h' is date32\[day\]; it must hold one number per row \(a dense feature\)",
+        ),
     ],
 )
 def test_parquet_column_of_the_wrong_type_is_one_line(tmp_path, column, schema, message):
@@ -310,6 +316,26 @@ def test_parquet_column_of_the_wrong_type_is_one_line(tmp_path, column, schema, 
     pq.write_table(pa.table({"label": [1, 0], "h": column}), path)
     with pytest.raises(DataError, match=r"t\.parquet: " + message):
         read_batches(path, "parquet", schema)
+
+
+def test_parquet_numbers_of_any_type_are_read_or_bad_rows(tmp_path):
+    # An integer beyond 2**53 (no float holds it exactly) and bytes that are no number were internal errors
+    # (ArrowNotImplementedError: utf8_trim_whitespace has no kernel for int64 / binary).
+    path = tmp_path / "t.parquet"
+    table = {
+        "label": pa.array([1, 2**60, 0, 1], pa.int64()),
+        "x": pa.array([2**53 + 1, 1, 2, 3], pa.int64()),
+        "b": pa.array([b"1.5", b"2", b"\xff", b"x"], pa.binary()),
+    }
+    pq.write_table(pa.table(table), path)
+    stats = ReadStats()
+    t = read_all(path, "parquet", make_schema(dense=["x", "b"]), on_bad_row="skip", stats=stats).to_pydict()
+    assert t == {"label": [1.0], "x": [float(np.float32(2**53))], "b": [1.5]}
+    assert [e.removeprefix(f"{path} ") for e in stats.examples] == [
+        "row 2: label 1152921504606846976 is not 0 or 1",
+        "row 3: dense feature 'b' value b'\\xff' is not a number",
+        "row 4: dense feature 'b' value b'x' is not a number",
+    ]
 
 
 def test_parquet_fixed_size_and_dictionary_columns(tmp_path):

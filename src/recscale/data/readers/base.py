@@ -151,7 +151,17 @@ def raw_arrow_schema(schema: Schema) -> pa.Schema:
 
 
 def parse_floats(cells: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
-    """Cells (strings or numbers) -> float64, nulls kept; plus a mask of non-numeric cells (None: none)."""
+    """Cells (strings, bytes or numbers) -> float64, nulls kept; plus a mask of cells that are no number
+    (None: none): text that is not a number, bytes that are not UTF-8 text."""
+    if _is_bytes(cells.type):
+        text, undecodable = _as_text(cells)
+        values, not_number = parse_floats(text)
+        if undecodable is None:
+            return values, not_number
+        return values, undecodable if not_number is None else undecodable | not_number
+    if not (pa.types.is_string(cells.type) or pa.types.is_large_string(cells.type)):
+        # Numbers: an integer beyond 2**53 is rounded to the nearest float (float32 rounds it further).
+        return pc.cast(cells, pa.float64(), safe=False), None
     try:
         return pc.cast(cells, pa.float64()), None
     except pa.ArrowInvalid:

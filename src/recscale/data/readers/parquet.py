@@ -69,8 +69,9 @@ def open_parquet(path: Path) -> pq.ParquetFile:
 
 def _check_types(path: Path, arrow: pa.Schema, schema: Schema) -> None:
     """DataError naming the first schema column whose Parquet type its feature cannot read: a list or
-    struct where one value is read (the label, dense and single-id features), and for a multi-id
-    feature anything but a list of plain values or a string column of ids joined by its ``sep``."""
+    struct where one value is read (the label, dense and single-id features), a label or dense column of
+    no numbers (a date, a time), and for a multi-id feature anything but a list of plain values or a
+    string column of ids joined by its ``sep``."""
     multi = {f.name: f.sep for f in schema.sparse if f.multi}
     role = {schema.label: "the label"} | dict.fromkeys(schema.dense_names, "a dense feature")
     for name in source_columns(schema):
@@ -81,13 +82,25 @@ def _check_types(path: Path, arrow: pa.Schema, schema: Schema) -> None:
             if pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
                 continue
             need = f"a list of ids (integers or strings) or a string of ids joined by {multi[name]!r}"
+        elif name in role:
+            if _numeric(dtype):
+                continue
+            need = f"one number per row ({role[name]})"
         elif not pa.types.is_nested(dtype):
             continue
-        elif name in role:
-            need = f"one number per row ({role[name]})"
         else:
             need = "one id per row (to read a list column, set multi: true on its sparse feature)"
         raise DataError(f"{path}: column {name!r} is {arrow.field(name).type}; it must hold {need}")
+
+
+def _numeric(dtype: pa.DataType) -> bool:
+    """A type the label and dense features read as numbers (``base.parse_floats``); a date or time is none."""
+    t = pa.types
+    return (
+        t.is_integer(dtype) or t.is_floating(dtype) or t.is_decimal(dtype) or t.is_boolean(dtype)
+        or t.is_null(dtype) or t.is_string(dtype) or t.is_large_string(dtype) or t.is_binary(dtype)
+        or t.is_large_binary(dtype)
+    )  # fmt: skip
 
 
 def _plain(dtype: pa.DataType) -> pa.DataType:
