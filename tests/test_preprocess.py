@@ -291,6 +291,26 @@ def test_a_failed_pass_leaves_no_split(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_split_replaces_only_a_split(tmp_path):
+    """`data prepare --out DIR` (or train --out) deleted whatever DIR/data/train held, e.g. the user's data."""
+    theirs = tmp_path / "data" / "train"
+    theirs.mkdir(parents=True)
+    (theirs / "part-0.parquet").write_text("precious")
+    with pytest.raises(
+        DataError, match=r"data/train exists and is not a preprocessed split \(no meta\.json\)"
+    ):
+        materialize(TRAIN, SCHEMA, theirs)
+    assert [p.name for p in theirs.iterdir()] == ["part-0.parquet"]
+    (tmp_path / "file").write_text("precious")
+    with pytest.raises(DataError, match="is not a preprocessed split"):
+        materialize(TRAIN, SCHEMA, tmp_path / "file")
+    split = tmp_path / "split"
+    split.mkdir()  # empty: taken
+    materialize(TRAIN, SCHEMA, split)
+    materialize(TRAIN[:1], SCHEMA, split)  # a split: replaced
+    assert len(ArrayDataset(split)) == TRAIN[0].num_rows
+
+
 def test_artifact_round_trip_maps_identically(tmp_path):
     pre = fit(TRAIN, tmp_path)
     pre.save(tmp_path / "pre.json")

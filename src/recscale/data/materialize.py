@@ -187,6 +187,18 @@ def _encode(batch: pa.RecordBatch, schema: Schema) -> _Encoded:
     return _Encoded(batch.num_rows, arrays, codes)
 
 
+def _check_replaceable(out_dir: Path) -> None:
+    """The split replaces ``out_dir`` whole: a DataError unless that is a split written before (its
+    meta.json), an empty directory or nothing, so that files of anyone else's there are never deleted."""
+    if out_dir.exists() and (
+        not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "meta.json").is_file())
+    ):
+        raise DataError(
+            f"{out_dir} exists and is not a preprocessed split (no meta.json), which writing the split there "
+            "would delete; move it away, or give another --out"
+        )
+
+
 def materialize(
     batches: Iterable[pa.RecordBatch],
     schema: Schema,
@@ -198,13 +210,14 @@ def materialize(
     stats: ReadStats | None = None,
 ) -> Preprocessor:
     """Preprocess ``batches`` into a split directory at ``out_dir`` (written atomically: a failure
-    leaves no directory that looks complete). With ``pre`` None the vocabularies are fitted on these
+    leaves no directory that looks complete; a directory there other than a split is refused). With ``pre`` None the vocabularies are fitted on these
     batches (the training split) and the fitted ``Preprocessor`` is returned; else ``pre`` maps them.
     ``fingerprint(pre)`` is stored in meta.json, and so is what the read of ``batches`` counted in ``stats``
     (bad rows dropped, sequences cut), so that a later use of the split can report and check them."""
     vocab_fields = [f for f in schema.sparse if f.hash_buckets is None]
     fitting = pre is None
     rows = 0
+    _check_replaceable(out_dir)
     with atomic_dir(out_dir) as tmp:
         scratch = tmp / ".scratch"
         scratch.mkdir()
