@@ -39,6 +39,13 @@ def test_guess_format(tmp_path):
         guess_format(tmp_path / "missing.csv")
 
 
+def test_a_delimiter_means_csv(tmp_path):
+    # A tab-separated file with a header was 'cannot tell its format' despite --delimiter, an option of csv alone.
+    path = write(tmp_path / "t.tsv", ["label\tuser", "1\tu", "0\tv"])
+    report = inspect_file(path, options={"delimiter": "\t"})
+    assert (report["format"], report["rows"], columns(report)["user"]["cardinality"]) == ("csv", 2, 2)
+
+
 def test_inspect_csv_infers_types(tmp_path):
     path = write(
         tmp_path / "t.csv",

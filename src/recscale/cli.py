@@ -526,7 +526,10 @@ def build_parser() -> argparse.ArgumentParser:
     i = dsub.add_parser("inspect", help="schema, row count and per-field cardinality of a data file")
     i.add_argument("path")
     i.add_argument("--format", help="csv, libsvm, criteo, movielens or parquet (default: guessed)")
-    i.add_argument("--delimiter", help="csv: the field separator, as data.options.delimiter (default ,)")
+    i.add_argument(
+        "--delimiter",
+        help="csv: the field separator, as data.options.delimiter (default ,; given, the format is csv)",
+    )
     i.add_argument("--max-rows", type=_int_in(1), help="read only this many rows")
     i.add_argument("--tables", action="store_true",
                    help="also each id column's pooling factor and 17-bin access histogram (learned sharding)")  # fmt: skip

@@ -389,8 +389,8 @@ def inspect_file(
     ``length`` also counts the rows a sequence feature of that ``max_len`` would cut (``truncated``).
     """
     path = Path(path)
-    fmt = fmt or guess_format(path)
     options = dict(options or {})
+    fmt = fmt or ("csv" if "delimiter" in options else guess_format(path))  # only csv takes a delimiter
     validate_options(fmt, options)
     stats = ReadStats()
     if fmt == "csv":
