@@ -437,6 +437,23 @@ def test_movielens_key_on_two_rows_is_an_error(tmp_path):
         read_all(root, "movielens", ML_SCHEMA, {"split": "all"})
 
 
+def test_movielens_float_feature_beyond_float32_is_a_bad_row_and_an_empty_split_says_so(tmp_path):
+    """An age of 1e300 (finite in float64) became inf in float32 and stopped preparation with 'dense features
+    hold NaN or infinite values ...; check the fill values', naming no file; a split of fraction 0 was
+    'has no data rows', as if the file were empty."""
+    root = write_movielens(tmp_path / "ml", ["1\t10\t5\t1", "2\t11\t3\t2"])
+    write(root / "ml.user", ["user_id:token\tage:float", "1\t1e300", "2\t53"])
+    schema = make_schema(dense=["age"], sparse=["user_id"])
+    with pytest.raises(
+        DataError, match=r"ml\.user line 2: dense feature 'age' value '1e300' is NaN or infinite"
+    ):
+        read_all(root, "movielens", schema, {"split": "all"})
+    t = read_all(root, "movielens", schema, {"split": "all"}, on_bad_row="skip").to_pydict()
+    assert t["age"] == [None, 53.0]  # user 1's row dropped: their rating has a missing age
+    with pytest.raises(DataError, match=r"ml\.inter: its test split holds none of its 2 ratings"):
+        read_all(root, "movielens", schema, {"split": "test", "fractions": [0.5, 0.5, 0.0]})
+
+
 def test_movielens_small_join_label_and_split(tmp_path):
     rows = [f"{1 + i % 3}\t{10 + i % 2}\t{1 + i % 5}\t{1000 - i}" for i in range(10)]
     root = write_movielens(tmp_path / "ml", rows)

@@ -42,6 +42,7 @@ import pyarrow.compute as pc
 from pydantic import model_validator
 
 from recscale.data.readers.base import (
+    FLOAT32,
     BadRows,
     Problem,
     check_file,
@@ -199,7 +200,9 @@ def _load(file: AtomicFile, include: list[str], required: tuple[str, ...], bad: 
         for name in include:
             kind = file.types[name]
             if kind == "float":
-                values, problem = to_dense(cells(name), name, pa.float64())
+                # Features are float32, which 1e300 overflows; ratings and timestamps are compared in float64.
+                dtype = pa.float64() if name in (RATING, TIMESTAMP) else FLOAT32
+                values, problem = to_dense(cells(name), name, dtype)
                 problems.append(problem)
             elif kind == "token_seq":
                 values = split_ids(cells(name), " ")[0]
@@ -277,6 +280,11 @@ def _batches(
     f_train, f_valid, _ = options.fractions
     cuts = [0, round(f_train * n), round((f_train + f_valid) * n), n]
     start, stop = {"train": (0, 1), "valid": (1, 2), "test": (2, 3), "all": (0, 3)}[options.split]
+    if n and cuts[stop] == cuts[start]:  # else "has no data rows", as if the file were empty
+        raise DataError(
+            f"{files['inter'].path}: its {options.split} split holds none of its {n} ratings "
+            f"(data.options.fractions: {list(options.fractions)}); give every split a fraction that holds one"
+        )
     ratings = ratings.slice(cuts[start], cuts[stop] - cuts[start])
     columns = {name: ratings.column(name) for name in ratings.column_names}
     for name, (lists, cut) in histories.items():
