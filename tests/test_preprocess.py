@@ -380,6 +380,31 @@ def test_materialized_batches(tmp_path):
     assert b.sparse["a"].values().tolist() == [1, OOV]
 
 
+@pytest.mark.parametrize(
+    "name, size",
+    [
+        ("label.bin", 8),
+        ("a.values.bin", 0),
+        ("g.offsets.bin", 16),
+        ("g.weights.bin", 4),
+        ("h.values.bin", None),
+    ],
+)
+def test_a_damaged_split_is_one_line_naming_its_file(tmp_path, name, size):
+    """A column file cut short (a copy of a prepared directory, a disk fault) or missing was an internal error
+    in a DataLoader worker (ValueError: mmap length, IndexError), or a batch of other rows' ids."""
+    fit(TRAIN, tmp_path)
+    path = tmp_path / "split" / name
+    if size is None:
+        path.unlink()
+    else:
+        os.truncate(path, size)
+    with pytest.raises(
+        DataError, match=rf"split/{name}: .* where the split's meta\.json needs \d+: the split is damaged"
+    ):
+        ArrayDataset(tmp_path / "split")
+
+
 def test_epoch_batches_shard_a_global_batch_across_ranks():
     one = epoch_batches(103, 10, seed=3, epoch=1, drop_last=True)
     parts = [epoch_batches(103, 10, seed=3, epoch=1, drop_last=True, rank=r, world_size=2) for r in (0, 1)]

@@ -60,6 +60,8 @@ class ArrayDataset:
                 f"{self.dir}: not a complete preprocessed split (meta.json missing or from another version)"
             )
         self.meta = meta
+        if index is None:  # a view (``subset``) of a split was checked as the split
+            self._check_files()
         self.index = index  # the rows of the split this view holds, in order (None: all of them)
         self.rows: int = meta["rows"] if index is None else len(index)
         self.keys = [f["name"] for f in meta["sparse"]]
@@ -68,6 +70,34 @@ class ArrayDataset:
 
     def __len__(self) -> int:
         return self.rows
+
+    def _check_files(self) -> None:
+        """A DataError naming the first column file that is missing or not the size meta.json gives it (a
+        copy cut short, a disk fault): read, it failed inside a loader worker or gave other rows' ids."""
+        n = self.meta["rows"]
+        for name, itemsize, items in self._files(n):
+            path = self.dir / name
+            size = path.stat().st_size if path.is_file() else None
+            if size != itemsize * items:
+                raise DataError(
+                    f"{path}: {'missing' if size is None else f'{size} bytes'} where the split's meta.json "
+                    f"needs {itemsize * items}: the split is damaged; delete {self.dir} and rerun the command "
+                    "that wrote it (train, or data prepare for a data.prepared directory)"
+                )
+
+    def _files(self, n: int) -> Iterator[tuple[str, int, int]]:
+        """(file name, bytes per item, items) of each column file; a multi-id field's ids are counted by
+        its last offset, read once its offsets file is known to be whole."""
+        yield "label.bin", 4, n
+        yield "dense.bin", 4, n * self.meta["num_dense"]
+        for f in self.meta["sparse"]:
+            name, ids = f["name"], n
+            if f["multi"]:
+                yield f"{name}.offsets.bin", 8, n + 1
+                ids = int(np.fromfile(self.dir / f"{name}.offsets.bin", np.int64, offset=8 * n)[0])
+            yield f"{name}.values.bin", 8, ids
+            if f["weighted"]:
+                yield f"{name}.weights.bin", 4, ids
 
     def _open(self) -> dict[str, np.ndarray]:
         # Opened lazily so the object pickles cheaply into DataLoader worker processes.
