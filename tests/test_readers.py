@@ -84,6 +84,22 @@ def test_csv_delimiter_option_and_gzip(tmp_path):
     assert t == {"label": [1.0, 0.0], "x": [0.25, 3.0], "a": ["p", "q"]}
 
 
+def test_a_damaged_compressed_file_is_one_line_naming_it(tmp_path):
+    """pyarrow's decompression errors name no file: 'error: Truncated compressed stream (check the path and
+    the disk)' left the user to guess which of the run's files it was."""
+    whole = gzip.compress(b"label,a\n" + b"".join(b"%d,u%d\n" % (i % 2, i) for i in range(50_000)))
+    cut = tmp_path / "cut.csv.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(
+        DataError, match=r"cut\.csv\.gz: Truncated compressed stream \(a compressed file cut short"
+    ):
+        read_all(cut, "csv", make_schema(sparse=["a"]))
+    plain = tmp_path / "plain.csv.gz"
+    plain.write_bytes(b"label,a\n1,u\n")
+    with pytest.raises(DataError, match=r"plain\.csv\.gz: .*inflate failed"):
+        read_all(plain, "csv", make_schema(sparse=["a"]))
+
+
 def test_csv_many_blocks_keep_exact_lines(tmp_path, monkeypatch):
     # Small text chunks so rows cross chunk boundaries; the bad row's line must still be exact.
     monkeypatch.setattr("recscale.data.readers.text.BLOCK_BYTES", 64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -27,6 +28,19 @@ R = TypeVar("R")
 BARE_CR = "a carriage return (\\r) inside the line, which ends a row for the parser; remove it (lines end in \\n or \\r\\n)"
 
 
+@contextmanager
+def _input_stream(path: Path) -> Iterator[pa.NativeFile]:
+    """``path`` opened for reading, decompressed as its name says. A read pyarrow fails (a compressed
+    file cut short or damaged) is a DataError naming the file: pyarrow's error names none."""
+    try:
+        with pa.input_stream(str(path), compression="detect") as stream:
+            yield stream
+    except OSError as e:
+        if e.errno is not None:  # the operating system's, which names the file
+            raise
+        raise DataError(f"{path}: {e} (a compressed file cut short or damaged?)") from None
+
+
 def iter_chunks(path: Path, skip_first_line: bool = False) -> Iterator[tuple[int, bytearray]]:
     """Stream a text file (``.gz``/``.bz2``/... decompressed) as chunks of whole lines.
 
@@ -35,7 +49,7 @@ def iter_chunks(path: Path, skip_first_line: bool = False) -> Iterator[tuple[int
     stream reads into: the bytes are copied once (a partial last line is carried over to the next chunk).
     """
     line, carry = 1, b""
-    with pa.input_stream(str(path), compression="detect") as stream:
+    with _input_stream(path) as stream:
         while True:
             chunk = bytearray(len(carry) + BLOCK_BYTES)
             chunk[: len(carry)] = carry
@@ -77,7 +91,7 @@ def _text_options(delimiter: str, quote: bool, handler: Callable | None) -> pacs
 
 def first_line(path: Path) -> bytes:
     """A text file's first line (line end excluded), read without loading the file."""
-    with pa.input_stream(str(path), compression="detect") as stream:
+    with _input_stream(path) as stream:
         head = b""
         while b"\n" not in head and (more := stream.read(1 << 16)):
             head += more
