@@ -84,16 +84,25 @@ def test_csv_delimiter_option_and_gzip(tmp_path):
     assert t == {"label": [1.0, 0.0], "x": [0.25, 3.0], "a": ["p", "q"]}
 
 
-def test_a_damaged_compressed_file_is_one_line_naming_it(tmp_path):
+def test_a_damaged_compressed_or_parquet_file_is_one_line_naming_it(tmp_path):
     """pyarrow's decompression errors name no file: 'error: Truncated compressed stream (check the path and
     the disk)' left the user to guess which of the run's files it was."""
     whole = gzip.compress(b"label,a\n" + b"".join(b"%d,u%d\n" % (i % 2, i) for i in range(50_000)))
     cut = tmp_path / "cut.csv.gz"
     cut.write_bytes(whole[: len(whole) // 2])
-    with pytest.raises(
-        DataError, match=r"cut\.csv\.gz: Truncated compressed stream \(a compressed file cut short"
-    ):
+    with pytest.raises(DataError, match=r"cut\.csv\.gz: Truncated compressed stream \(a file cut short"):
         read_all(cut, "csv", make_schema(sparse=["a"]))
+    # A damaged Parquet page: its error named no file either.
+    pq.write_table(pa.table({"label": [i % 2 for i in range(1000)], "a": [f"u{i}" for i in range(1000)]}),
+                   tmp_path / "t.parquet", row_group_size=500)  # fmt: skip
+    damaged = bytearray((tmp_path / "t.parquet").read_bytes())
+    page = pq.ParquetFile(tmp_path / "t.parquet").metadata.row_group(1).column(1).data_page_offset
+    damaged[page : page + 8] = b"\xff" * 8
+    (tmp_path / "t.parquet").write_bytes(damaged)
+    with pytest.raises(
+        DataError, match=r"t\.parquet: Couldn't deserialize thrift: .* \(a file cut short or damaged"
+    ):
+        read_all(tmp_path / "t.parquet", "parquet", make_schema(sparse=["a"]))
     plain = tmp_path / "plain.csv.gz"
     plain.write_bytes(b"label,a\n1,u\n")
     with pytest.raises(DataError, match=r"plain\.csv\.gz: .*inflate failed"):

@@ -45,6 +45,7 @@ from recscale.data.readers.base import (
     Problem,
     check_file,
     consecutive,
+    damage_named,
     is_list,
     list_ids,
     nonempty_ids,
@@ -329,11 +330,12 @@ def _csv_chunks(path: Path, names: list[str], delimiter: str) -> Iterator[_Chunk
         yield _Chunk(batch, chunk.locate, chunk.rejected)
 
 
-def _parquet_chunks(file: pq.ParquetFile) -> Iterator[_Chunk]:
+def _parquet_chunks(path: Path, file: pq.ParquetFile) -> Iterator[_Chunk]:
     row = 1
-    for batch in file.iter_batches():
-        yield _Chunk(batch, consecutive(row), [])
-        row += batch.num_rows
+    with damage_named(path):
+        for batch in file.iter_batches():
+            yield _Chunk(batch, consecutive(row), [])
+            row += batch.num_rows
 
 
 def _libsvm_options(path: Path, options: dict) -> tuple[dict, Schema]:
@@ -417,7 +419,9 @@ def inspect_file(
         ]
         for c, f in zip(columns, file.schema_arrow, strict=True):
             c.arrow_type = str(f.type)
-        rows = _scan(_take(_parquet_chunks(file), max_rows), columns, BadRows(path, "row", "skip", stats))
+        rows = _scan(
+            _take(_parquet_chunks(path, file), max_rows), columns, BadRows(path, "row", "skip", stats)
+        )
     else:
         if fmt == "criteo":
             schema = Schema(

@@ -7,7 +7,8 @@ a bad row (at most a few per batch), never on the happy path.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NoReturn
@@ -111,6 +112,18 @@ def check_file(path: Path) -> None:
         raise DataError(f"{path} is a directory; this format reads one file")
     if path.stat().st_size == 0:
         raise DataError(f"{path} is empty (0 bytes)")
+
+
+@contextmanager
+def damage_named(path: str | Path) -> Iterator[None]:
+    """An error pyarrow raises reading ``path`` in the block (a compressed stream or Parquet page cut short or
+    damaged: an OSError without errno, which names no file) as a DataError naming it."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno is not None:  # the operating system's, which names its file
+            raise
+        raise DataError(f"{path}: {' '.join(str(e).split())} (a file cut short or damaged?)") from None
 
 
 def check_unique_columns(where: str, names: Sequence[str]) -> None:

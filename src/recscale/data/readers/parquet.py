@@ -25,6 +25,7 @@ from recscale.data.readers.base import (
     check_unique_columns,
     consecutive,
     convert,
+    damage_named,
     is_list,
     make_batch,
     missing_columns_error,
@@ -119,8 +120,9 @@ def _batches(
     file: pq.ParquetFile, schema: Schema, bad: BadRows, chunk_rows: int, wanted: list[str]
 ) -> Iterator[pa.RecordBatch]:
     row = 1
-    for batch in file.iter_batches(batch_size=chunk_rows, columns=wanted):
-        arrays, problems = convert(partial(_column, batch), schema)
-        keep = bad.keep(batch.num_rows, problems, consecutive(row))
-        row += batch.num_rows
-        yield make_batch(arrays, schema, keep)
+    with damage_named(bad.where):
+        for batch in file.iter_batches(batch_size=chunk_rows, columns=wanted):
+            arrays, problems = convert(partial(_column, batch), schema)
+            keep = bad.keep(batch.num_rows, problems, consecutive(row))
+            row += batch.num_rows
+            yield make_batch(arrays, schema, keep)

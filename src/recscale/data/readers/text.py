@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from recscale.data.chunks import ordered_map
-from recscale.data.readers.base import Locate, Problem, check_unique_columns, convert
+from recscale.data.readers.base import Locate, Problem, check_unique_columns, convert, damage_named
 from recscale.data.schema import Schema
 from recscale.errors import DataError
 
@@ -30,15 +30,9 @@ BARE_CR = "a carriage return (\\r) inside the line, which ends a row for the par
 
 @contextmanager
 def _input_stream(path: Path) -> Iterator[pa.NativeFile]:
-    """``path`` opened for reading, decompressed as its name says. A read pyarrow fails (a compressed
-    file cut short or damaged) is a DataError naming the file: pyarrow's error names none."""
-    try:
-        with pa.input_stream(str(path), compression="detect") as stream:
-            yield stream
-    except OSError as e:
-        if e.errno is not None:  # the operating system's, which names the file
-            raise
-        raise DataError(f"{path}: {e} (a compressed file cut short or damaged?)") from None
+    """``path`` opened for reading, decompressed as its name says; a damaged file named (``damage_named``)."""
+    with damage_named(path), pa.input_stream(str(path), compression="detect") as stream:
+        yield stream
 
 
 def iter_chunks(path: Path, skip_first_line: bool = False) -> Iterator[tuple[int, bytearray]]:
