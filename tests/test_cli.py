@@ -280,6 +280,22 @@ def test_a_preparation_killed_mid_write_leaves_no_temporary_split_behind(tmp_pat
     assert sorted(p.name for p in (prep / "data").iterdir()) == ["train", "valid"]
 
 
+def test_prepare_never_writes_into_a_run(tmp_path, capsys):
+    """`data prepare --out RUN` refitted RUN/preprocess.json from its config: eval and export then mapped
+    ids with vocabularies the run's tables were never trained with."""
+    train = frappe_like(tmp_path / "train.csv", GOOD)
+    data = [f"data.train={train}", f"data.valid={train}"]
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), *data, "train.max_steps=1",
+                       "train.batch_size=16", "train.progress=false", "model.name=lr", "--out", str(tmp_path / "run"))  # fmt: skip
+    assert code == 0, err
+    before = (tmp_path / "run" / "preprocess.json").read_bytes()
+    other = frappe_like(tmp_path / "other.csv", GOOD[:40])
+    code, _, err = run(capsys, "data", "prepare", str(CONFIGS / "frappe.yaml"), f"data.train={other}",
+                       f"data.valid={train}", "--out", str(tmp_path / "run"))  # fmt: skip
+    assert code == 2 and "--out" in err and "is a run directory" in err, err
+    assert (tmp_path / "run" / "preprocess.json").read_bytes() == before
+
+
 def test_a_prepared_dir_that_does_not_match_is_refused(tmp_path, capsys):
     train = frappe_like(tmp_path / "train.csv", GOOD)
     other = frappe_like(tmp_path / "other.csv", GOOD[:40])

@@ -294,6 +294,11 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         )
     # Its preprocess.json would be replaced, and the model no longer load.
     refuse_artifact(out, "choose another --out for the prepared data")
+    if (out / "config.yaml").is_file():  # its checkpoints index its vocabularies: never refitted under it
+        raise RecscaleError(
+            f"--out {out} is a run directory (it has config.yaml), whose preprocess.json preparing would "
+            "replace; give the prepared data a directory of its own"
+        )
     t0 = time.perf_counter()
     with removed_on_failure(out):
         out.mkdir(parents=True, exist_ok=True)
