@@ -625,6 +625,16 @@ def test_duplicate_header_columns_are_an_error(tmp_path):
         read_batches(tmp_path / "t.parquet", "parquet", make_schema(sparse=["a"]))
 
 
+def test_a_header_that_is_not_utf8_is_one_line(tmp_path):
+    """A Latin-1 header was 'internal error UnicodeDecodeError' (pyarrow's column names decode in Python)."""
+    path = tmp_path / "t.csv"
+    path.write_bytes(b"label,caf\xe9\n1,a\n")
+    with pytest.raises(
+        DataError, match=r"t\.csv line 1: the header is not UTF-8 text \(byte 0xe9 at position 10\)"
+    ):
+        read_all(path, "csv", make_schema(sparse=["a"]))
+
+
 def test_a_quoted_line_break_is_an_error_not_a_shifted_line_count(tmp_path):
     """pyarrow joined the two lines into one row: the id held a line break and every later line number
     was off by one (a chunk boundary inside the cell made two bad rows instead)."""

@@ -102,6 +102,13 @@ def read_header(path: Path, delimiter: str, quote: bool) -> list[str]:
     if b"\r" in line:  # e.g. a file whose lines end in \r alone: its "first line" is the whole file
         raise DataError(f"{path} line 1: {BARE_CR}")
     try:
+        line.decode()  # pyarrow's column names would be decoded in Python, raising UnicodeDecodeError
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{path} line 1: the header is not UTF-8 text (byte {line[e.start]:#04x} at position {e.start + 1}); "
+            "save the file as UTF-8"
+        ) from None
+    try:
         table = pacsv.read_csv(
             io.BytesIO(line + b"\n"),
             read_options=pacsv.ReadOptions(use_threads=False),
