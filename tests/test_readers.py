@@ -625,12 +625,16 @@ def test_duplicate_header_columns_are_an_error(tmp_path):
         read_batches(tmp_path / "t.parquet", "parquet", make_schema(sparse=["a"]))
 
 
-def test_a_header_that_is_not_utf8_is_one_line(tmp_path):
-    """A Latin-1 header was 'internal error UnicodeDecodeError' (pyarrow's column names decode in Python)."""
+def test_text_that_is_not_utf8_is_one_line_naming_its_line(tmp_path):
+    """A Latin-1 header was 'internal error UnicodeDecodeError' (pyarrow's column names decode in Python), a
+    Latin-1 cell 'lines 2-4: In CSV column #1: Row #2: CSV conversion error ...', counting rows in its chunk."""
     path = tmp_path / "t.csv"
     path.write_bytes(b"label,caf\xe9\n1,a\n")
+    with pytest.raises(DataError, match=r"t\.csv line 1: not UTF-8 text \(byte 0xe9 at position 10\)"):
+        read_all(path, "csv", make_schema(sparse=["a"]))
+    path.write_bytes(b"label,a\n1,x\n0,caf\xe9\n1,y\n")
     with pytest.raises(
-        DataError, match=r"t\.csv line 1: the header is not UTF-8 text \(byte 0xe9 at position 10\)"
+        DataError, match=r"t\.csv line 3: not UTF-8 text \(byte 0xe9 at position 6\); save the file as UTF-8$"
     ):
         read_all(path, "csv", make_schema(sparse=["a"]))
 

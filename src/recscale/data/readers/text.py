@@ -75,7 +75,21 @@ def lines_of(chunk: bytes | bytearray, where: Path, first_line: int) -> pa.Array
     try:
         return raw.cast(pa.string())
     except pa.ArrowInvalid:
-        raise DataError(f"{where} lines {first_line}-{first_line + len(ends) - 1}: not UTF-8 text") from None
+        raise utf8_error(where, chunk, first_line) or DataError(f"{where}: not UTF-8 text") from None
+
+
+def utf8_error(path: Path, data: bytes | bytearray, first: int) -> DataError | None:
+    """The error naming the line (``data`` starts at line ``first``) and position of ``data``'s first byte
+    that is not UTF-8 text; None when all of it is."""
+    try:
+        data.decode()
+    except UnicodeDecodeError as e:
+        line = first + data.count(b"\n", 0, e.start)
+        at = e.start - data.rfind(b"\n", 0, e.start)
+        return DataError(
+            f"{path} line {line}: not UTF-8 text (byte {data[e.start]:#04x} at position {at}); save the file as UTF-8"
+        )
+    return None
 
 
 def _text_options(delimiter: str, quote: bool, handler: Callable | None) -> pacsv.ParseOptions:
@@ -101,13 +115,8 @@ def read_header(path: Path, delimiter: str, quote: bool) -> list[str]:
         raise DataError(f"{path} line 1: binary data, not delimited text; check the path and data.format")
     if b"\r" in line:  # e.g. a file whose lines end in \r alone: its "first line" is the whole file
         raise DataError(f"{path} line 1: {BARE_CR}")
-    try:
-        line.decode()  # pyarrow's column names would be decoded in Python, raising UnicodeDecodeError
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"{path} line 1: the header is not UTF-8 text (byte {line[e.start]:#04x} at position {e.start + 1}); "
-            "save the file as UTF-8"
-        ) from None
+    if (not_utf8 := utf8_error(path, line, 1)) is not None:  # pyarrow's names would raise UnicodeDecodeError
+        raise not_utf8
     try:
         table = pacsv.read_csv(
             io.BytesIO(line + b"\n"),
@@ -262,6 +271,8 @@ def _parse_chunk(
             convert_options=convert_options,
         )
     except pa.ArrowInvalid as e:  # e.g. bytes that are not UTF-8
+        if (not_utf8 := utf8_error(path, chunk, first)) is not None:
+            raise not_utf8 from None
         last = first + chunk.count(b"\n") - chunk.endswith(b"\n")
         raise DataError(f"{path} lines {first}-{last}: {e}") from None
     lines = cache(lambda: _nonempty_lines(chunk))
