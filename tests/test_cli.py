@@ -241,6 +241,12 @@ def test_prepare_once_then_train_runs_on_it(tmp_path, capsys):
     assert (tmp_path / "prep" / "preprocess.json").is_file() and (
         tmp_path / "prep" / "data" / "valid"
     ).is_dir()
+    # Preparing again clears what a killed preparation left (it stayed for good, however large).
+    (tmp_path / "prep" / "data" / ".valid.k1ll.tmp").mkdir()
+    code, _, err = run(
+        capsys, "data", "prepare", str(CONFIGS / "frappe.yaml"), *data, "--out", str(tmp_path / "prep")
+    )
+    assert code == 0 and not (tmp_path / "prep" / "data" / ".valid.k1ll.tmp").exists(), err
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "prep").rglob("*")}
     prepared = f"data.prepared={tmp_path / 'prep'}"
     for name in ("a", "b"):  # two runs share the preparation
