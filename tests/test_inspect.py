@@ -40,7 +40,7 @@ def test_guess_format(tmp_path):
 
 
 def test_a_delimiter_means_csv(tmp_path):
-    # A tab-separated file with a header was 'cannot tell its format' despite --delimiter, an option of csv alone.
+    # A tab-separated file with a header was 'cannot tell its format' despite --delimiter (csv's option).
     path = write(tmp_path / "t.tsv", ["label\tuser", "1\tu", "0\tv"])
     report = inspect_file(path, options={"delimiter": "\t"})
     assert (report["format"], report["rows"], columns(report)["user"]["cardinality"]) == ("csv", 2, 2)

@@ -80,9 +80,9 @@ class ArrayDataset:
             size = path.stat().st_size if path.is_file() else None
             if size != itemsize * items:
                 raise DataError(
-                    f"{path}: {'missing' if size is None else f'{size} bytes'} where the split's meta.json "
-                    f"needs {itemsize * items}: the split is damaged; delete {self.dir} and rerun the command "
-                    "that wrote it (train, or data prepare for a data.prepared directory)"
+                    f"{path}: {'missing' if size is None else f'{size} bytes'} where the split's "
+                    f"meta.json needs {itemsize * items}: the split is damaged; delete {self.dir} and rerun "
+                    "the command that wrote it (train, or data prepare for a data.prepared directory)"
                 )
 
     def _files(self, n: int) -> Iterator[tuple[str, int, int]]:

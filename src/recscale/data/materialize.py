@@ -210,8 +210,9 @@ def materialize(
     stats: ReadStats | None = None,
 ) -> Preprocessor:
     """Preprocess ``batches`` into a split directory at ``out_dir`` (written atomically: a failure
-    leaves no directory that looks complete; a directory there other than a split is refused). With ``pre`` None the vocabularies are fitted on these
-    batches (the training split) and the fitted ``Preprocessor`` is returned; else ``pre`` maps them.
+    leaves no directory that looks complete; a directory there other than a split is refused). With
+    ``pre`` None the vocabularies are fitted on these batches (the training split) and the fitted
+    ``Preprocessor`` is returned; else ``pre`` maps them.
     ``fingerprint(pre)`` is stored in meta.json, and so is what the read of ``batches`` counted in ``stats``
     (bad rows dropped, sequences cut), so that a later use of the split can report and check them."""
     vocab_fields = [f for f in schema.sparse if f.hash_buckets is None]

@@ -25,7 +25,10 @@ BLOCK_BYTES = 8 << 20
 
 R = TypeVar("R")
 # pyarrow ends a row at a carriage return alone too, where recscale counts lines by their line feeds.
-BARE_CR = "a carriage return (\\r) inside the line, which ends a row for the parser; remove it (lines end in \\n or \\r\\n)"
+BARE_CR = (
+    "a carriage return (\\r) inside the line, which ends a row for the parser; remove it "
+    "(lines end in \\n or \\r\\n)"
+)
 
 
 @contextmanager
@@ -87,7 +90,8 @@ def utf8_error(path: Path, data: bytes | bytearray, first: int) -> DataError | N
         line = first + data.count(b"\n", 0, e.start)
         at = e.start - data.rfind(b"\n", 0, e.start)
         return DataError(
-            f"{path} line {line}: not UTF-8 text (byte {data[e.start]:#04x} at position {at}); save the file as UTF-8"
+            f"{path} line {line}: not UTF-8 text (byte {data[e.start]:#04x} at position {at}); "
+            "save the file as UTF-8"
         )
     return None
 
