@@ -1,5 +1,6 @@
 """`data inspect`: format guessing, inferred column types, counts, and the real datasets."""
 
+import datetime
 import json
 from pathlib import Path
 
@@ -138,6 +139,15 @@ def test_inspect_parquet(tmp_path):
             "length": {"mean": 0.75, "p50": 0, "p90": 2, "max": 2},
         },
     ]
+
+
+def test_inspect_parquet_label_of_no_numbers_is_a_column_like_any(tmp_path):
+    # A date 'label' was 'internal error ArrowNotImplementedError: Unsupported cast from date32[day] ...'.
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"label": [datetime.date(2024, 1, 1), None], "u": ["a", "b"]}), path)
+    report = inspect_file(path)
+    assert report["rows"] == 2 and report["positive_rate"] is None
+    assert columns(report)["label"] == {"name": "label", "type": "sparse", "cardinality": 1, "missing": 1}
 
 
 def test_inspect_parquet_odd_column_types(tmp_path):

@@ -14,11 +14,11 @@ names its line (parquet: its data row) as training's do. The positive rate and c
 ``rows`` only. Where a CSV column found dense only at the end of the stream held a NaN or infinity, the
 file is read a second time with the kinds found, those rows then dropped from every statistic.
 
-Inferred schemas: csv/parquet: a column named ``label`` is the label; numeric columns holding a
-non-integer value (parquet: float columns) are dense; text cells containing ``|`` (parquet: list
-columns) are multi; the rest sparse (parquet: a struct, map or list of lists is ``unsupported``,
-reported with its type and no statistics). criteo: its fixed layout. libsvm: ``fields`` mode with one
-feature per token position (``f1``, ``f2``, ...) when the first lines agree on a token count,
+Inferred schemas: csv/parquet: a column named ``label`` is the label (parquet: one of numbers); numeric
+columns holding a non-integer value (parquet: float columns) are dense; text cells containing ``|``
+(parquet: list columns) are multi; the rest sparse (parquet: a struct, map or list of lists is
+``unsupported``, reported with its type and no statistics). criteo: its fixed layout. libsvm: ``fields``
+mode with one feature per token position (``f1``, ``f2``, ...) when the first lines agree on a token count,
 else ``bag`` mode (one weighted multi feature ``features``). movielens: every joined column,
 ``float`` ones dense (but ``rating``, the label's source), ``token_seq`` ones multi; split ``all``.
 """
@@ -57,7 +57,7 @@ from recscale.data.readers.base import (
 )
 from recscale.data.readers.criteo import COLUMNS as CRITEO_COLUMNS
 from recscale.data.readers.movielens import KEYS, RATING, files_of
-from recscale.data.readers.parquet import open_parquet
+from recscale.data.readers.parquet import holds_numbers, open_parquet
 from recscale.data.readers.text import (
     column_of,
     first_line,
@@ -414,7 +414,9 @@ def inspect_file(
     elif fmt == "parquet":
         file = open_parquet(path)
         columns = [
-            _Column(f.name, LABEL if f.name == LABEL else _parquet_kind(f.type), tables)
+            _Column(
+                f.name, LABEL if f.name == LABEL and holds_numbers(f.type) else _parquet_kind(f.type), tables
+            )
             for f in file.schema_arrow
         ]
         for c, f in zip(columns, file.schema_arrow, strict=True):

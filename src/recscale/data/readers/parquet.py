@@ -84,7 +84,7 @@ def _check_types(path: Path, arrow: pa.Schema, schema: Schema) -> None:
                 continue
             need = f"a list of ids (integers or strings) or a string of ids joined by {multi[name]!r}"
         elif name in role:
-            if _numeric(dtype):
+            if holds_numbers(dtype):
                 continue
             need = f"one number per row ({role[name]})"
         elif not pa.types.is_nested(dtype):
@@ -94,8 +94,10 @@ def _check_types(path: Path, arrow: pa.Schema, schema: Schema) -> None:
         raise DataError(f"{path}: column {name!r} is {arrow.field(name).type}; it must hold {need}")
 
 
-def _numeric(dtype: pa.DataType) -> bool:
-    """A type the label and dense features read as numbers (``base.parse_floats``); a date or time is none."""
+def holds_numbers(dtype: pa.DataType) -> bool:
+    """A type the label and dense features read as numbers (``base.parse_floats``); a date or time is none.
+    A dictionary-encoded type by its values."""
+    dtype = _plain(dtype)
     t = pa.types
     return (
         t.is_integer(dtype) or t.is_floating(dtype) or t.is_decimal(dtype) or t.is_boolean(dtype)
