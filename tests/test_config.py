@@ -288,6 +288,20 @@ def test_an_error_in_a_schema_feature_names_the_feature():
     assert str(e.value).startswith("invalid config: data.schema.sparse.1.max_len ('item'): ")
 
 
+@pytest.mark.parametrize(
+    "schema",
+    [
+        "{label: click, sparse: [{name: label}]}",
+        "{sparse: [{name: tags, multi: true, weighted: true}, {name: tags__w}]}",
+    ],
+)
+def test_a_feature_named_as_a_column_recscale_makes_is_refused(schema):
+    """A sparse feature 'label' beside schema.label: click made two 'label' columns: 'internal error KeyError:
+    Field "label" exists 2 times in schema' in data prepare."""
+    with pytest.raises(ConfigError, match=r"data.schema: .* clash with a column recscale makes"):
+        load_config(CONFIGS / "frappe.yaml", [f"data.schema={schema}"])
+
+
 def test_options_for_synthetic_data_are_refused():
     """data.options.delimiter=x on synthetic data was dropped without a word."""
     with pytest.raises(ConfigError, match="data.options: format 'synthetic' reads no file and takes none"):

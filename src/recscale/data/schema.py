@@ -84,6 +84,13 @@ class Schema(Settings):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"feature names must be unique; repeated: {', '.join(dup)}")
+        raw = self.column_names()  # the readers' output: the label as LABEL, weights as NAME__w
+        clash = sorted({n for n in raw if raw.count(n) > 1})
+        if clash:
+            raise ValueError(
+                f"feature name(s) {', '.join(clash)} clash with a column recscale makes: '{LABEL}' holds the label "
+                f"(read from '{self.label}'), NAME{WEIGHT_SUFFIX} a weighted feature's weights; rename the column"
+            )
         if not self.sparse and not self.dense:
             raise ValueError("the schema has no features: list at least one dense or sparse feature")
         fields = {f.name: f for f in self.sparse}
