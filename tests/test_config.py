@@ -302,6 +302,16 @@ def test_a_feature_named_as_a_column_recscale_makes_is_refused(schema):
         load_config(CONFIGS / "frappe.yaml", [f"data.schema={schema}"])
 
 
+@pytest.mark.parametrize("name", ["user.id", "price/unit", "../../../x", ""])
+def test_a_sparse_name_that_cannot_name_a_table_and_files_is_refused(name):
+    """'user.id' (a CSV header) was 'internal error KeyError: module name can't contain "."' at model build,
+    'price/unit' an OS error naming a scratch file, and '../../../x' wrote x.values.bin outside the run."""
+    with pytest.raises(
+        ConfigError, match=r"data.schema.sparse.0 .*must be non-empty and hold no '\.', '/' or NUL"
+    ):
+        load_config(CONFIGS / "frappe.yaml", [f"data.schema={{sparse: [{{name: '{name}'}}]}}"])
+
+
 def test_options_for_synthetic_data_are_refused():
     """data.options.delimiter=x on synthetic data was dropped without a word."""
     with pytest.raises(ConfigError, match="data.options: format 'synthetic' reads no file and takes none"):

@@ -57,6 +57,12 @@ class SparseFeature(Settings):
 
     @model_validator(mode="after")
     def _weights_need_multi(self) -> SparseFeature:
+        # The name names the feature's embedding table (a module: no '.') and its column files (no '/').
+        if not self.name or any(c in self.name for c in "./\0"):
+            raise ValueError(
+                f"sparse feature name {self.name!r} must be non-empty and hold no '.', '/' or NUL (it names the "
+                "feature's embedding table and files); rename the column in the data"
+            )
         if self.weighted and not self.multi:
             raise ValueError(f"sparse feature '{self.name}': weighted=true needs multi=true")
         if self.max_len is not None and (not self.multi or self.weighted):
