@@ -261,12 +261,12 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 def cmd_shard_plan(args: argparse.Namespace) -> None:
     from recscale.config import load_config
     from recscale.distributed.launch import host_split
-    from recscale.train.loop import check_batch_split
+    from recscale.train.loop import check_world_size
     from recscale.train.shard_plan import shard_plan
 
     cfg = load_config(args.config, args.overrides)
     _, local = host_split(args.nproc, args.local_world_size)
-    check_batch_split(cfg, args.nproc)  # a plan for a run that training would refuse is no plan
+    check_world_size(cfg, args.nproc)  # a plan for a run that training would refuse is no plan
     doc = shard_plan(cfg, args.nproc, local, Path(args.out))
     pred = doc["predicted"]
     cost = f"; predicted max-rank cost {pred['cost_ms']} ms" if pred else ""
