@@ -36,10 +36,9 @@ from recscale.config_files import load_yaml
 from recscale.data.preprocess import MAX_ARTIFACT_BYTES, Preprocessor
 from recscale.errors import CheckpointError, ConfigError
 from recscale.io import atomic_dir, committed
-from recscale.train.dcp_safety import one_line, read_regular_file
+from recscale.train.dcp_safety import MANIFEST, manifest_format, one_line, read_regular_file
 
-MANIFEST, CONFIG, PREPROCESS, WEIGHTS = (
-    "manifest.json",
+CONFIG, PREPROCESS, WEIGHTS = (
     "config.yaml",
     "preprocess.json",
     "weights.safetensors",
@@ -76,15 +75,6 @@ class Artifact:
     config: RunConfig
     pre: Preprocessor
     tensors: dict[str, torch.Tensor]
-
-
-def manifest_format(manifest_path: Path) -> object:
-    """The ``format`` a manifest file names (None if it is unreadable or names none)."""
-    try:
-        manifest = json.loads(read_regular_file(manifest_path, _CAPS[MANIFEST], "manifest"))
-    except (CheckpointError, OSError, ValueError):
-        return None
-    return manifest.get("format") if type(manifest) is dict else None
 
 
 def check_out(out: Path, fmt: str, kind: str) -> None:

@@ -31,6 +31,7 @@ are read: ``preprocess.json`` by ``Preprocessor.load``, ``config.yaml`` by ``tra
 from __future__ import annotations
 
 import io
+import json
 import os
 import pathlib
 import pickle
@@ -284,3 +285,15 @@ class TensorsOnlyPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         raise CheckpointError(f"checkpoint entry {read_item.dest_index.fqn!r} is pickled bytes; refused")
+
+
+MANIFEST = "manifest.json"  # names an artifact directory's kind (exported model, retrieval model)
+
+
+def manifest_format(manifest_path: Path) -> object:
+    """The ``format`` a manifest file names (None if it is unreadable or names none)."""
+    try:
+        manifest = json.loads(read_regular_file(manifest_path, 1 << 20, "manifest"))
+    except (CheckpointError, OSError, ValueError):
+        return None
+    return manifest.get("format") if type(manifest) is dict else None

@@ -26,10 +26,10 @@ from recscale.errors import RESUME, RUN_DIR, CheckpointError, ConfigError, DataE
 from recscale.io import committed
 from recscale.models.base import RecModel
 from recscale.models.embedding import EmbeddingLayer
-from recscale.serve.artifact import MANIFEST, manifest_format
 from recscale.train.build import Built, build, feature_set
 from recscale.train.checkpoint import list_checkpoints, load_checkpoint, saved_keys
 from recscale.train.data import prepare_split
+from recscale.train.dcp_safety import MANIFEST, manifest_format
 from recscale.train.evaluate import eval_batch_size, evaluate
 
 
