@@ -21,7 +21,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from recscale.cli import main
-from recscale.errors import CheckpointError, DataError
+from recscale.errors import RUN_DIR, CheckpointError, DataError
 from recscale.serve.artifact import MANIFEST, WEIGHTS
 from recscale.serve.scorer import Scorer
 from recscale.serve.server import Batcher, ServeOptions, create_app
@@ -262,7 +262,7 @@ def test_run_commands_given_an_exported_model_say_so_and_leave_it_whole(trained,
     )
     assert main(["train", str(CONFIGS / "frappe.yaml"), "--out", str(model), "train.progress=false"]) == 2
     assert capsys.readouterr().err == (
-        f"error: {model}: is an exported model; choose another --out for the run\n"
+        f"error: {model}: is an exported model; choose another {RUN_DIR} for the run\n"
     )
     assert main(["data", "prepare", str(CONFIGS / "frappe.yaml"), "--out", str(model)]) == 2
     assert capsys.readouterr().err == (
