@@ -278,7 +278,6 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
     from recscale.config import load_config
     from recscale.io import Hold, removed_on_failure
-    from recscale.train.checkpoint import remove_partial_checkpoints
     from recscale.train.data import prepare_run_data
     from recscale.train.runs import refuse_artifact
 
@@ -304,7 +303,6 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     with removed_on_failure(out):
         out.mkdir(parents=True, exist_ok=True)
         with Hold(out):
-            remove_partial_checkpoints(out)  # the splits a killed preparation left half-written
             _, splits, stats = prepare_run_data(
                 cfg.data, out, resume=False, main=True, progress=sys.stderr.isatty()
             )

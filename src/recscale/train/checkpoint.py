@@ -277,8 +277,8 @@ def prune_checkpoints(ckpt_dir: Path, keep: int) -> None:
 
 
 def remove_partial_checkpoints(run_dir: Path) -> None:
-    """Clean up after a run killed while writing a checkpoint or a data split: drop the temporary
-    directories of unfinished writes, and put back a checkpoint that was set aside (``.NAME.old``) to be
-    replaced when its replacement never arrived."""
-    for parent in (Path(run_dir), Path(run_dir) / "ckpt", Path(run_dir) / "data"):
+    """Clean up after a run killed while writing a checkpoint (its data splits: ``prepare_run_data``): drop
+    the temporary directories of unfinished writes, and put back a checkpoint that was set aside
+    (``.NAME.old``) to be replaced when its replacement never arrived."""
+    for parent in (Path(run_dir), Path(run_dir) / "ckpt"):
         remove_partial_writes(parent)
