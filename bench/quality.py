@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from report_files import write_csv  # bench/ is on sys.path
 
 from recscale.config import RunConfig, load_config, validate_config
 from recscale.errors import ConfigError
@@ -227,10 +228,7 @@ def main() -> None:
             })  # fmt: skip
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows)
 
     def mean_auc(model: str) -> float:
         return statistics.mean(r["auc"] for r in rows if r["model"] == model)

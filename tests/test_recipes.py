@@ -4,6 +4,7 @@ exactly them, so ``recscale train configs/frappe/wukong.yaml`` trains the suite'
 import csv
 import importlib.util
 import shlex
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -25,6 +26,7 @@ SUITES = sorted((REPO / "bench").glob("quality_*.yaml"))
 
 
 def _load_quality() -> ModuleType:
+    sys.path.insert(0, str(REPO / "bench"))  # as when run as a script: it imports its neighbours
     spec = importlib.util.spec_from_file_location("bench_quality", REPO / "bench" / "quality.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # bench/ is scripts, not a package
