@@ -1,7 +1,7 @@
 """One validated config for a run: YAML in, typed object out.
 
 ``load_config(path, overrides)`` reads YAML, applies dotted ``key=value`` overrides (values parsed
-as YAML, so ``train.lr=0.01`` is a float and ``model.fmb_mlp=[64,64]`` a list), and validates
+as YAML, so ``train.dense_optimizer.lr=0.01`` is a float and ``model.fmb_mlp=[64,64]`` a list), and validates
 everything. Any unknown key, wrong type or impossible value becomes one ``ConfigError`` line that
 names the key.
 """
