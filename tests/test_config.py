@@ -82,6 +82,18 @@ def base() -> dict:
         ({"train": {"batch_size": 0}}, ["train.batch_size", "greater than or equal to 1"]),
         ({"model": {"name": "nope"}}, ["unknown model 'nope'", "wukong"]),
         ({"model": {"name": "wukong", "num_layrs": 3}}, ["model.num_layrs", "unknown key"]),
+        # An unknown key names the keys it may have meant: a close spelling, the same name deeper, anywhere
+        ({"trian": {}}, ["did you mean train?"]),
+        ({"model": {"name": "wukong", "num_layrs": 3}}, ["did you mean model.num_layers?"]),
+        (
+            {"train": {"lr": 0.1}},
+            ["train.lr: unknown key", "did you mean train.dense_optimizer.lr or train.sparse"],
+        ),
+        (
+            {"model": {"name": "wukong", "dim": 8}},
+            ["model.dim: unknown key", "did you mean model.embedding.dim?"],
+        ),
+        ({"train": {"dim": 8}}, ["did you mean model.embedding.dim?"]),
         ({"data": {"format": "xml"}}, ["data.format", "csv"]),
         ({"data": {"format": "csv"}}, ["data.train is required"]),
         (

@@ -8,9 +8,11 @@ names the key.
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -425,12 +427,43 @@ _UNION_BRANCH = re.compile(r"literal\[.*\]|constrained-\w+|(list|dict|function-\
 _UNION_LEAF = re.compile(r"int|float|str|bool|none")
 
 
-def format_validation_error(e: ValidationError, section: str = "", raw: object = None) -> str:
+def _field_paths(cls: type[BaseModel], prefix: str = "") -> Iterator[str]:
+    """Every dotted key of ``cls`` and of the models its fields hold (through Optional and unions)."""
+    for name, field in cls.model_fields.items():
+        yield prefix + (field.alias or name)
+        todo, seen = [field.annotation], set()
+        while todo:  # the models inside the annotation: X, X | None, Annotated[X | Y, ...]
+            a = todo.pop()
+            if isinstance(a, type) and issubclass(a, BaseModel) and a not in seen:
+                seen.add(a)
+                yield from _field_paths(a, f"{prefix}{field.alias or name}.")
+            elif not isinstance(a, type):
+                todo += [x for x in get_args(a) if x is not Ellipsis]
+
+
+def _did_you_mean(paths: list[str], where: str, key: str) -> list[str]:
+    """Up to three of the dotted ``paths`` the unknown ``where.key`` may have meant: a close spelling at
+    its level, else a key of that name one or more levels down, else one of that name anywhere."""
+    under = f"{where}." if where else ""
+    level = [p for p in paths if p.startswith(under) and "." not in p[len(under) :]]
+    last = {p: p.rsplit(".", 1)[-1] for p in paths}
+    near = [p for p in level if last[p] in difflib.get_close_matches(key, [last[p] for p in level], 3, 0.75)]
+    if not near:
+        deeper = [p for p in paths if p.startswith(under) and p not in level]
+        near = [p for p in deeper if last[p] == key] or [p for p in paths if last[p] == key]
+    return near[:3]
+
+
+def format_validation_error(
+    e: ValidationError, section: str = "", raw: object = None, keys: list[str] | None = None
+) -> str:
     """One line of ``e``'s errors, each named by its dotted key under ``section`` (e.g. ``model``), and by
     the name of the list item it is in where ``raw`` (the validated data) gives one: a feature's index in
     ``data.schema.sparse`` alone does not say which it is. The branches of a union type are one key's
     errors, said once (``distributed.sharding.literal['planner','learned']: ...; distributed.sharding.literal[
-    'data_parallel',...]: ...`` left the user to piece the allowed values together)."""
+    'data_parallel',...]: ...`` left the user to piece the allowed values together). ``keys``: every
+    dotted key the config has, so an unknown key can name those it may have meant (``train.lr``:
+    train.dense_optimizer.lr)."""
     parts: dict[str, list[str]] = {}
     allowed: dict[str, list[str]] = {}  # per key, the values its Literal errors allow
     for err in e.errors():
@@ -447,7 +480,10 @@ def format_validation_error(e: ValidationError, section: str = "", raw: object =
             name, _, value = str(err["loc"][-1]).partition(":")
             msg = f"unknown key (YAML reads a colon without a space as part of the key: write '{name}: {value}')"
         elif err["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling; see configs/ for examples)"
+            where = ".".join(k for k in (section, ".".join(map(str, path[:-1]))) if k)
+            near = _did_you_mean(keys, where, str(last)) if keys else []
+            hint = f"; did you mean {' or '.join(near)}?" if near else ""
+            msg = f"unknown key (check the spelling; see configs/ for examples){hint}"
         elif err["type"] == "literal_error":
             allowed.setdefault(loc, []).extend(re.findall(r"'[^']*'", err["ctx"]["expected"]))
         parts.setdefault(loc, []).append(msg)
@@ -465,7 +501,10 @@ def validate_config(raw: dict) -> RunConfig:
     except ValidationError as e:
         section = "model" if e.title != "RunConfig" else ""
         within = raw.get("model") if section else raw
-        raise ConfigError(f"invalid config: {format_validation_error(e, section, within)}") from None
+        name = raw.get("model", {}).get("name") if isinstance(raw.get("model"), dict) else None
+        params = _field_paths(params_class(name), "model.") if name in model_names() else ()
+        keys = [*_field_paths(RunConfig), *params]
+        raise ConfigError(f"invalid config: {format_validation_error(e, section, within, keys)}") from None
     if cfg.data.format != "synthetic":  # checked now, not when the first file is read
         validate_options(cfg.data.format, cfg.data.options)
     elif cfg.data.options:  # no reader would ever see them
