@@ -101,6 +101,13 @@ def test_sweep_config_errors_are_one_line(tmp_path, capsys):
     assert main(["sweep", str(bad_key)]) == 2
     err = capsys.readouterr().err
     assert "families.wukong.sizez" in err and len(err.strip().splitlines()) == 1
+    typo = write_sweep(tmp_path, {"lr": {"model": {"name": "lr"}, "sizes": [{}]}})
+    typo.write_text(typo.read_text().replace("overrides:", "overides:"))
+    assert main(["sweep", str(typo)]) == 2
+    assert (
+        "overides: unknown key (check the spelling; see configs/ for examples); did you mean overrides?"
+        in (capsys.readouterr().err)
+    )
     bad_size = write_sweep(tmp_path, {"wukong": {"model": {"name": "wukong"}, "sizes": [{"n_f": 0}]}})
     assert main(["sweep", str(bad_size)]) == 2
     err = capsys.readouterr().err

@@ -12,7 +12,8 @@ import difflib
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -427,8 +428,9 @@ _UNION_BRANCH = re.compile(r"literal\[.*\]|constrained-\w+|(list|dict|function-\
 _UNION_LEAF = re.compile(r"int|float|str|bool|none")
 
 
-def _field_paths(cls: type[BaseModel], prefix: str = "") -> Iterator[str]:
-    """Every dotted key of ``cls`` and of the models its fields hold (through Optional and unions)."""
+def field_paths(cls: type[BaseModel], prefix: str = "") -> Iterator[str]:
+    """Every dotted key of ``cls`` and of the models its fields hold (through Optional and unions, not
+    through the values of a dict or list, whose keys and indexes are data)."""
     for name, field in cls.model_fields.items():
         yield prefix + (field.alias or name)
         todo, seen = [field.annotation], set()
@@ -436,21 +438,21 @@ def _field_paths(cls: type[BaseModel], prefix: str = "") -> Iterator[str]:
             a = todo.pop()
             if isinstance(a, type) and issubclass(a, BaseModel) and a not in seen:
                 seen.add(a)
-                yield from _field_paths(a, f"{prefix}{field.alias or name}.")
-            elif not isinstance(a, type):
-                todo += [x for x in get_args(a) if x is not Ellipsis]
+                yield from field_paths(a, f"{prefix}{field.alias or name}.")
+            elif get_origin(a) in (Union, UnionType, Annotated):  # not into a dict's values: keys are names
+                todo += get_args(a)
 
 
 def _did_you_mean(paths: list[str], where: str, key: str) -> list[str]:
     """Up to three of the dotted ``paths`` the unknown ``where.key`` may have meant: a close spelling at
-    its level, else a key of that name one or more levels down, else one of that name anywhere."""
+    its level, else a key of that name one or more levels down."""
     under = f"{where}." if where else ""
     level = [p for p in paths if p.startswith(under) and "." not in p[len(under) :]]
     last = {p: p.rsplit(".", 1)[-1] for p in paths}
     near = [p for p in level if last[p] in difflib.get_close_matches(key, [last[p] for p in level], 3, 0.75)]
     if not near:
         deeper = [p for p in paths if p.startswith(under) and p not in level]
-        near = [p for p in deeper if last[p] == key] or [p for p in paths if last[p] == key]
+        near = [p for p in deeper if last[p] == key]  # not elsewhere: another section's "type" misleads
     return near[:3]
 
 
@@ -502,8 +504,8 @@ def validate_config(raw: dict) -> RunConfig:
         section = "model" if e.title != "RunConfig" else ""
         within = raw.get("model") if section else raw
         name = raw.get("model", {}).get("name") if isinstance(raw.get("model"), dict) else None
-        params = _field_paths(params_class(name), "model.") if name in model_names() else ()
-        keys = [*_field_paths(RunConfig), *params]
+        params = field_paths(params_class(name), "model.") if name in model_names() else ()
+        keys = [*field_paths(RunConfig), *params]
         raise ConfigError(f"invalid config: {format_validation_error(e, section, within, keys)}") from None
     if cfg.data.format != "synthetic":  # checked now, not when the first file is read
         validate_options(cfg.data.format, cfg.data.options)

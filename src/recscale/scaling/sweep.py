@@ -45,7 +45,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from recscale.config import RunConfig, format_validation_error, validate_config
+from recscale.config import RunConfig, field_paths, format_validation_error, validate_config
 from recscale.config_files import apply_overrides, load_raw, load_yaml, not_a_file, read_yaml_mapping, set_key
 from recscale.errors import ConfigError, RecscaleError
 from recscale.io import Hold, atomic_write_text
@@ -155,7 +155,8 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
     try:
         sweep = SweepConfig.model_validate(read_yaml_mapping(path, "a sweep"))
     except ValidationError as e:
-        raise ConfigError(f"{path}: {format_validation_error(e)}") from None
+        keys = list(field_paths(SweepConfig))
+        raise ConfigError(f"{path}: {format_validation_error(e, keys=keys)}") from None
     base_path = path.parent / sweep.base
     if not base_path.is_file():
         raise ConfigError(f"{path}: {not_a_file(base_path, 'base config')}")
