@@ -598,6 +598,19 @@ def test_the_summary_shows_a_small_models_flops(capsys, mflops, text):
     assert f"  ·  {text}/example (forward)" in capsys.readouterr().out
 
 
+def test_the_summary_says_when_nothing_was_evaluated(capsys):
+    """A run on a train file alone printed its speed and parameters and no word of quality."""
+    from recscale.cli import print_report
+
+    report = {"model": "lr", "steps": 1, "examples_per_s": 1, "mflops_per_example": 0.0, "run_dir": "r",
+              "parameters": {"dense": 1, "sparse": 1}}  # fmt: skip
+    print_report(report)
+    assert "note: the run has no valid or test split, so nothing was evaluated" in capsys.readouterr().out
+    m = {"auc": 0.9, "logloss": 0.3, "ne": 0.5, "calibration": 1.0, "rows": 10}
+    print_report(report | {"test": m})
+    assert "nothing was evaluated" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "overrides, words",
     [

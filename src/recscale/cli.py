@@ -45,6 +45,9 @@ def print_report(report: dict) -> None:
             )
             if (note := undefined_note(m)) is not None:
                 notes.append(f"note: {split} {note}")
+    if not any(split in report for split in ("valid", "report", "test")):
+        notes.append("note: the run has no valid or test split, so nothing was evaluated and the last step's "
+                     "weights are kept; give data.valid (or data.test) to measure the model")  # fmt: skip
     lines += notes
     if "bayes_logloss" in report:
         lines.append(
