@@ -4,7 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from recscale.train.metrics import binary_entropy, ctr_metrics, normalized_entropy, undefined_note
+from recscale.train.metrics import (
+    auc,
+    binary_entropy,
+    ctr_metrics,
+    group_auc,
+    normalized_entropy,
+    undefined_note,
+)
 
 
 def pairwise_auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -108,3 +115,35 @@ def test_logloss_of_infinite_logits_is_zero_when_right_and_infinite_when_wrong()
 def test_undefined_note_says_why_a_metric_is_null(logits, labels, note):
     got = undefined_note(ctr_metrics(torch.tensor(logits), torch.tensor(labels)))
     assert got == note if note is None else got.startswith(note)
+
+
+def test_group_auc_by_hand():
+    """Group a: logits ranked right in 2 of its 2 pairs -> 1.0 over 3 rows; group b: a tie -> 0.5 over 2
+    rows; group c holds only positives and is left out: (3 x 1.0 + 2 x 0.5) / 5 = 0.8."""
+    logits = torch.tensor([2.0, 1.0, 0.0, 5.0, 5.0, 1.0])
+    labels = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0])
+    groups = torch.tensor([10, 10, 10, 3, 3, 7])
+    assert group_auc(logits, labels, groups) == {"gauc": pytest.approx(0.8), "groups": 2, "rows": 5}
+    one_class = group_auc(logits[:1], labels[:1], groups[:1])
+    assert math.isnan(one_class["gauc"]) and one_class["rows"] == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_group_auc_is_the_row_weighted_mean_of_each_groups_auc(seed):
+    """Against a loop over the groups with ``auc`` (ties within and across groups, groups of one class)."""
+    g = torch.Generator().manual_seed(seed)
+    n = 500
+    groups = torch.randint(0, 40, (n,), generator=g) * 3 - 50
+    labels = (torch.rand(n, generator=g) < 0.3).double()
+    logits = torch.randint(-4, 5, (n,), generator=g).double() + (seed % 2) * torch.randn(n, generator=g)
+    num = rows = used = 0
+    for v in groups.unique():
+        m = groups == v
+        a = auc(logits[m], labels[m])
+        if not math.isnan(a):
+            num, rows, used = num + a * int(m.sum()), rows + int(m.sum()), used + 1
+    got = group_auc(logits, labels, groups)
+    assert got["gauc"] == pytest.approx(num / rows, abs=1e-12) and (got["groups"], got["rows"]) == (
+        used,
+        rows,
+    )

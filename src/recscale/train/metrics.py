@@ -64,6 +64,33 @@ def ctr_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
     }
 
 
+def group_auc(logits: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:
+    """Group AUC (Zhou et al., DIN, KDD 2018): each group's exact AUC (as ``auc``), averaged with weights
+    the groups' row counts, over the groups that hold both classes (a user with only clicks or only
+    non-clicks ranks nothing). logits, labels, groups (N,) -> {gauc, groups: the groups averaged,
+    rows: their rows}; gauc NaN where no group holds both classes or a logit is NaN."""
+    logits, labels = logits.double().flatten(), labels.double().flatten()
+    # Rows sorted by (group, logit): a row's rank within its group is its position after the rows of
+    # earlier groups, ties sharing their mean rank.
+    _, g = torch.unique(groups.flatten(), return_inverse=True)
+    pairs, pair_of, counts = torch.unique(
+        torch.stack([g.double(), logits]), dim=1, return_inverse=True, return_counts=True
+    )
+    ends = torch.cumsum(counts, 0).double()
+    n = torch.bincount(g).double()  # rows per group
+    before = (torch.cumsum(n, 0) - n)[pairs[0].long()]  # rows of earlier groups, per (group, logit) pair
+    ranks = (ends - (counts.double() - 1) / 2 - before)[pair_of]
+    pos = torch.zeros_like(n).index_add_(0, g, labels)
+    rank_sum = torch.zeros_like(n).index_add_(0, g, ranks * labels)
+    both = (pos > 0) & (pos < n)
+    rows = int(n[both].sum().item())
+    if rows == 0 or bool(torch.isnan(logits).any()):
+        return {"gauc": float("nan"), "groups": int(both.sum().item()), "rows": rows}
+    p, m = pos[both], n[both] - pos[both]
+    aucs = (rank_sum[both] - p * (p + 1) / 2) / (p * m)
+    return {"gauc": ((aucs * n[both]).sum() / rows).item(), "groups": int(both.sum().item()), "rows": rows}
+
+
 def undefined_note(m: dict[str, float]) -> str | None:
     """Why ``ctr_metrics``' result ``m`` holds a non-finite value (JSON writes it as null), or None: a
     one-class split or a diverged model must not read as a metric that was merely left out."""
