@@ -626,3 +626,49 @@ def test_a_qcomms_run_resumes_on_one_process_with_qcomms_fp32(tmp_path):
         Trainer(load_config(CONFIGS / "demo.yaml", longer), tmp_path / "r", resume=True)
     report = Trainer(load_config(CONFIGS / "demo.yaml", longer[:-1]), tmp_path / "r", resume=True).fit()
     assert report["steps"] == 4
+
+
+def test_eval_group_by_scores_the_group_auc_of_known_ids(tmp_path, capsys):
+    """`recscale eval --group-by user`: the group AUC over the users the run knows, from the same logits
+    as the AUC; a user unseen in training (OOV) is in no group; a multi-id or unknown field is one line."""
+    from recscale.data.dataset import ArrayDataset
+    from recscale.train.evaluate import predict
+    from recscale.train.metrics import group_auc
+    from recscale.train.runs import load_trained
+
+    rng = np.random.default_rng(0)
+    rows = [f"{int(rng.random() < 0.4)},{i % 9},{i % 13},{i % 5}|{i % 3}" for i in range(400)]
+    header = "label,user,item,tags"
+    (tmp_path / "train.csv").write_text("\n".join([header, *rows]) + "\n")
+    unseen = [f"{i % 2},u{i % 4},{i % 13},1" for i in range(40)]  # users training never saw
+    (tmp_path / "valid.csv").write_text("\n".join([header, *rows[:200], *unseen]) + "\n")
+    (tmp_path / "run.yaml").write_text(
+        f"data:\n  format: csv\n  train: {tmp_path / 'train.csv'}\n"
+        "  schema: {label: label, sparse: [{name: user}, {name: item}, {name: tags, multi: true, sep: '|'}]}\n"
+        "  num_workers: 0\nmodel: {name: fm}\ntrain: {batch_size: 32, max_steps: 20, progress: false}\n"
+    )
+    Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()
+    m = eval_run(tmp_path / "r", str(tmp_path / "valid.csv"), group_by="user")
+    plain = eval_run(tmp_path / "r", str(tmp_path / "valid.csv"))
+    assert {k: m[k] for k in plain} == plain and m["rows"] == 240
+    assert m["gauc_rows"] == 200 and m["gauc_groups"] == 9  # the 40 unseen users' rows are left out
+    # The same figure from the first 200 rows' own logits, grouped by their user ids.
+    built = load_trained(tmp_path / "r")[2]
+    ds = ArrayDataset(tmp_path / "r" / "data" / "train")  # valid.csv's first 200 rows are its first 200
+    logits = predict(built.module, ds, 8192, 0)
+    want = group_auc(
+        logits[:200], torch.from_numpy(ds.labels()[:200].copy()), torch.from_numpy(ds.ids("user")[:200])
+    )
+    assert m["gauc"] == pytest.approx(want["gauc"], abs=1e-6)
+    (tmp_path / "one.csv").write_text(f"{header}\n{rows[0]}\n")  # one row: its user holds one class
+    assert main(["eval", str(tmp_path / "r"), "--data", str(tmp_path / "one.csv"), "--group-by", "user"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["gauc"] is None and "note: gauc is null: no user the run knows holds both" in err
+    for field in ("tags", "nope"):
+        assert (
+            main(["eval", str(tmp_path / "r"), "--data", str(tmp_path / "valid.csv"), "--group-by", field])
+            == 2
+        )
+        assert capsys.readouterr().err == (
+            f"error: --group-by {field}: not a single-id feature of {tmp_path / 'r'}; group by one of user, item\n"
+        )

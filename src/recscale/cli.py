@@ -168,11 +168,21 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from recscale.train.metrics import undefined_note
     from recscale.train.runs import eval_run
 
-    metrics = eval_run(Path(args.run_dir), args.data, args.format, on_bad_row=args.on_bad_row)
+    metrics = eval_run(
+        Path(args.run_dir), args.data, args.format, on_bad_row=args.on_bad_row, group_by=args.group_by
+    )
     shutdown()  # as train and export: gloo's threads joined now, not by exit-time destructors
     print(strict_json(metrics))
     if (note := undefined_note(metrics)) is not None:  # beside the JSON, which stays one line
         print(f"note: {note}", file=sys.stderr)
+    if "gauc" in metrics and not math.isfinite(metrics["gauc"]):
+        print(
+            f"note: gauc is null: no {args.group_by} the run knows holds both classes in this file (rows of ids "
+            "the run never saw belong to no group)"
+            if metrics["gauc_rows"] == 0
+            else "note: gauc is null: the model scored NaN (a diverged model)",
+            file=sys.stderr,
+        )
     if unknown := metrics.get("unknown_id_fields"):
         print(
             f"note: no id of {', '.join(unknown)} is in the run's vocabularies (every row OOV or missing); "
@@ -456,6 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--on-bad-row",
         choices=["error", "skip"],
         help="stop at a bad row, or drop and count them (skipped_rows); default: the run's data.on_bad_row",
+    )
+    e.add_argument(
+        "--group-by",
+        metavar="FIELD",
+        help="also the group AUC over this single-id feature's ids (e.g. the user): gauc, gauc_groups, gauc_rows",
     )
     e.set_defaults(fn=cmd_eval)
 

@@ -138,6 +138,14 @@ class ArrayDataset:
         names = (f["name"] for f in self.meta["sparse"])
         return [n for n in names if len(ids := a[f"{n}.values"]) and bool((ids == OOV).all())]
 
+    def ids(self, name: str) -> np.ndarray:
+        """(len(self),) int64: the single-id field ``name``'s id of each row (OOV: unseen or missing)."""
+        f = next((f for f in self.meta["sparse"] if f["name"] == name), None)
+        if f is None or f["multi"]:
+            raise KeyError(name)
+        ids = self._open()[f"{name}.values"]
+        return np.array(ids) if self.index is None else ids[self.index]  # a copy, not the read-only map
+
     def hold_out(self, fraction: float) -> tuple[ArrayDataset, ArrayDataset]:
         """(selection rows, held-out rows): ``held_out(len(self), fraction)`` splits the view in two."""
         held = held_out(len(self), fraction)

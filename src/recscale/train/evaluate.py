@@ -8,9 +8,10 @@ import torch.distributed as dist
 from torch import nn
 
 from recscale.data.dataset import ArrayDataset, iterate
+from recscale.data.preprocess import OOV
 from recscale.data.synthetic import SyntheticSpec, bayes_logloss
 from recscale.distributed.gather import eval_batches, gather_scores
-from recscale.train.metrics import ctr_metrics, normalized_entropy
+from recscale.train.metrics import ctr_metrics, group_auc, normalized_entropy
 from recscale.train.precision import Precision, autocast
 
 # Evaluation needs no gradients, so it takes larger batches than training (fewer, cheaper steps).
@@ -40,10 +41,25 @@ def predict(
 
 
 def evaluate(
-    model: nn.Module, ds: ArrayDataset, batch_size: int, num_workers: int, precision: Precision = "fp32"
+    model: nn.Module,
+    ds: ArrayDataset,
+    batch_size: int,
+    num_workers: int,
+    precision: Precision = "fp32",
+    group_by: str | None = None,
 ) -> dict[str, float]:
+    """``ctr_metrics`` of the model on ``ds``; with ``group_by`` (a single-id field) also its group AUC
+    over that field's ids (gauc, gauc_groups, gauc_rows). Rows whose id is OOV (unseen in training, or
+    missing) belong to no known group and are left out of it: gauc_rows says how many rows it covers."""
     logits = predict(model, ds, batch_size, num_workers, precision)
-    return ctr_metrics(logits, torch.from_numpy(ds.labels().copy()))
+    labels = torch.from_numpy(ds.labels().copy())
+    m = ctr_metrics(logits, labels)
+    if group_by is not None:
+        groups = torch.from_numpy(ds.ids(group_by))
+        known = groups != OOV
+        g = group_auc(logits[known], labels[known], groups[known])
+        m |= {"gauc": g["gauc"], "gauc_groups": g["groups"], "gauc_rows": g["rows"]}
+    return m
 
 
 def bayes_floor(spec: SyntheticSpec, split: str, ds: ArrayDataset) -> dict[str, float]:

@@ -215,17 +215,24 @@ def eval_run(
     fmt: str | None = None,
     split: str = "test",
     on_bad_row: OnBadRow | None = None,
+    group_by: str | None = None,
 ) -> dict[str, Any]:
     """The metrics (auc, logloss, ne, calibration, rows; skipped_rows and unknown_id_fields, the sparse
     fields with a vocabulary none of whose ids the file holds, if any) of the run's best (else
     latest) model on the file ``data_path``, read as ``fmt`` (default: the run's format); a run on
     synthetic data, without a file, on its own synthetic ``split``. Bad rows as ``on_bad_row`` says
-    (default: as the run read its data)."""
+    (default: as the run read its data). ``group_by``: a single-id feature; adds the group AUC over its
+    ids (``evaluate``)."""
     run_config(run_dir)  # a directory that is not a run is named first
     # A file, or a directory where the format reads one (MovieLens); the readers name a wrong kind of path.
     if data_path is not None and not Path(data_path).exists():
         raise DataError(f"--data {data_path}: no such file; give the file to score")
     cfg, pre, built = load_trained(run_dir)
+    single = [f.name for f in pre.schema.sparse if not f.multi]
+    if group_by is not None and group_by not in single:
+        raise RecscaleError(
+            f"--group-by {group_by}: not a single-id feature of {run_dir}; group by one of {', '.join(single)}"
+        )
     if fmt == "synthetic" and cfg.data.format != "synthetic":
         raise RecscaleError(
             f"{run_dir} was trained on {cfg.data.format} data; --format synthetic scores only a run trained "
@@ -261,7 +268,7 @@ def eval_run(
             raise DataError(str(e).replace(SKIP_HINT, "(pass --on-bad-row skip to drop such rows)")) from None
         # The batches the run's own evaluations used: an fp8 activation's scale is its batch's.
         m: dict[str, Any] = evaluate(
-            built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision
+            built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision, group_by
         )
         # A field whose vocabulary is empty (min_count above every id's count) is OOV in training too.
         unknown = [f for f in ds.unknown_fields() if pre.num_embeddings(f) > 1]
