@@ -639,6 +639,36 @@ def test_text_that_is_not_utf8_is_one_line_naming_its_line(tmp_path):
         read_all(path, "csv", make_schema(sparse=["a"]))
 
 
+@pytest.mark.parametrize(
+    ("fmt", "schema", "good"),
+    [
+        ("csv", make_schema(sparse=["a"]), "1,x"),
+        ("criteo", make_schema(dense=["I1"], sparse=["C1"]), criteo_line()),
+        ("libsvm", make_schema(sparse=["a", "b"]), "1 1:1 2:1"),
+    ],
+)
+def test_a_line_that_is_not_utf8_is_a_bad_row_that_skip_drops(tmp_path, monkeypatch, fmt, schema, good):
+    """on_bad_row: skip stopped at a Latin-1 line as error did; now it drops and counts it, every later line
+    keeping its number (small chunks: the lines fall in several)."""
+    monkeypatch.setattr("recscale.data.readers.text.BLOCK_BYTES", 64)
+    header = [b"label,a"] if fmt == "csv" else []
+    latin1 = good.encode().replace(b"1", b"\xe9", 1)
+    body = [good.encode()] * 6
+    body[2] = body[4] = latin1
+    path = tmp_path / f"t.{fmt}"
+    path.write_bytes(b"\r\n".join([*header, *body]) + b"\r\n")
+    offset = len(header)
+    with pytest.raises(DataError, match=rf"line {3 + offset}: not UTF-8 text .*save the file as UTF-8$"):
+        read_all(path, fmt, schema)
+    stats = ReadStats()
+    t = read_all(path, fmt, schema, on_bad_row="skip", stats=stats)
+    assert (t.num_rows, stats.skipped) == (4, 2)
+    assert [e.split(": ", 1) for e in stats.examples] == [
+        [f"{path} line {n + offset}", f"not UTF-8 text (byte 0xe9 at position {latin1.index(0xE9) + 1})"]
+        for n in (3, 5)
+    ]
+
+
 def test_a_quoted_line_break_is_an_error_not_a_shifted_line_count(tmp_path):
     """pyarrow joined the two lines into one row: the id held a line break and every later line number
     was off by one (a chunk boundary inside the cell made two bad rows instead)."""

@@ -323,7 +323,9 @@ def _scan(chunks: Iterator[_Chunk], columns: list[_Column], bad: BadRows | None)
 
 def _csv_chunks(path: Path, names: list[str], delimiter: str) -> Iterator[_Chunk]:
     """Every column of a CSV as strings."""
-    chunks = iter_text_tables(path, names, names, delimiter=delimiter, quote=True, skip_header=True)
+    chunks = iter_text_tables(
+        path, names, names, delimiter=delimiter, quote=True, skip_header=True, skip_undecodable=True
+    )
     for chunk in chunks:
         cells = column_of(chunk.table)
         batch = pa.RecordBatch.from_arrays([cells(n) for n in names], names=names)

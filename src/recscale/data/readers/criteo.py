@@ -43,7 +43,10 @@ def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator
 
 
 def _batches(path: Path, schema: Schema, bad: BadRows, wanted: list[str]) -> Iterator[pa.RecordBatch]:
-    chunks = iter_converted(path, COLUMNS, wanted, schema, delimiter="\t", quote=False, skip_header=False)
+    skip = bad.on_bad_row == "skip"
+    chunks = iter_converted(
+        path, COLUMNS, wanted, schema, delimiter="\t", quote=False, skip_header=False, skip_undecodable=skip
+    )
     for chunk, arrays, problems in chunks:
         keep = bad.keep(chunk.table.num_rows, problems, chunk.locate, chunk.rejected)
         yield make_batch(arrays, schema, keep)

@@ -55,7 +55,14 @@ def _batches(
     path: Path, schema: Schema, options: Options, bad: BadRows, names: list[str], wanted: list[str]
 ) -> Iterator[pa.RecordBatch]:
     chunks = iter_converted(
-        path, names, wanted, schema, delimiter=options.delimiter, quote=True, skip_header=True
+        path,
+        names,
+        wanted,
+        schema,
+        delimiter=options.delimiter,
+        quote=True,
+        skip_header=True,
+        skip_undecodable=bad.on_bad_row == "skip",
     )
     for chunk, arrays, problems in chunks:
         keep = bad.keep(chunk.table.num_rows, problems, chunk.locate, chunk.rejected)

@@ -32,6 +32,8 @@ from recscale.data.readers.base import (
     to_label,
 )
 from recscale.data.readers.text import (
+    NotUtf8,
+    drop_undecodable,
     iter_chunks,
     lines_of,
 )
@@ -70,11 +72,19 @@ def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator
 
 def _batches(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator[pa.RecordBatch]:
     for first, chunk in iter_chunks(path):
-        lines = pc.ascii_trim_whitespace(lines_of(chunk, path, first))
+        dropped: list[tuple[int, str]] = []
+        try:
+            text = lines_of(chunk, path, first)
+        except NotUtf8:
+            if bad.on_bad_row != "skip":
+                raise
+            clean, dropped = drop_undecodable(chunk, first)  # emptied: blank lines, which are no rows
+            text = lines_of(clean, path, first)
+        lines = pc.ascii_trim_whitespace(text)
         nonblank = pc.not_equal(lines, "").to_numpy(zero_copy_only=False)
         line_no = first + np.flatnonzero(nonblank)
         arrays, problems = _parse(lines.filter(pa.array(nonblank)), schema, options)
-        keep = bad.keep(len(line_no), problems, line_no.take)
+        keep = bad.keep(len(line_no), problems, line_no.take, dropped)
         yield make_batch(arrays, schema, keep)
 
 

@@ -193,7 +193,10 @@ def _load(file: AtomicFile, include: list[str], required: tuple[str, ...], bad: 
     """The ``include`` columns of one atomic file, bad rows dropped: floats parsed, token_seq split."""
     tables = []
     names = list(file.types)
-    chunks = iter_text_tables(file.path, names, include, delimiter="\t", quote=False, skip_header=True)
+    skip = bad.on_bad_row == "skip"
+    chunks = iter_text_tables(
+        file.path, names, include, delimiter="\t", quote=False, skip_header=True, skip_undecodable=skip
+    )
     for chunk in chunks:
         cells = column_of(chunk.table)
         arrays, problems = [], []

@@ -68,7 +68,8 @@ def iter_chunks(path: Path, skip_first_line: bool = False) -> Iterator[tuple[int
 
 
 def lines_of(chunk: bytes | bytearray, where: Path, first_line: int) -> pa.Array:
-    """A chunk's lines as one string array (line ends included), built without a per-line loop."""
+    """A chunk's lines as one string array (line ends included), built without a per-line loop; a
+    ``NotUtf8`` error names the first line that is not UTF-8 text."""
     buf = np.frombuffer(chunk, dtype=np.uint8)
     ends = np.flatnonzero(buf == 10) + 1
     if not len(ends) or ends[-1] != len(buf):
@@ -81,19 +82,41 @@ def lines_of(chunk: bytes | bytearray, where: Path, first_line: int) -> pa.Array
         raise utf8_error(where, chunk, first_line) or DataError(f"{where}: not UTF-8 text") from None
 
 
-def utf8_error(path: Path, data: bytes | bytearray, first: int) -> DataError | None:
+class NotUtf8(DataError):
+    """A line that is not UTF-8 text: what ``on_bad_row: skip`` drops (``drop_undecodable``)."""
+
+
+def _not_utf8(data: bytes | bytearray, e: UnicodeDecodeError) -> str:
+    """Why ``data`` failed to decode at ``e``: its byte and 1-based position in its line."""
+    at = e.start - data.rfind(b"\n", 0, e.start)
+    return f"not UTF-8 text (byte {data[e.start]:#04x} at position {at})"
+
+
+def utf8_error(path: Path, data: bytes | bytearray, first: int) -> NotUtf8 | None:
     """The error naming the line (``data`` starts at line ``first``) and position of ``data``'s first byte
     that is not UTF-8 text; None when all of it is."""
     try:
         data.decode()
     except UnicodeDecodeError as e:
         line = first + data.count(b"\n", 0, e.start)
-        at = e.start - data.rfind(b"\n", 0, e.start)
-        return DataError(
-            f"{path} line {line}: not UTF-8 text (byte {data[e.start]:#04x} at position {at}); "
-            "save the file as UTF-8"
-        )
+        return NotUtf8(f"{path} line {line}: {_not_utf8(data, e)}; save the file as UTF-8")
     return None
+
+
+def drop_undecodable(chunk: bytes | bytearray, first: int) -> tuple[bytes, list[tuple[int, str]]]:
+    """``chunk`` (which starts at line ``first``) with each line that is not UTF-8 text emptied, its line
+    feed kept: an empty line is no row, and every later line keeps its number; and (line, reason) of
+    each, the rows ``on_bad_row: skip`` counts as dropped. Runs only on a chunk that failed to decode, so
+    its per-line loop is off the happy path."""
+    lines = bytes(chunk).split(b"\n")
+    dropped = []
+    for k, line in enumerate(lines):
+        try:
+            line.decode()
+        except UnicodeDecodeError as e:
+            dropped.append((first + k, _not_utf8(line, e)))
+            lines[k] = b""
+    return b"\n".join(lines), dropped
 
 
 def _text_options(delimiter: str, quote: bool, handler: Callable | None) -> pacsv.ParseOptions:
@@ -175,14 +198,18 @@ def iter_text_tables(
     delimiter: str,
     quote: bool,
     skip_header: bool,
+    skip_undecodable: bool = False,
 ) -> Iterator[TextChunk]:
     """Stream a delimited text file as string tables of the ``include`` columns, with exact lines.
 
-    ``names`` are all the file's columns in order. Empty lines are skipped. Chunks are parsed in
-    threads, each single-threaded (see ``_parse_chunk``), and come back in order.
+    ``names`` are all the file's columns in order. Empty lines are skipped. A line that is not UTF-8
+    text is an error (``NotUtf8``), or with ``skip_undecodable`` (``on_bad_row: skip``) a row of
+    ``TextChunk.rejected``. Chunks are parsed in threads, each single-threaded (see ``_parse_chunk``),
+    and come back in order.
     """
     text = _convert_options(include)
-    return _parsed(path, names, (delimiter, quote), skip_header, lambda parse: parse(text))
+    dialect = (delimiter, quote)
+    return _parsed(path, names, dialect, skip_header, skip_undecodable, lambda parse: parse(text))
 
 
 def iter_converted(
@@ -194,6 +221,7 @@ def iter_converted(
     delimiter: str,
     quote: bool,
     skip_header: bool,
+    skip_undecodable: bool = False,
 ) -> Iterator[tuple[TextChunk, list[pa.Array], list[Problem | None]]]:
     """``iter_text_tables``, each chunk also converted to the raw layout (``base.convert``) in its
     parsing thread: the casts and checks run in parallel too.
@@ -218,7 +246,7 @@ def iter_converted(
         arrays, problems = convert(column_of(chunk.table), schema)
         return chunk, arrays, problems
 
-    return _parsed(path, names, (delimiter, quote), skip_header, then)
+    return _parsed(path, names, (delimiter, quote), skip_header, skip_undecodable, then)
 
 
 def _convert_options(include: Sequence[str], numbers: Sequence[str] = ()) -> pacsv.ConvertOptions:
@@ -234,13 +262,32 @@ def _parsed(
     names: Sequence[str],
     dialect: tuple[str, bool],
     skip_header: bool,
+    skip_undecodable: bool,
     then: Callable[[Callable[[pacsv.ConvertOptions], TextChunk]], R],
 ) -> Iterator[R]:
-    """``then(parse)`` for each chunk, in threads; ``parse(options)`` parses the chunk."""
+    """``then(parse)`` for each chunk, in threads; ``parse(options)`` parses the chunk. With
+    ``skip_undecodable``, lines that are not UTF-8 text are emptied and reported as rejected rows."""
 
     def work(item: tuple[int, bytearray]) -> R:
         first, chunk = item
-        return then(lambda options: _parse_chunk(path, first, chunk, names, dialect, options))
+        # Found by the first parse, which leaves the chunk clean for a second one (``iter_converted``).
+        dropped: list[tuple[int, str]] = []
+
+        def parse(options: pacsv.ConvertOptions) -> TextChunk:
+            nonlocal chunk
+            try:
+                parsed = _parse_chunk(path, first, chunk, names, dialect, options)
+            except NotUtf8:
+                if not skip_undecodable:
+                    raise
+                clean, dropped[:] = drop_undecodable(chunk, first)
+                chunk = bytearray(clean)
+                parsed = _parse_chunk(path, first, chunk, names, dialect, options)
+            if dropped:
+                parsed.rejected = sorted([*parsed.rejected, *dropped])
+            return parsed
+
+        return then(parse)
 
     return ordered_map(work, iter_chunks(path, skip_first_line=skip_header))
 
