@@ -230,6 +230,15 @@ def test_inspect_counts_rows_as_training_reads_them(tmp_path):
     assert (report["rows"], report["bad_rows"], columns(report)["user"]["type"]) == (2, 0, "sparse")
 
 
+def test_inspect_counts_a_line_that_is_not_utf8_as_a_bad_row(tmp_path):
+    # It stopped inspect, which reads as training does with on_bad_row: skip.
+    path = tmp_path / "t.csv"
+    path.write_bytes(b"label,a\n1,x\n0,caf\xe9\n1,y\n")
+    report = inspect_file(path)
+    assert (report["rows"], report["bad_rows"], columns(report)["a"]["cardinality"]) == (2, 1, 2)
+    assert report["bad_row_examples"] == [f"{path} line 3: not UTF-8 text (byte 0xe9 at position 6)"]
+
+
 def test_inspect_parquet_counts_rows_as_training_reads_them(tmp_path):
     table = pa.table(
         {

@@ -818,6 +818,18 @@ def test_movielens_bad_rows(tmp_path):
     assert "ml.inter line 4: has 3 columns, expected 4" in stats.examples[1]
 
 
+def test_movielens_line_that_is_not_utf8_is_a_bad_row_that_skip_drops(tmp_path):
+    root = write_movielens(tmp_path / "ml", ["1\t10\t5\t100", "2\t11\t3\t200", "1\t11\t4\t300"])
+    inter = root / "ml.inter"
+    inter.write_bytes(inter.read_bytes().replace(b"2\t11", b"2\t1\xe91"))
+    with pytest.raises(DataError, match=r"ml\.inter line 3: not UTF-8 text"):
+        read_all(root, "movielens", ML_SCHEMA, {"split": "all"})
+    stats = ReadStats()
+    t = read_all(root, "movielens", ML_SCHEMA, {"split": "all"}, on_bad_row="skip", stats=stats)
+    assert (t.num_rows, stats.skipped) == (2, 1)
+    assert stats.examples == [f"{inter} line 3: not UTF-8 text (byte 0xe9 at position 4)"]
+
+
 def test_a_folder_without_movielens_files_says_what_to_give(tmp_path):
     """It said only "expected one .inter file in this directory, found []"."""
     with pytest.raises(DataError, match=r"found \[\]; give a folder of MovieLens atomic files"):
