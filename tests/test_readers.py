@@ -701,6 +701,35 @@ def test_a_carriage_return_inside_a_line_is_an_error_naming_it(tmp_path):
     assert read_all(ok, "csv", make_schema(sparse=["a"])).column("a").to_pylist() == ["u", "v\rw"]
 
 
+@pytest.mark.parametrize(
+    ("fmt", "head", "row", "line"),
+    [
+        ("criteo", b"", criteo_line().encode(), 1),
+        ("csv", b"label,a\r", b"1,x", 1),  # the header: one \r-ended "line" of the whole file
+        ("csv", b"label,a\n", b"1,x", 2),
+        ("libsvm", b"", b"1 1:1 2:1", 1),
+    ],
+)
+def test_a_file_of_carriage_return_line_ends_fails_at_its_first_block(
+    tmp_path, monkeypatch, fmt, head, row, line
+):
+    """Lines ending in \r alone (old Mac) were one line, read whole into memory before the error. The file
+    is a gzip cut short at its end: a reader that got that far would report the damage instead."""
+    monkeypatch.setattr("recscale.data.readers.text.BLOCK_BYTES", 4096)
+    blob = gzip.compress(head + b"\r".join([row] * 50000) + b"\r")
+    path = tmp_path / f"mac.{fmt}.gz"
+    path.write_bytes(blob[:-40])
+    schema = (
+        make_schema(sparse=["a", "b"])
+        if fmt == "libsvm"
+        else make_schema(sparse=["a" if fmt == "csv" else "C1"])
+    )
+    with pytest.raises(
+        DataError, match=rf"mac\.{fmt}\.gz line {line}: a carriage return \(\\r\) inside the line"
+    ):
+        read_all(path, fmt, schema)
+
+
 def test_options_are_validated():
     assert set(options_model("libsvm").model_fields) == {"mode"}
     with pytest.raises(ConfigError, match="delimtier"):
