@@ -1,6 +1,7 @@
 """Readers: every format's happy path, streaming, the real Frappe/MovieLens files, and bad input."""
 
 import datetime
+import decimal
 import gzip
 import math
 from pathlib import Path
@@ -430,6 +431,44 @@ def test_parquet_float_ids_are_the_integers_they_hold(tmp_path):
     assert stats.skipped == 4 and t["u"] == ["1", "4"] and t["h"] == [["1"], ["6"]]
     assert stats.examples[2].startswith(f"{path} row 4: sparse feature 'u' id nan is not a whole number")
     assert "id 1.152921504606847e+18 is beyond 2**53" in stats.examples[3]
+
+
+def test_csv_and_parquet_of_one_table_read_the_same_ids(tmp_path):
+    """A float id 3.0 was "3" in Parquet but "3.0" in CSV (as pandas writes a float column), a decimal 12 was
+    "12.0", and "" an id in Parquet but missing in CSV: a model trained on one file met OOV ids in the other.
+    The rule now: "" is missing, and a whole number with a zero fraction is the integer's id, in both."""
+    table = pa.table(
+        {
+            "label": [1, 0, 1, 0],
+            "f": pa.array([3.0, None, 12.0, -0.0]),
+            "d": pa.array(
+                [decimal.Decimal("12.0"), decimal.Decimal("3.5"), None, decimal.Decimal("-4.0")],
+                pa.decimal128(5, 1),
+            ),  # fmt: skip
+            "s": ["", "x", None, "007"],
+            "m": pa.array([[3.0, 4.0], [], None, [5.0]]),
+            "t": [["a", ""], ["3.0"], [], ["b"]],
+        }
+    )
+    pq.write_table(table, tmp_path / "t.parquet")
+    # The same table as CSV, floats and decimals written with their fraction as pandas does.
+    csv_path = write(
+        tmp_path / "t.csv",
+        [
+            "label,f,d,s,m,t",
+            '1,3.0,12.0,"",3.0|4.0,a|',
+            "0,,3.5,x,,3.0",
+            "1,12.0,,,,",
+            "0,-0.0,-4.0,007,5.0,b",
+        ],
+    )
+    schema = make_schema(sparse=["f", "d", "s"], multi=["m", "t"])
+    from_csv = read_all(csv_path, "csv", schema).to_pydict()
+    from_parquet = read_all(tmp_path / "t.parquet", "parquet", schema).to_pydict()
+    assert from_csv == from_parquet
+    assert from_csv["f"] == ["3", None, "12", "0"] and from_csv["d"] == ["12", "3.5", None, "-4"]
+    assert from_csv["s"] == [None, "x", None, "007"]
+    assert from_csv["m"] == [["3", "4"], [], [], ["5"]] and from_csv["t"] == [["a"], ["3"], [], ["b"]]
 
 
 def test_not_a_parquet_file(tmp_path):

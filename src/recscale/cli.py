@@ -186,7 +186,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if unknown := metrics.get("unknown_id_fields"):
         print(
             f"note: no id of {', '.join(unknown)} is in the run's vocabularies (every row OOV or missing); "
-            "check that the file writes ids as the training data did (e.g. not 3.0 for 3)",
+            "check that the file writes ids as the training data did (e.g. not 007 for 7)",
             file=sys.stderr,
         )
 

@@ -133,7 +133,7 @@ class ArrayDataset:
     def unknown_fields(self) -> list[str]:
         """The sparse fields where every id of the materialised split (all its rows, whatever the view) is
         OOV: unseen in training or missing. A field holding no id at all is not one. Such a field is
-        usually written another way than training's file wrote it (3.0 for 3, another id space)."""
+        usually written another way than training's file wrote it (007 for 7, another id space)."""
         a = self._open()
         names = (f["name"] for f in self.meta["sparse"])
         return [n for n in names if len(ids := a[f"{n}.values"]) and bool((ids == OOV).all())]

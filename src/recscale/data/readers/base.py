@@ -28,6 +28,9 @@ NUMBER_RE = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^[+-]?(?i:nan|inf|infinity
 
 FLOAT32 = pa.float32()
 MAX_EXACT = float(2**53)  # a float64 holds every integer up to this exactly
+# A text id written as a whole number with a zero fraction (3.0, -12.00, +007.0): the integer's id, as a
+# float or decimal column's 3.0 is in Parquet. The groups rebuild it: sign (none for zero), then digits.
+WHOLE_TEXT_RE = r"^\+?(?:-?0*(0)|(-?)0*([1-9]\d*))\.0+$"
 
 Locate = Callable[[np.ndarray], np.ndarray]
 
@@ -232,20 +235,34 @@ def _is_bytes(dtype: pa.DataType) -> bool:
     )
 
 
+def normal_ids(ids: pa.Array) -> pa.Array:
+    """Text ids as every reader reads them, whatever the file format: an empty string is a missing id (null,
+    as an empty CSV cell is), and a whole number written with a zero fraction (``3.0``, ``-4.00``) is the
+    integer's id (``3``, ``-4``), as a Parquet float or decimal column's 3.0 is. Other text, ``007`` or
+    ``1.5`` say, is the id as written. Both checks are one pass of a plain comparison unless they find one."""
+    if len(ids) and pc.min(pc.binary_length(ids)).as_py() == 0:
+        ids = pc.if_else(pc.equal(ids, ""), pa.scalar(None, ids.type), ids)
+    if pc.any(pc.match_substring(ids, ".")).as_py():
+        whole = pc.fill_null(pc.match_substring_regex(ids, WHOLE_TEXT_RE), False)
+        ids = pc.if_else(whole, pc.replace_substring_regex(ids, WHOLE_TEXT_RE, r"\1\2\3"), ids)
+    return ids
+
+
 def _as_text(values: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
-    """Values (ints, strings, bytes, floats) -> strings; plus a mask of values that are no id (None: none),
-    which become null: bytes that are not UTF-8 text, floats that are not whole numbers (``_whole``)."""
+    """Values (ints, strings, bytes, floats, decimals) -> text ids (``normal_ids``); plus a mask of values
+    that are no id (None: none), which become null: bytes that are not UTF-8 text, floats that are not
+    whole numbers (``_whole``). A decimal is its exact text: 12.0 is id "12", 12.5 is "12.5"."""
     if pa.types.is_floating(values.type):
         return _whole(values)
     try:
-        return pc.cast(values, pa.string()), None
+        return normal_ids(pc.cast(values, pa.string())), None
     except pa.ArrowInvalid:
         if not _is_bytes(values.type):
             raise
     # Slow path, only for a batch holding such a value: find which ones do not decode.
     bad = np.array([v is not None and not _decodes(v) for v in values.to_pylist()], dtype=bool)
     kept = pc.if_else(pa.array(~bad), values, pa.scalar(None, values.type))
-    return pc.cast(kept, pa.string()), bad
+    return normal_ids(pc.cast(kept, pa.string())), bad
 
 
 def _whole(values: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
@@ -284,11 +301,11 @@ def _no_id(name: str, raw: object, column: pa.DataType) -> str:
 
 
 def to_ids(cells: pa.Array, name: str = "") -> tuple[pa.Array, Problem | None]:
-    """Single-id cells -> strings (ints become their decimal text, whole floats the text of the integer),
-    null = missing; bytes that are not UTF-8 text and floats that are not whole numbers are bad rows
-    (``name`` is the feature, for messages)."""
+    """Single-id cells -> strings (ints become their decimal text, whole floats and text such as ``3.0``
+    the text of the integer, ``normal_ids``), null or ``""`` = missing; bytes that are not UTF-8 text and
+    floats that are not whole numbers are bad rows (``name`` is the feature, for messages)."""
     if cells.type == pa.string():
-        return cells, None
+        return normal_ids(cells), None
     ids, bad = _as_text(cells)
     if bad is None or not bad.any():
         return ids, None
@@ -331,11 +348,11 @@ def split_ids(
     if not nonempty.all():
         lengths, (flat,) = _keep_items(lengths, nonempty, flat)
     if not weighted:
-        return _lists(lengths, flat), None, None
+        return _lists(lengths, normal_ids(flat)), None, None
     pairs = pc.extract_regex(flat, r"^(?P<id>.*?)(?::(?P<w>[^:]*))?$")
     w_text = pairs.field("w")
     weights, bad_w = to_dense(pc.if_else(pc.equal(w_text, ""), "1", w_text), name)
-    ids, weights = _lists(lengths, pairs.field("id")), _lists(lengths, weights)
+    ids, weights = _lists(lengths, normal_ids(pairs.field("id"))), _lists(lengths, weights)
     if bad_w is None:
         return ids, weights, None
 
@@ -354,8 +371,9 @@ def list_ids(cells: pa.Array, name: str = "") -> tuple[pa.Array, Problem | None]
     value_type = cells.type.value_type
     if not pa.types.is_floating(value_type):
         try:
-            ids = pc.cast(cells, pa.list_(pa.string()))
-            return pc.fill_null(ids, pa.scalar([], pa.list_(pa.string()))), None
+            ids = pc.fill_null(pc.cast(cells, pa.list_(pa.string())), pa.scalar([], pa.list_(pa.string())))
+            lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
+            return _lists(lengths, normal_ids(pc.list_flatten(ids))), None
         except pa.ArrowInvalid:
             if not _is_bytes(value_type):
                 raise

@@ -1,7 +1,8 @@
 """BARS/FuxiCTR-style CSV with a header line (e.g. Frappe_x1 ``train.csv``), optionally ``.gz``.
 
 The schema's label column is read as ``label``; its other features are looked up by name in the
-header. Empty cells are missing values. A multi-id cell joins ids with the feature's ``sep``
+header. Empty cells (and ``""``) are missing values; an id cell is its text, but for a whole number
+written with a zero fraction (``3.0`` is id ``3``, as a Parquet float 3.0 is: ``base.normal_ids``). A multi-id cell joins ids with the feature's ``sep``
 (``a|b|c``); a weighted one writes ``id:weight`` entries (``a:0.5|b:2``; a bare id weighs 1).
 Cells may be quoted (``"a,b"``) but hold no line breaks (one that does is an error naming the lines). Errors and dropped rows name 1-based
 file lines (the header is line 1).

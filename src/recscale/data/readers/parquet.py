@@ -2,7 +2,9 @@
 
 Columns are looked up by the schema's names (the label column by ``schema.label``). Integer ids
 become their decimal text; float ids (a column of floats, or a list of them) that of the integer they
-hold (3.0 is id "3"), and one that is not a whole number (1.5, NaN) makes its row bad. A multi-id
+hold (3.0 is id "3"), and one that is not a whole number (1.5, NaN) makes its row bad; a decimal id its
+text, a whole one the integer's (12.0 is "12", 3.5 "3.5"); a string id as CSV reads its cell: "" is a missing
+id, "3.0" is "3" (``base.normal_ids``). A multi-id
 feature is a list column (of ids as above; list, large_list or fixed_size_list; an empty id, "" or null,
 is dropped with its weight, as CSV's ``x|`` reads ``['x']``), its weights (if weighted) the list<float>
 column ``{name}__w``; or a string column split like CSV cells. Dictionary-encoded columns are read as their values. A column whose type its
