@@ -192,6 +192,36 @@ def test_eval_in_another_format_does_not_apply_the_runs_format_options(tmp_path,
     assert code == 0 and json.loads(out) == json.loads(same)
 
 
+def test_eval_takes_reader_option_overrides_and_a_one_column_header_hints_at_the_delimiter(tmp_path, capsys):
+    """A comma-delimited file scored by a run trained on ';' data failed on a one-column header, with no word
+    of the delimiter, and eval had no way to change the run's reader options."""
+    train = frappe_like(tmp_path / "train.csv", GOOD)
+    semi = tmp_path / "semi.csv"
+    semi.write_text(train.read_text().replace(",", ";"))
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), "--out", str(tmp_path / "run"),
+                       f"data.train={semi}", f"data.valid={semi}", "data.options={delimiter: ';'}",
+                       "train.max_steps=2", "train.batch_size=16", "train.progress=false", "model.name=lr")  # fmt: skip
+    assert code == 0, err
+    code, same, err = run(capsys, "eval", str(tmp_path / "run"), "--data", str(semi))  # the run's options
+    assert code == 0, err
+    code, _, err = run(capsys, "eval", str(tmp_path / "run"), "--data", str(train))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "the header is one column for delimiter ';' but holds ','" in err
+    assert "set data.options.delimiter to ','" in err
+    for override in (["data.options.delimiter=','"], ["--data", str(train), "data.options={delimiter: ','}"]):
+        argv = ["eval", str(tmp_path / "run"), *override] + (
+            ["--data", str(train)] if len(override) == 1 else []
+        )
+        code, out, err = run(capsys, *argv)
+        assert code == 0 and json.loads(out) == json.loads(same), err
+    code, _, err = run(capsys, "eval", str(tmp_path / "run"), "--data", str(train), "train.max_steps=3")
+    assert code == 2 and "eval takes overrides of the reader's options only" in err
+    code, _, err = run(
+        capsys, "eval", str(tmp_path / "run"), "--data", str(train), "data.options.delimtier=x"
+    )
+    assert code == 2 and "delimtier" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_help_for_each_command():
     for argv in ([], ["train"], ["eval"], ["data", "inspect"], ["data", "prepare"], ["export"], ["serve"]):
         r = subprocess.run(

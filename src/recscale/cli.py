@@ -169,7 +169,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from recscale.train.runs import eval_run
 
     metrics = eval_run(
-        Path(args.run_dir), args.data, args.format, on_bad_row=args.on_bad_row, group_by=args.group_by
+        Path(args.run_dir),
+        args.data,
+        args.format,
+        on_bad_row=args.on_bad_row,
+        overrides=args.overrides,
+        group_by=args.group_by,
     )
     shutdown()  # as train and export: gloo's threads joined now, not by exit-time destructors
     print(strict_json(metrics))
@@ -454,6 +459,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="score a trained run on a data file; prints one JSON line")
     e.add_argument("run_dir")
+    e.add_argument(
+        "overrides",
+        nargs="*",
+        help="reader options as train takes them, e.g. \"data.options={delimiter: ','}\" (default: the run's data.options)",
+    )
     e.add_argument(
         "--data",
         help="file in the same format as the run's training data (a synthetic run: its own test split)",

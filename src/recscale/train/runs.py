@@ -216,14 +216,24 @@ def eval_run(
     split: str = "test",
     on_bad_row: OnBadRow | None = None,
     group_by: str | None = None,
+    overrides: list[str] | None = None,
 ) -> dict[str, Any]:
     """The metrics (auc, logloss, ne, calibration, rows; skipped_rows and unknown_id_fields, the sparse
     fields with a vocabulary none of whose ids the file holds, if any) of the run's best (else
     latest) model on the file ``data_path``, read as ``fmt`` (default: the run's format); a run on
     synthetic data, without a file, on its own synthetic ``split``. Bad rows as ``on_bad_row`` says
-    (default: as the run read its data). ``group_by``: a single-id feature; adds the group AUC over its
-    ids (``evaluate``)."""
+    (default: as the run read its data). The reader's options are the run's ``data.options`` (another
+    ``fmt``'s: its defaults), changed by ``overrides`` of them as train takes them (``data.options.delimiter=';'``
+    or ``data.options={delimiter: ','}``). ``group_by``: a single-id feature;
+    adds the group AUC over its ids (``evaluate``)."""
     run_config(run_dir)  # a directory that is not a run is named first
+    for item in overrides or []:  # checked before the model loads
+        key = item.partition("=")[0]
+        if key != "data.options" and not key.startswith("data.options."):
+            raise ConfigError(
+                f"eval: override '{item}': eval takes overrides of the reader's options only, "
+                "e.g. \"data.options={delimiter: ','}\" (bad rows: --on-bad-row; the format: --format)"
+            )
     # A file, or a directory where the format reads one (MovieLens); the readers name a wrong kind of path.
     if data_path is not None and not Path(data_path).exists():
         raise DataError(f"--data {data_path}: no such file; give the file to score")
@@ -254,11 +264,15 @@ def eval_run(
         )
     # The run's data.options are its own format's reader's: another --format reads with its defaults.
     other = fmt is not None and fmt != cfg.data.format
+    options = dict({} if other else cfg.data.options or {})
+    options = apply_overrides({"data": {"options": options}}, list(overrides or []))["data"]["options"]
+    if not isinstance(options, dict):
+        raise ConfigError(f"eval: data.options must be a mapping of reader options, got {options!r}")
     data = cfg.data.model_copy(
         update={
             "format": fmt or cfg.data.format,
             "on_bad_row": on_bad_row or cfg.data.on_bad_row,
-            "options": {} if other else cfg.data.options,
+            "options": options,
         }
     )
     with tempfile.TemporaryDirectory(prefix="recscale-eval-") as tmp:

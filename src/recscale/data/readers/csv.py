@@ -27,6 +27,7 @@ from recscale.data.readers.text import (
     read_header,
 )
 from recscale.data.schema import Schema
+from recscale.errors import DataError
 from recscale.settings import Settings
 
 
@@ -48,8 +49,22 @@ def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator
     wanted = source_columns(schema)
     missing = [c for c in wanted if c not in names]
     if missing:
-        raise missing_columns_error(path, missing, names)
+        error = missing_columns_error(path, missing, names)
+        if len(names) == 1 and (hint := delimiter_hint(names[0], options.delimiter)):
+            raise DataError(f"{error}; {hint}")
+        raise error
     return _batches(path, schema, options, bad, names, wanted)
+
+
+def delimiter_hint(header: str, delimiter: str) -> str | None:
+    """For a header read as one column: the advice to set the delimiter it seems to use, if any."""
+    other = next((d for d in (",", ";", "\t", "|") if d != delimiter and d in header), None)
+    if other is None:
+        return None
+    return (
+        f"the header is one column for delimiter {delimiter!r} but holds {other!r}: if the file is "
+        f"{other!r}-delimited, set data.options.delimiter to {other!r}"
+    )
 
 
 def _batches(
