@@ -132,8 +132,8 @@ def test_eval_batches_rows_as_the_run_evaluated_them(tmp_path, capsys):
 
 
 def test_eval_names_the_fields_none_of_whose_ids_training_saw(tmp_path, capsys):
-    """A file writing its ids as 3.0 where training's wrote 3 scored every row as OOV: AUC fell to chance
-    with nothing said. eval now lists such fields (unknown_id_fields) and says why on stderr; not a field
+    """A file writing its ids as 03 where training's wrote 3 scored every row as OOV: AUC fell to chance
+    with nothing said (3.0 for 3 did too, which now reads as 3: the readers' id rule). eval now lists such fields (unknown_id_fields) and says why on stderr; not a field
     whose vocabulary is empty (min_count above every count), which is OOV in training too."""
     train = frappe_like(tmp_path / "train.csv", GOOD)
     schema = (
@@ -143,14 +143,19 @@ def test_eval_names_the_fields_none_of_whose_ids_training_saw(tmp_path, capsys):
                        f"data.train={train}", f"data.valid={train}", "train.max_steps=2", "train.batch_size=16",
                        "train.progress=false", "model.name=lr")  # fmt: skip
     assert code == 0, err
-    floats = [",".join([r[0], *(f"{c}.0" for c in r.split(",")[1:3]), *r.split(",")[3:]]) for r in GOOD]
+    padded = [",".join([r[0], *(f"0{c}" for c in r.split(",")[1:3]), *r.split(",")[3:]]) for r in GOOD]
     code, out, err = run(
-        capsys, "eval", str(tmp_path / "run"), "--data", str(frappe_like(tmp_path / "f.csv", floats))
+        capsys, "eval", str(tmp_path / "run"), "--data", str(frappe_like(tmp_path / "f.csv", padded))
     )
     assert code == 0 and json.loads(out)["unknown_id_fields"] == ["user", "item"]
     assert err.startswith("note: no id of user, item is in the run's vocabularies") and err.count("\n") == 1
     code, out, err = run(capsys, "eval", str(tmp_path / "run"), "--data", str(train))
     assert code == 0 and err == "" and "unknown_id_fields" not in json.loads(out)
+    floats = [",".join([r[0], *(f"{c}.0" for c in r.split(",")[1:3]), *r.split(",")[3:]]) for r in GOOD]
+    code, same, err = run(
+        capsys, "eval", str(tmp_path / "run"), "--data", str(frappe_like(tmp_path / "f.csv", floats))
+    )
+    assert code == 0 and err == "" and json.loads(same) == json.loads(out)
 
 
 @pytest.mark.parametrize(("fraction", "words"), [(0.01, "for the report; give a valid split with more rows, or a "
