@@ -32,8 +32,15 @@ def test_guess_format(tmp_path):
     assert guess_format(write(tmp_path / "a.libfm", ["-1 3:1 7:1"])) == "libsvm"
     pq.write_table(pa.table({"label": [1]}), tmp_path / "a.bin")
     assert guess_format(tmp_path / "a.bin") == "parquet"  # by its magic bytes
-    assert guess_format(tmp_path) == "movielens"
     assert guess_format(tmp_path / "x.inter") == "movielens"
+    # A folder is MovieLens only with its .inter file: a folder of CSVs was read as MovieLens.
+    with pytest.raises(
+        DataError,
+        match=r"is a directory with no MovieLens \.inter file; .* give one of its files \(a\.bin, a\.csv",
+    ):
+        guess_format(tmp_path)
+    write(tmp_path / "ml.inter", ["user_id:token\titem_id:token\trating:float\ttimestamp:float"])
+    assert guess_format(tmp_path) == "movielens"
     with pytest.raises(DataError, match="cannot tell its format"):
         guess_format(write(tmp_path / "a.dat", ["hello"]))
     with pytest.raises(DataError, match="no such file"):

@@ -79,8 +79,18 @@ MERGE_EVERY = 64
 def guess_format(path: str | Path) -> str:
     """The format of ``path`` from its name, else its first bytes / first line."""
     path = Path(path)
-    if path.is_dir() or path.suffix == ".inter":
+    if path.suffix == ".inter" or (path.is_dir() and any(path.glob("*.inter"))):
         return "movielens"
+    if path.is_dir():  # a folder of CSV or Parquet splits, say: MovieLens is the one format read as a folder
+        files = sorted(f.name for f in path.iterdir() if f.is_file() and not f.name.startswith("."))
+        listed = (
+            f"one of its files ({', '.join(files[:5])}{', ...' if len(files) > 5 else ''})"
+            if files
+            else "a file"
+        )
+        raise DataError(
+            f"{path} is a directory with no MovieLens .inter file; data inspect reads one file: give {listed}"
+        )
     check_file(path)
     suffixes = [s for s in path.suffixes if s not in (".gz", ".bz2", ".zst")]
     last = suffixes[-1] if suffixes else ""
