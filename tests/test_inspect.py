@@ -2,6 +2,7 @@
 
 import datetime
 import json
+import math
 from pathlib import Path
 
 import pyarrow as pa
@@ -197,7 +198,9 @@ def _as_training_reads(path: Path, fmt: str, report: dict) -> tuple[int, int, li
     schema = Schema(
         dense=[DenseFeature(name=n) for n, k in kinds.items() if k == "dense"],
         sparse=[
-            SparseFeature(name=n, multi=k == "multi") for n, k in kinds.items() if k in ("sparse", "multi")
+            SparseFeature(name=n, multi=k == "multi", weighted=c.get("weighted", False))
+            for n, k, c in ((c["name"], c["type"], c) for c in report["columns"])
+            if k in ("sparse", "multi")
         ],
     )
     stats = ReadStats()
@@ -266,6 +269,26 @@ def test_inspect_parquet_counts_rows_as_training_reads_them(tmp_path):
     ]
     assert _as_training_reads(path, "parquet", report) == (1, 4, report["bad_row_examples"])
     assert columns(report)["id"]["cardinality"] == 1
+
+
+def test_inspect_parquet_weights_are_their_features_weights_not_ids(tmp_path):
+    """h__w, the weights of multi-id column h, was inspected as a multi-id column of its own (its weights
+    counted as ids), and its rows were not checked as training checks them."""
+    table = pa.table(
+        {
+            "label": [1, 0, 1, 0],
+            "h": [["a", "b"], ["c"], ["d"], ["e"]],
+            "h__w": pa.array([[1.0, 2.0], [0.5, 1.0], [math.nan], [2.0]]),
+        }
+    )
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path)
+    report = inspect_file(path)
+    cols = columns(report)
+    assert cols["h__w"] == {"name": "h__w", "type": "weights", "feature": "h"}
+    assert cols["h"]["weighted"] is True and cols["h"]["cardinality"] == 3  # a, b, e
+    assert (report["rows"], report["bad_rows"]) == (2, 2)
+    assert _as_training_reads(path, "parquet", report) == (2, 2, report["bad_row_examples"])
 
 
 def test_inspect_parquet_float_lists_as_training_reads_them(tmp_path):

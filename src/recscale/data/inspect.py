@@ -17,7 +17,9 @@ file is read a second time with the kinds found, those rows then dropped from ev
 Inferred schemas: csv/parquet: a column named ``label`` is the label (parquet: one of numbers); numeric
 columns holding a non-integer value (parquet: float columns) are dense; text cells containing ``|``
 (parquet: list columns) are multi; the rest sparse (parquet: a struct, map or list of lists is
-``unsupported``, reported with its type and no statistics). criteo: its fixed layout. libsvm: ``fields``
+``unsupported``, reported with its type and no statistics; a list column of numbers ``NAME__w`` beside
+multi column ``NAME`` is ``weights``, of ``NAME``, which is then ``weighted``: its rows checked as training's
+weights are, no statistics of its own). criteo: its fixed layout. libsvm: ``fields``
 mode with one feature per token position (``f1``, ``f2``, ...) when the first lines agree on a token count,
 else ``bag`` mode (one weighted multi feature ``features``). movielens: every joined column,
 ``float`` ones dense (but ``rating``, the label's source), ``token_seq`` ones multi; split ``all``.
@@ -48,6 +50,7 @@ from recscale.data.readers.base import (
     damage_named,
     is_list,
     list_ids,
+    list_weights,
     nonempty_ids,
     parse_floats,
     split_ids,
@@ -72,6 +75,7 @@ from recscale.errors import DataError
 LIBSVM_LINE = re.compile(rb"^\S+(\s+[^\s:]+:\S+)+\s*$")
 MULTI_SEP = "|"
 UNSUPPORTED = "unsupported"  # a parquet column no feature can read (struct, map, list of lists)
+WEIGHTS = "weights"  # a parquet list column NAME__w of numbers: the weights of multi-id column NAME
 # Merge the per-batch distinct values every this many batches (bounds the duplicates held).
 MERGE_EVERY = 64
 
@@ -194,16 +198,23 @@ class _Column:
         # Cells a dense feature rejects as NaN or infinite (``to_dense``'s rule), while still numeric.
         self.nonfinite = 0
         self.arrow_type = ""  # parquet: the column's type (reported for an UNSUPPORTED one)
+        self.weights_of: _Column | None = None  # WEIGHTS: the multi-id column they weigh
+        self.weighted = False  # a multi-id column with a WEIGHTS column
 
-    def check(self, values: pa.Array) -> Problem | None:
+    def check(self, values: pa.Array, batch: pa.RecordBatch) -> Problem | None:
         """The rows training drops for this column's cells, as ``read_batches`` finds them: a label that
         is not 0/1 (``to_label``), a dense value that is not a finite number (``to_dense``), an id that is
         none (``to_ids``, ``list_ids``: bytes that are not UTF-8, a float that is not a whole number)."""
         kind = self.kind or self.decided
-        if kind not in (LABEL, "dense", "sparse", "multi"):
+        if kind not in (LABEL, "dense", "sparse", "multi", WEIGHTS):
             return None
         if isinstance(values, pa.DictionaryArray):
             values = values.dictionary_decode()
+        if kind == WEIGHTS and self.weights_of is not None:  # as the parquet reader checks them: per id
+            ids = batch.column(self.weights_of.name)
+            if isinstance(ids, pa.DictionaryArray):
+                ids = ids.dictionary_decode()
+            return list_weights(values, list_ids(ids)[0], self.weights_of.name)[1]
         if kind == LABEL:
             return to_label(values)[1]
         if kind == "dense":
@@ -215,7 +226,7 @@ class _Column:
     def add(self, values: pa.Array) -> None:
         """Count the cells of rows training reads (those ``check`` rejected already dropped)."""
         self.rows += len(values)
-        if self.kind == UNSUPPORTED:
+        if self.kind in (UNSUPPORTED, WEIGHTS):
             return
         if isinstance(values, pa.DictionaryArray):
             values = values.dictionary_decode()
@@ -268,6 +279,8 @@ class _Column:
         kind = self.inferred()
         if kind == UNSUPPORTED:
             return {"name": self.name, "type": kind, "arrow_type": self.arrow_type}
+        if kind == WEIGHTS and self.weights_of is not None:
+            return {"name": self.name, "type": kind, "feature": self.weights_of.name}
         cardinality = self.distinct.count()
         # A multi-id row without ids is missing: a null cell or list, an empty one, or only empty ids.
         missing = int(self.lengths.rows_of[0]) if kind == "multi" else self.missing
@@ -278,6 +291,8 @@ class _Column:
             "missing": missing,
         }
         if kind == "multi":
+            if self.weighted:
+                out["weighted"] = True
             out["length"] = self.lengths.report(max_len)
         if self.counts is not None and kind in ("sparse", "multi"):
             out["pooling"] = round(self.ids / max(self.rows, 1), 4)
@@ -321,7 +336,7 @@ def _scan(chunks: Iterator[_Chunk], columns: list[_Column], bad: BadRows | None)
     for chunk in chunks:
         batch = chunk.batch
         if bad is not None:
-            problems = [col.check(batch.column(col.name)) for col in columns]
+            problems = [col.check(batch.column(col.name), batch) for col in columns]
             keep = bad.keep(batch.num_rows, problems, chunk.locate, chunk.rejected)
             if keep is not None:
                 batch = batch.filter(pa.array(keep))
@@ -433,6 +448,7 @@ def inspect_file(
         ]
         for c, f in zip(columns, file.schema_arrow, strict=True):
             c.arrow_type = str(f.type)
+        _pair_weights(columns, file.schema_arrow)
         rows = _scan(
             _take(_parquet_chunks(path, file), max_rows), columns, BadRows(path, "row", "skip", stats)
         )
@@ -466,6 +482,22 @@ def inspect_file(
         "positive_rate": label.positives / label.rows if label and label.rows else None,
         "columns": [c.report(max_len) for c in columns],
     }
+
+
+def _pair_weights(columns: list[_Column], arrow: pa.Schema) -> None:
+    """A list-of-numbers column ``NAME__w`` beside multi-id column ``NAME`` holds NAME's weights, as the
+    parquet reader reads them for a weighted feature: not ids of a feature of its own."""
+    by_name = {c.name: c for c in columns}
+    for c in columns:
+        owner = by_name.get(c.name.removesuffix(WEIGHT_SUFFIX))
+        if not c.name.endswith(WEIGHT_SUFFIX) or owner is None or owner is c or owner.kind != "multi":
+            continue
+        dtype = arrow.field(c.name).type
+        dtype = dtype.value_type if pa.types.is_dictionary(dtype) else dtype
+        if is_list(dtype) and (
+            pa.types.is_integer(dtype.value_type) or pa.types.is_floating(dtype.value_type)
+        ):
+            c.kind, c.counts, c.weights_of, owner.weighted = WEIGHTS, None, owner, True
 
 
 def _parquet_kind(dtype: pa.DataType) -> str:
