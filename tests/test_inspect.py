@@ -90,6 +90,26 @@ def test_inspect_max_rows(tmp_path):
     assert report["rows"] == 10 and columns(report)["a"]["cardinality"] == 10
 
 
+@pytest.mark.parametrize(
+    ("name", "lines"),
+    [
+        (
+            "t.csv",
+            ["label,a", "1,2,3", "x,2", "1,2,3", "1,5", "0,6", "1,7"],
+        ),  # wrong column counts, a bad label
+        ("day_0", [criteo_line("x")] * 3 + [criteo_line()] * 3),
+        ("t.libfm", ["2 1:1 2:1", "1 1:1 2", "1 1:1:1 2:1", "1 1:1 2:1", "0 3:1 2:1", "1 4:1 2:1"]),
+    ],
+)
+def test_inspect_max_rows_bounds_the_rows_read_good_or_bad(tmp_path, name, lines):
+    """max_rows counted good rows only (criteo, libsvm: the reader dropped the bad ones before the count;
+    csv: rows of a wrong column count did not count), reading on past the bound."""
+    report = inspect_file(write(tmp_path / name, lines), max_rows=3)
+    assert (report["rows"], report["bad_rows"], len(report["bad_row_examples"])) == (0, 3, 3)
+    report = inspect_file(tmp_path / name, max_rows=4)
+    assert (report["rows"], report["bad_rows"]) == (1, 3)
+
+
 def test_inspect_criteo(tmp_path):
     path = write(tmp_path / "day_0", [criteo_line("0", "", "")] + [criteo_line()] * 3)
     report = inspect_file(path)

@@ -563,7 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--delimiter",
         help="csv: the field separator, as data.options.delimiter (default ,; given, the format is csv)",
     )
-    i.add_argument("--max-rows", type=_int_in(1), help="read only this many rows")
+    i.add_argument("--max-rows", type=_int_in(1),
+                   help="read only the file's first N rows, good or bad (movielens: its first N ratings by time)")  # fmt: skip
     i.add_argument("--tables", action="store_true",
                    help="also each id column's pooling factor and 17-bin access histogram (learned sharding)")  # fmt: skip
     i.add_argument("--max-len", type=_int_in(1),

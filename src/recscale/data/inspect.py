@@ -39,7 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from recscale.data.access import histogram_of_counts
-from recscale.data.readers import FORMATS, ReadStats, read_batches, validate_options
+from recscale.data.readers import FORMATS, ReadStats, libsvm, read_batches, validate_options
 from recscale.data.readers.base import (
     FLOAT32,
     BadRows,
@@ -53,6 +53,7 @@ from recscale.data.readers.base import (
     list_weights,
     nonempty_ids,
     parse_floats,
+    raw_arrow_schema,
     split_ids,
     to_dense,
     to_ids,
@@ -65,6 +66,7 @@ from recscale.data.readers.text import (
     column_of,
     first_line,
     iter_chunks,
+    iter_converted,
     iter_text_tables,
     lines_of,
     read_header,
@@ -308,23 +310,31 @@ class _Chunk:
     batch: pa.RecordBatch
     locate: Locate
     rejected: list[tuple[int, str]]
+    # The rows' problems as the reader found them (criteo, libsvm: its batch is the raw layout already);
+    # None: ``_Column.check`` finds them.
+    problems: list[Problem | None] | None = None
 
 
 def _take(chunks: Iterator[_Chunk], max_rows: int | None) -> Iterator[_Chunk]:
-    """The first ``max_rows`` rows of a stream (all when None); rows the parser rejected count only
-    before the cut."""
+    """The first ``max_rows`` rows of a stream (all when None), good or bad: the rows the parser
+    rejected count as read too."""
     left = max_rows
     for chunk in chunks:
         if left is not None:
             if left <= 0:
                 return
-            if chunk.batch.num_rows > left:
-                rejected = chunk.rejected
-                if rejected:
-                    cut = int(chunk.locate(np.array([left]))[0])  # the position of the first row left out
-                    rejected = [r for r in rejected if r[0] < cut]
-                chunk = _Chunk(chunk.batch.slice(0, left), chunk.locate, rejected)
-            left -= chunk.batch.num_rows
+            n = chunk.batch.num_rows
+            if n + len(chunk.rejected) > left:
+                # The positions of all rows read, in file order: the cut falls after the left-th.
+                at = chunk.locate(np.arange(n))
+                cut = np.sort(np.concatenate([at, [pos for pos, _ in chunk.rejected]]))[left - 1]
+                kept = int(np.searchsorted(at, cut, side="right"))
+                problems = chunk.problems
+                if problems is not None:
+                    problems = [p if p is None else Problem(p.bad[:kept], p.reason) for p in problems]
+                rejected = [r for r in chunk.rejected if r[0] <= cut]
+                chunk = _Chunk(chunk.batch.slice(0, kept), chunk.locate, rejected, problems)
+            left -= chunk.batch.num_rows + len(chunk.rejected)
         yield chunk
 
 
@@ -336,7 +346,9 @@ def _scan(chunks: Iterator[_Chunk], columns: list[_Column], bad: BadRows | None)
     for chunk in chunks:
         batch = chunk.batch
         if bad is not None:
-            problems = [col.check(batch.column(col.name), batch) for col in columns]
+            problems = chunk.problems
+            if problems is None:
+                problems = [col.check(batch.column(col.name), batch) for col in columns]
             keep = bad.keep(batch.num_rows, problems, chunk.locate, chunk.rejected)
             if keep is not None:
                 batch = batch.filter(pa.array(keep))
@@ -363,6 +375,24 @@ def _parquet_chunks(path: Path, file: pq.ParquetFile) -> Iterator[_Chunk]:
         for batch in file.iter_batches():
             yield _Chunk(batch, consecutive(row), [])
             row += batch.num_rows
+
+
+def _reader_chunks(path: Path, fmt: str, schema: Schema, options: dict) -> Iterator[_Chunk]:
+    """Every row of a criteo or libsvm file as its training reader converts it, with the rows' problems."""
+    layout = raw_arrow_schema(schema)
+    if fmt == "criteo":
+        check_file(path)
+        for text, arrays, problems in iter_converted(
+            path, CRITEO_COLUMNS, CRITEO_COLUMNS, schema, delimiter="\t", quote=False, skip_header=False,
+            skip_undecodable=True,
+        ):  # fmt: skip
+            yield _Chunk(
+                pa.RecordBatch.from_arrays(arrays, schema=layout), text.locate, text.rejected, problems
+            )
+        return
+    opts = libsvm.Options.model_validate(options)
+    for arrays, problems, locate, dropped in libsvm.parsed_chunks(path, schema, opts, skip_undecodable=True):
+        yield _Chunk(pa.RecordBatch.from_arrays(arrays, schema=layout), locate, dropped, problems)
 
 
 def _libsvm_options(path: Path, options: dict) -> tuple[dict, Schema]:
@@ -410,7 +440,8 @@ def inspect_file(
 ) -> dict[str, Any]:
     """Summarise a data file: format, rows, bad rows, positive rate and per-column statistics.
 
-    Streams the file; with ``max_rows`` the counts cover only its first ``max_rows`` rows. No
+    Streams the file; with ``max_rows`` the counts cover only its first ``max_rows`` rows, good or bad
+    (movielens, whose files are read whole: the first of its ratings sorted by time, all bad rows). No
     schema is needed (see the module doc for the inferred one). With ``tables``, each id column also
     reports the embedding-table features of the learned sharding planner: ``pooling`` (ids per row)
     and ``access_histogram`` (``data.access``; over the rows read: ``max_rows`` 4096 gives the
@@ -468,9 +499,14 @@ def inspect_file(
         columns = [
             _Column(n, kinds[n], tables) for n in schema.column_names() if not n.endswith(WEIGHT_SUFFIX)
         ]
-        # The reader drops (and counts in stats) the rows training drops, as training reads them.
-        batches = read_batches(path, fmt, schema, options, on_bad_row="skip", stats=stats)
-        rows = _scan(_take((_Chunk(b, consecutive(1), []) for b in batches), max_rows), columns, None)
+        if fmt == "movielens":
+            # Its files are read whole, joined and sorted by time: the reader drops (and counts in stats)
+            # the bad rows of every file, and max_rows takes the first rows of the sorted ratings.
+            batches = read_batches(path, fmt, schema, options, on_bad_row="skip", stats=stats)
+            rows = _scan(_take((_Chunk(b, consecutive(1), []) for b in batches), max_rows), columns, None)
+        else:  # every row as the reader converts it, bad ones too, so that max_rows counts them
+            chunks = _reader_chunks(path, fmt, schema, options)
+            rows = _scan(_take(chunks, max_rows), columns, BadRows(path, "line", "skip", stats))
     label = next((c for c in columns if c.kind == LABEL), None)
     return {
         "path": str(path),

@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 
 from recscale.data.readers.base import (
     BadRows,
+    Locate,
     Problem,
     check_file,
     make_batch,
@@ -71,12 +72,23 @@ def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator
 
 
 def _batches(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator[pa.RecordBatch]:
+    for arrays, problems, locate, dropped in parsed_chunks(path, schema, options, bad.on_bad_row == "skip"):
+        keep = bad.keep(len(arrays[0]), problems, locate, dropped)
+        yield make_batch(arrays, schema, keep)
+
+
+def parsed_chunks(
+    path: Path, schema: Schema, options: Options, skip_undecodable: bool
+) -> Iterator[tuple[list[pa.Array], list[Problem | None], Locate, list[tuple[int, str]]]]:
+    """Each chunk's rows in the raw layout, all of them, bad ones too: (arrays, their problems, row
+    indices -> file lines, (line, reason) of lines that are not UTF-8 text, with ``skip_undecodable``;
+    without it such a line is an error)."""
     for first, chunk in iter_chunks(path):
         dropped: list[tuple[int, str]] = []
         try:
             text = lines_of(chunk, path, first)
         except NotUtf8:
-            if bad.on_bad_row != "skip":
+            if not skip_undecodable:
                 raise
             clean, dropped = drop_undecodable(chunk, first)  # emptied: blank lines, which are no rows
             text = lines_of(clean, path, first)
@@ -84,8 +96,7 @@ def _batches(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iter
         nonblank = pc.not_equal(lines, "").to_numpy(zero_copy_only=False)
         line_no = first + np.flatnonzero(nonblank)
         arrays, problems = _parse(lines.filter(pa.array(nonblank)), schema, options)
-        keep = bad.keep(len(line_no), problems, line_no.take, dropped)
-        yield make_batch(arrays, schema, keep)
+        yield arrays, problems, line_no.take, dropped
 
 
 def _parse(lines: pa.Array, schema: Schema, options: Options) -> tuple[list[pa.Array], list[Problem | None]]:
