@@ -260,6 +260,12 @@ def test_inspect_counts_rows_as_training_reads_them(tmp_path):
     assert (report["rows"], report["bad_rows"], columns(report)["user"]["type"]) == (2, 0, "sparse")
 
 
+def test_inspect_counts_ids_as_training_reads_them(tmp_path):
+    # "3.0" is id 3 in training (as a Parquet float 3.0 is): inspect counted it as a second id.
+    report = inspect_file(write(tmp_path / "t.csv", ["label,a", "1,3", "0,3.0", "1,007", "0,7"]))
+    assert columns(report)["a"] == {"name": "a", "type": "sparse", "cardinality": 3, "missing": 0}
+
+
 def test_inspect_counts_a_line_that_is_not_utf8_as_a_bad_row(tmp_path):
     # It stopped inspect, which reads as training does with on_bad_row: skip.
     path = tmp_path / "t.csv"

@@ -52,6 +52,7 @@ from recscale.data.readers.base import (
     list_ids,
     list_weights,
     nonempty_ids,
+    normal_ids,
     parse_floats,
     raw_arrow_schema,
     split_ids,
@@ -267,7 +268,7 @@ class _Column:
             self.lengths.add(pc.list_value_length(ids).to_numpy(zero_copy_only=False))
             return ids.flatten()
         self.lengths.add(cells.is_valid().to_numpy(zero_copy_only=False).astype(np.int64))  # one id, or none
-        return cells
+        return normal_ids(cells)  # as training reads them: 3.0 is id 3
 
     def inferred(self) -> str:
         """The column's kind: given, decided by an earlier pass, or inferred from its cells."""
