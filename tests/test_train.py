@@ -1,4 +1,5 @@
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -385,15 +386,36 @@ def test_a_nan_metric_is_worse_than_any_number(metric):
     es = EarlyStopping(metric=metric, patience=3, reduce_lr_factor=0.5, restore_best=True)
     p, nan = Progress(), float("nan")
     improved, restore = [], []
+
+    def m(value: float) -> dict[str, float]:  # NaN: a diverged model, whose LogLoss is NaN too
+        return {"auc": value, "logloss": value} if math.isnan(value) else {"logloss": 0.3, metric: value}
+
     for step, value in enumerate([nan, nan, 0.5, nan, 0.6 if metric == "auc" else 0.4], start=1):
         p.step = step
-        improved.append(p.improves({metric: value}, es))
-        restore.append(p.record_eval({metric: value}, improved[-1], es))
+        improved.append(p.improves(m(value), es))
+        restore.append(p.record_eval(m(value), improved[-1], es))
     assert improved == [False, False, True, False, True]
     assert restore == [True, True, False, True, False] and not p.stopped_early
     assert (p.best_step, p.bad_evals, p.lr_scale) == (5, 0, 0.5**3)
     old = Progress(best=nan)  # what a checkpoint written before the fix holds
-    assert old.improves({metric: 0.5}, es) and not old.improves({metric: nan}, es)
+    assert old.improves(m(0.5), es) and not old.improves(m(nan), es)
+
+
+@pytest.mark.parametrize("metric", ["auc", "ne"])
+def test_early_stopping_compares_logloss_where_the_metric_is_undefined(metric):
+    """AUC and NE of a valid split of one class are NaN at every evaluation: the run stopped after
+    `patience` evaluations with best_step 0, whatever the model learnt. Early stopping compares their
+    LogLoss instead (which is defined)."""
+    from recscale.config import EarlyStopping
+    from recscale.train.state import Progress, watched_metric
+
+    es, p, nan = EarlyStopping(metric=metric, patience=2), Progress(), float("nan")
+    for step, logloss in enumerate([0.6, 0.5, 0.55, 0.4, 0.45, 0.41], start=1):
+        p.step = step
+        evaluation = {"auc": nan, "logloss": logloss, "ne": nan}
+        assert watched_metric(evaluation, es) == "logloss"
+        p.record_eval(evaluation, p.improves(evaluation, es), es)
+    assert (p.best, p.best_step, p.bad_evals, p.stopped_early) == (0.4, 4, 2, True)
 
 
 @pytest.mark.slow
@@ -447,6 +469,25 @@ def test_report_fraction_holds_valid_rows_out_of_every_selection(tmp_path):
     assert np.array_equal(held_out(2000, 0.3), held_out(5000, 0.3)[:2000])
     other = Trainer(load_config(CONFIGS / "demo.yaml", [*over, "seed=1"]), tmp_path / "s")
     assert other.report_ds is not None and np.array_equal(other.report_ds.index, tr.report_ds.index)
+
+
+def test_a_valid_split_of_one_class_stops_early_on_logloss(tmp_path):
+    """Early stopping on AUC with a valid split of one class stopped after `patience` evaluations at
+    best_step 0 (AUC undefined at each); it compares LogLoss, and says so once."""
+    rows = [f"{i % 2},{i % 7},{i % 11}" for i in range(64)]
+    (tmp_path / "train.csv").write_text("\n".join(["label,user,item", *rows]) + "\n")
+    (tmp_path / "valid.csv").write_text("\n".join(["label,user,item", *(f"0,{r[2:]}" for r in rows)]) + "\n")
+    (tmp_path / "run.yaml").write_text(
+        f"data:\n  format: csv\n  train: {tmp_path / 'train.csv'}\n  valid: {tmp_path / 'valid.csv'}\n"
+        "  schema: {label: label, sparse: [{name: user}, {name: item}]}\n  num_workers: 0\n"
+        "model: {name: lr}\n"
+        "train: {batch_size: 16, max_steps: 3, eval_every: 1, log_every: 1, progress: false,\n"
+        "        early_stopping: {metric: auc, patience: 2}}\n"
+    )
+    with pytest.warns(UserWarning, match="metric=auc is undefined on the valid split") as said:
+        report = Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()
+    assert len([w for w in said if "undefined" in str(w.message)]) == 1
+    assert report["best_step"] >= 1 and (tmp_path / "r" / "best").is_dir()
 
 
 def test_nan_metrics_are_written_as_json_null(tmp_path, capsys):

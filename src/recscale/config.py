@@ -119,6 +119,7 @@ class OptimizerConfig(Settings):
 
 
 class EarlyStopping(Settings):
+    # auc and ne are undefined on a valid split of one class: early stopping compares logloss there (warned).
     metric: Literal["auc", "logloss", "ne"] = "auc"
     patience: int = Field(2, ge=1)
     min_delta: float = Field(0.0, ge=0)

@@ -64,7 +64,7 @@ from recscale.train.optim import lr_factor
 from recscale.train.precision import autocast, warn_if_emulated
 from recscale.train.regularizers import DenseEMA, EmbeddingL2, TableDecay
 from recscale.train.runs import check_dmt_topology, check_resume, refuse_artifact
-from recscale.train.state import Progress, RunLog, rng_state, set_rng_state
+from recscale.train.state import Progress, RunLog, rng_state, set_rng_state, watched_metric
 
 
 def cost_model(
@@ -172,6 +172,7 @@ class Trainer:
         self.steps_per_epoch = n // t.batch_size + (1 if n % t.batch_size and n < t.batch_size else 0)
         self.total_steps = min(t.epochs * self.steps_per_epoch, t.max_steps or 10**18)
         self.decay_resolved = True  # fp16 tables' decay: see _warn_if_decay_rounds_away
+        self.said_watched = False  # early stopping's LogLoss in place of an undefined AUC/NE, said once
         if t.warmup_steps > self.total_steps and self.main:
             warnings.warn(
                 f"train.warmup_steps={t.warmup_steps} is longer than the run's {self.total_steps} steps: the "
@@ -473,6 +474,14 @@ class Trainer:
             improved = es is not None and p.improves(m, es)
             self.log({"split": "valid", "step": p.step, "epoch": p.epoch, **m})
             if es is not None:
+                if self.main and not self.said_watched and watched_metric(m, es) != es.metric:
+                    self.said_watched = True
+                    warnings.warn(
+                        f"train.early_stopping.metric={es.metric} is undefined on the valid split, whose "
+                        f"{m['rows']:,} rows are of one class: early stopping compares LogLoss instead; give "
+                        "valid rows of both classes to stop on the metric asked for",
+                        stacklevel=2,
+                    )
                 restore = p.record_eval(m, improved, es)
                 stop = p.stopped_early
                 if self.main and not stop:

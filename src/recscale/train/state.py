@@ -18,6 +18,17 @@ from recscale.io import atomic_write_text, naming, strict_json
 HIGHER_IS_BETTER = {"auc": True, "logloss": False, "ne": False}
 
 
+def watched_metric(metrics: dict[str, float], es: EarlyStopping) -> str:
+    """The metric early stopping compares in ``metrics``: ``es.metric``, or LogLoss where that is AUC or NE
+    and the split has one class. Both are undefined (NaN) there at every evaluation, so the run stopped
+    after ``patience`` of them at step 0; LogLoss still measures the model. NaN with a LogLoss that is not
+    NaN means one class: NaN logits (a diverged model) make the LogLoss NaN too, and count as no
+    improvement."""
+    if math.isnan(metrics[es.metric]) and not math.isnan(metrics["logloss"]):
+        return "logloss"
+    return es.metric
+
+
 @dataclass
 class Progress:
     """Where the run is: enough, with the checkpointed tensors, to continue exactly."""
@@ -43,8 +54,9 @@ class Progress:
         """Whether ``metrics`` beat the best evaluation so far by more than ``es.min_delta``. A NaN metric
         (AUC of a one-class split, a diverged loss) is worse than any number and never improves: kept as
         the best, it made every later comparison false. A NaN best (a checkpoint written before that)
-        counts as none."""
-        value, sign = metrics[es.metric], 1 if HIGHER_IS_BETTER[es.metric] else -1
+        counts as none. A split of one class is compared by LogLoss (``watched_metric``)."""
+        metric = watched_metric(metrics, es)
+        value, sign = metrics[metric], 1 if HIGHER_IS_BETTER[metric] else -1
         if math.isnan(value):
             return False
         return self.best is None or math.isnan(self.best) or sign * (value - self.best) > es.min_delta
@@ -53,7 +65,7 @@ class Progress:
         """Update early stopping after an evaluation (a plateau may cut the LR); True to restore
         the best weights now (``es.restore_best``, on a plateau that does not stop the run)."""
         if improved:
-            self.best, self.best_step, self.bad_evals = metrics[es.metric], self.step, 0
+            self.best, self.best_step, self.bad_evals = metrics[watched_metric(metrics, es)], self.step, 0
             return False
         self.bad_evals += 1
         self.stopped_early = self.bad_evals >= es.patience
