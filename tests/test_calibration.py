@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from recscale.config import load_config
 from recscale.errors import ConfigError
@@ -35,13 +36,24 @@ def test_fit_recovers_the_scale_and_bias_that_generated_the_labels():
     assert after["logloss"] < before["logloss"] - 0.05  # z was over-confident by 2x
 
 
+def platt_targets(y: torch.Tensor) -> torch.Tensor:
+    """Platt's smoothed targets of 0/1 labels: (N+ + 1)/(N+ + 2) for a positive, 1/(N- + 2) for a negative."""
+    pos = y.double().sum()
+    return torch.where(y > 0.5, (pos + 1) / (pos + 2), 1 / (y.numel() - pos + 2)).double()
+
+
+def platt_logloss(ab: tuple[float, float], z: torch.Tensor, y: torch.Tensor) -> float:
+    return F.binary_cross_entropy_with_logits(ab[0] * z.double() + ab[1], platt_targets(y)).item()
+
+
 def newton_platt(z: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """The LogLoss minimiser of sigmoid(a z + b) by float64 Newton steps, halved while they do not help."""
+    """The minimiser of the LogLoss of sigmoid(a z + b) against Platt's targets of y by float64 Newton
+    steps, halved while they do not help."""
     x = torch.stack([z.double(), torch.ones_like(z, dtype=torch.float64)], 1)
-    y, ab = y.double(), torch.tensor([1.0, 0.0], dtype=torch.float64)
+    y, ab = platt_targets(y), torch.tensor([1.0, 0.0], dtype=torch.float64)
 
     def loss(v: torch.Tensor) -> float:
-        return torch.nn.functional.binary_cross_entropy_with_logits(x @ v, y).item()
+        return F.binary_cross_entropy_with_logits(x @ v, y).item()
 
     for _ in range(100):
         p = torch.sigmoid(x @ ab)
@@ -63,10 +75,22 @@ def test_fit_is_the_logloss_minimiser(spread, centre, a, b):
     z = torch.randn(20_000, generator=gen) * spread + centre
     y = torch.bernoulli(torch.sigmoid(a * z + b), generator=gen)
     fit, ref = Calibration().fit(z, y), newton_platt(z, y)
-    logloss = [torch.nn.functional.binary_cross_entropy_with_logits(s * z.double() + c, y.double()).item()
-               for s, c in (fit, ref)]  # fmt: skip
-    assert logloss[0] == pytest.approx(logloss[1], abs=1e-12)
+    assert platt_logloss(fit, z, y) == pytest.approx(platt_logloss(ref, z, y), abs=1e-12)
     assert fit == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.mark.parametrize("n", [200, 5000])
+def test_separable_rows_get_a_finite_fit(n):
+    """Logits that separate valid's classes perfectly: against 0/1 labels the LogLoss falls without end
+    as a grows, and L-BFGS stopped at a ~ 700 (every score then 0 or 1). Platt's smoothed targets have a
+    finite minimiser, the Newton solution."""
+    z = torch.linspace(-3, 3, n)
+    y = (z > 0.5).double()
+    fit = Calibration().fit(z, y)
+    assert 0 < fit[0] < 50  # grows as log N: the targets of more rows are nearer 0 and 1
+    ref = newton_platt(z, y)
+    assert platt_logloss(fit, z, y) == pytest.approx(platt_logloss(ref, z, y), abs=1e-10)
+    assert fit == pytest.approx(ref, rel=1e-3)
 
 
 def test_a_reversed_ranking_keeps_the_identity():

@@ -3,7 +3,9 @@
 A model kept at its best validation AUC or LogLoss can still be over-confident (Wukong on Frappe: the
 fitted a is ~0.7). Two numbers, fit on held-out rows by LogLoss, fix that without moving the ranking
 (a > 0 keeps the order, so AUC is unchanged), and live in the model as buffers, so checkpoints,
-``recscale eval``, exports and the server all apply them.
+``recscale eval``, exports and the server all apply them. The targets are Platt's (1999) smoothed ones,
+(N+ + 1)/(N+ + 2) for a positive and 1/(N- + 2) for a negative: on rows the logits separate perfectly the
+LogLoss against 0/1 falls without end as a grows, and the fit stopped at a slope in the thousands.
 """
 
 from __future__ import annotations
@@ -47,8 +49,18 @@ class Calibration(nn.Module):
         self.bias.fill_(bias)
 
 
+def platt_targets(y: Tensor) -> Tensor:
+    """Platt's targets of 0/1 labels y: (N+ + 1)/(N+ + 2) for a positive, 1/(N- + 2) for a negative, whose
+    LogLoss has a finite minimiser also where the logits separate the classes."""
+    positives = y.sum()
+    negatives = y.numel() - positives
+    return torch.where(y > 0.5, (positives + 1) / (positives + 2), 1 / (negatives + 2))
+
+
 def _platt(z: Tensor, y: Tensor) -> tuple[float, float]:
-    """The (a, b) minimising the LogLoss of sigmoid(a * z + b) against y, float64 L-BFGS from (1, 0)."""
+    """The (a, b) minimising the LogLoss of sigmoid(a * z + b) against Platt's targets of y, float64 L-BFGS
+    from (1, 0)."""
+    y = platt_targets(y)
     ab = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
     opt = torch.optim.LBFGS([ab], max_iter=100, tolerance_change=1e-12, line_search_fn="strong_wolfe")
 
