@@ -268,6 +268,67 @@ def test_sigterm_still_ends_a_rank_at_once(tmp_path):
     assert code == -signal.SIGTERM and "SIGTERM" not in err, err[-2000:]
 
 
+def _sigterm_once(cmd: list[str], started: Path, log: Path) -> tuple[int, str]:
+    """Run ``recscale CMD``, SIGTERM it once ``started`` exists (the command is at work then); returns its
+    exit code and stderr."""
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "recscale.cli", *cmd], stdout=subprocess.DEVNULL,
+                                stderr=stderr, cwd=REPO)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert proc.poll() is None, f"it exited before {started} existed: {log.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"no {started} within 120 s"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    return proc.returncode, log.read_text()
+
+
+def test_sigterm_stops_a_sweep_with_one_line(tmp_path):
+    """SIGTERM ended `recscale sweep` with no word (rc -15), where `recscale train` says where it stopped and
+    exits 143: a sweep does as train does (cli._sigterm_raises) and says how to go on."""
+    sweep = tmp_path / "sweep.yaml"
+    families = {"dlrm": {"model": {"name": "dlrm"}, "sizes": [{"top_mlp": [16]}]}}
+    overrides = ["data.synthetic.rows={train: 400000, valid: 256, test: 256}", "data.synthetic.num_sparse=4",
+                 "data.num_workers=0", "model.embedding.dim=8", "train.batch_size=64",
+                 "train.progress=false"]  # fmt: skip
+    spec = {"base": str(CONFIGS / "demo.yaml"), "overrides": overrides, "out": str(tmp_path / "out"),
+            "families": families}  # fmt: skip
+    sweep.write_text(json.dumps(spec))  # JSON is YAML
+    code, err = _sigterm_once(["sweep", str(sweep)], tmp_path / "out" / "runs", tmp_path / "stderr.txt")
+    assert code == 128 + signal.SIGTERM, err[-2000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        "sweep: stopped by SIGTERM; run the same command again to go on (finished runs are skipped, "
+        "the one stopped starts afresh)"
+    )
+
+
+def test_sigterm_stops_data_prepare_with_one_line(tmp_path):
+    """SIGTERM ended `recscale data prepare` with no word (rc -15); it stops as train does, says so and
+    leaves no half-prepared directory."""
+    out = tmp_path / "prep"
+    cmd = [
+        "data",
+        "prepare",
+        str(CONFIGS / "demo.yaml"),
+        "data.synthetic.rows.train=3000000",
+        "--out",
+        str(out),
+    ]
+    code, err = _sigterm_once(cmd, out / "data", tmp_path / "stderr.txt")
+    assert code == 128 + signal.SIGTERM, err[-2000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"data prepare: stopped by SIGTERM before {out} was complete; run the same command again"
+    )
+    assert not out.exists()
+
+
 @dist_mark
 def test_sigterm_to_the_launcher_stops_its_job_with_one_line(tmp_path):
     """SIGTERM to `recscale train --nproc` ended the launcher alone: its agents and ranks trained on, orphaned,

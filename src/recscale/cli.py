@@ -318,12 +318,17 @@ def cmd_prepare(args: argparse.Namespace) -> None:
             "replace; give the prepared data a directory of its own"
         )
     t0 = time.perf_counter()
-    with removed_on_failure(out):
-        out.mkdir(parents=True, exist_ok=True)
-        with Hold(out):
-            _, splits, stats = prepare_run_data(
-                cfg.data, out, resume=False, main=True, progress=sys.stderr.isatty()
-            )
+    try:
+        with _sigterm_raises(), removed_on_failure(out):  # as train: stopped, it says so (one line, 143)
+            out.mkdir(parents=True, exist_ok=True)
+            with Hold(out):
+                _, splits, stats = prepare_run_data(
+                    cfg.data, out, resume=False, main=True, progress=sys.stderr.isatty()
+                )
+    except Terminated:
+        raise Terminated(
+            f"data prepare: stopped by SIGTERM before {out} was complete; run the same command again"
+        ) from None
     seconds = time.perf_counter() - t0
     for name, ds in splits.items():
         skipped = stats[name].skipped if name in stats else 0
@@ -332,9 +337,19 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:
+    from recscale.distributed.env import shutdown
     from recscale.scaling.sweep import run_sweep
 
-    print(f"results: {run_sweep(args.sweep, args.out)}")
+    try:
+        with _sigterm_raises():  # as train: stopped, it says so (one line, 143)
+            results = run_sweep(args.sweep, args.out)
+    except Terminated:
+        shutdown()
+        raise Terminated(
+            "sweep: stopped by SIGTERM; run the same command again to go on (finished runs are skipped, "
+            "the one stopped starts afresh)"
+        ) from None
+    print(f"results: {results}")
 
 
 def cmd_scaling_fit(args: argparse.Namespace) -> None:
@@ -703,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Terminated as e:  # a training stopped by SIGTERM says where (cmd_train)
+    except Terminated as e:  # a command stopped by SIGTERM says where (cmd_train, cmd_prepare, cmd_sweep)
         print(e, file=sys.stderr)
         return 128 + signal.SIGTERM
     except BrokenPipeError:  # the reader went away (`recscale data inspect F | head`): nothing to say
