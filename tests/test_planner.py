@@ -241,6 +241,17 @@ def test_learned_config_validates():
         LearnedConfig.model_validate({"memory_cap_mb": 0})
 
 
+def test_counts_of_one_are_singular(tmp_path, capsys):
+    """shard plan said "1 tables over 1 ranks", and a table placed past a world of one rank "a world of 1
+    ranks"."""
+    one = ["data.synthetic.num_sparse=1", "data.synthetic.num_multi=0", "data.num_workers=0"]
+    plan = [str(CONFIGS / "demo.yaml"), *one, "--nproc", "1", "--out", str(tmp_path / "plan.json")]
+    assert main(["shard", "plan", *plan]) == 0
+    assert capsys.readouterr().out.startswith("1 table over 1 rank; plan written to ")
+    assert main(["shard", "plan", *plan, "distributed.tables={s0: {type: table_wise, ranks: [1]}}"]) == 2
+    assert "ranks [1] do not exist in a world of 1 rank\n" in capsys.readouterr().err
+
+
 def test_shard_plan_cli_writes_a_readable_plan(tmp_path, capsys):
     out = tmp_path / "plan.json"
     small = ["data.synthetic.rows.train=512", "data.synthetic.rows.valid=64", "data.synthetic.rows.test=64",

@@ -288,7 +288,11 @@ def cmd_shard_plan(args: argparse.Namespace) -> None:
     doc = shard_plan(cfg, args.nproc, local, Path(args.out))
     pred = doc["predicted"]
     cost = f"; predicted max-rank cost {pred['cost_ms']} ms" if pred else ""
-    print(f"{len(doc['tables'])} tables over {args.nproc} ranks{cost}; plan written to {args.out}")
+    tables = len(doc["tables"])
+    print(
+        f"{tables} table{'s' * (tables != 1)} over {args.nproc} rank{'s' * (args.nproc != 1)}{cost}; "
+        f"plan written to {args.out}"
+    )
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:

@@ -258,7 +258,10 @@ class _ExplicitPlanner:
         if kind == ShardingType.DATA_PARALLEL.value:
             return ParameterSharding(kind, DENSE, list(range(self.world)), None)
         if spec.ranks is not None and max(spec.ranks) >= self.world:
-            raise ConfigError(f"{where}: ranks {spec.ranks} do not exist in a world of {self.world} ranks")
+            raise ConfigError(
+                f"{where}: ranks {spec.ranks} do not exist in a world of {self.world} "
+                f"rank{'s' * (self.world != 1)}"
+            )
         if spec.host is not None and spec.host >= self.hosts.num_hosts:
             raise ConfigError(f"{where}: host {spec.host} does not exist; the job has {self.hosts.num_hosts}")
         if spec.host is not None:

@@ -24,7 +24,8 @@ class Topology:
     def __post_init__(self) -> None:
         if self.local_world_size < 1 or self.world_size % self.local_world_size:
             raise RecscaleError(
-                f"{self.world_size} ranks cannot form hosts of LOCAL_WORLD_SIZE={self.local_world_size} "
+                f"{self.world_size} rank{'s' * (self.world_size != 1)} cannot form hosts of "
+                f"LOCAL_WORLD_SIZE={self.local_world_size} "
                 "ranks each: every host must run the same number of ranks"
             )
 

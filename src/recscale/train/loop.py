@@ -166,8 +166,8 @@ class Trainer:
         n = len(self.train_ds)
         if n < self.env.world_size:
             raise ConfigError(
-                f"the training split has {n} rows, fewer than the {self.env.world_size} ranks: each rank "
-                "trains on a part of every batch; train on fewer ranks or more rows"
+                f"the training split has {n} row{'s' * (n != 1)}, fewer than the {self.env.world_size} "
+                "ranks: each rank trains on a part of every batch; train on fewer ranks or more rows"
             )
         self.steps_per_epoch = n // t.batch_size + (1 if n % t.batch_size and n < t.batch_size else 0)
         self.total_steps = min(t.epochs * self.steps_per_epoch, t.max_steps or 10**18)

@@ -141,9 +141,10 @@ def check_dmt_topology(ckpt: Path, topology: Topology) -> None:
     saved, hosts, local = dmt_hosts(ckpt), topology.num_hosts, topology.local_world_size
     if saved != hosts:
         raise ConfigError(
-            f"--resume: {ckpt} was saved by a DMT run on {saved} hosts (one tower each) and this job has "
+            f"--resume: {ckpt} was saved by a DMT run on {saved} host{'s' * (saved != 1)} (one tower each) "
+            "and this job has "
             f"{hosts} host{'s' * (hosts != 1)} of {local} rank{'s' * (local != 1)}; resume it on {saved} "
-            f"hosts, e.g. --nproc {saved * local} --local-world-size {local}"
+            f"host{'s' * (saved != 1)}, e.g. --nproc {saved * local} --local-world-size {local}"
         )
 
 

@@ -41,7 +41,7 @@ def resolve_assignment(
     used = sorted(set(mapping.values()))
     if used != list(range(towers)):
         hosts = f"{towers} host{'s' * (towers != 1)}"
-        other = f", or run this one on {len(used)} hosts (--nproc, --local-world-size)"
+        other = f", or run this one on {len(used)} host{'s' * (len(used) != 1)} (--nproc, --local-world-size)"
         raise ConfigError(
             f"{where}: puts features in towers {used}, but DMT runs one tower per host and this job has "
             f"{hosts}: it needs towers 0..{towers - 1}, each with a feature (partition the features for "

@@ -64,8 +64,8 @@ def check_topology(cfg: RunConfig, hosts: int) -> None:
     if cfg.dmt.towers != "auto" and cfg.dmt.towers != hosts:
         raise ConfigError(
             f"dmt.towers={cfg.dmt.towers}: DMT runs one tower per host and this job has {hosts} "
-            f"host{'s' * (hosts != 1)}; set dmt.towers=auto or run it on {cfg.dmt.towers} hosts "
-            f"(e.g. --nproc {2 * cfg.dmt.towers} --local-world-size 2)"
+            f"host{'s' * (hosts != 1)}; set dmt.towers=auto or run it on {cfg.dmt.towers} "
+            f"host{'s' * (cfg.dmt.towers != 1)} (e.g. --nproc {2 * cfg.dmt.towers} --local-world-size 2)"
         )
 
 

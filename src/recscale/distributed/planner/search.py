@@ -324,7 +324,7 @@ class LearnedPlanner:
         cap = (self.cap or 0) / 2**20
         fixed = self.reserved / 2**20
         total = sum(t.memory() for t in self.tables) / 2**20 + fixed.sum()
-        under = f"under the cap of {cap:.3g} MB per rank on {self.world} ranks"
+        under = f"under the cap of {cap:.3g} MB per rank on {self.world} rank{'s' * (self.world != 1)}"
         explicit = f", {fixed.sum():.3g} MB of them placed by distributed.tables" if fixed.any() else ""
         if f is None:
             r = int(np.argmax(fixed))
