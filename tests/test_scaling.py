@@ -296,6 +296,36 @@ def test_scaling_fit_cli_reports_and_plots(tmp_path, capsys):
     assert main(["scaling", "fit", str(tmp_path / "nope.csv")]) == 2
 
 
+def test_every_family_of_a_plot_has_its_own_style(tmp_path, monkeypatch):
+    """The plot coloured family i with C{i}, which matplotlib wraps after 10: the 11th and 12th families
+    looked like the 1st and 2nd. Colour and marker together tell 12 apart, on both panels."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
+
+    from recscale.scaling.fit import PowerLawFit
+    from recscale.scaling.plot import plot_scaling
+
+    compute = np.array([1e12, 1e13, 1e14])
+    families = [FamilyRuns(f"f{i}", compute, np.array([0.5, 0.45, 0.44]) + i / 100, None) for i in range(12)]
+    nan2 = (math.nan, math.nan)
+    fits = {
+        f.name: PowerLawFit(0.4 + i / 100, 0.1, 0.3, 1e12, nan2, nan2, nan2, 0.0, 3)
+        for i, f in enumerate(families)
+    }
+    figures = []
+    real_close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig) or real_close(fig))
+    plot_scaling(families, fits, tmp_path / "p.png")
+    left, right = figures[0].axes
+    for panel, suffix in ((left, " frontier"), (right, "")):
+        styles = {
+            line.get_label(): (to_hex(line.get_color()), line.get_marker())
+            for line in panel.get_lines()
+            if line.get_label() in {f.name + suffix for f in families}
+        }
+        assert len(styles) == 12 and len(set(styles.values())) == 12, styles
+
+
 def test_frontier_is_the_envelope_over_sizes_and_lengths():
     """Hand-made points of two sizes at three lengths: the frontier keeps each point that beats every
     cheaper one, so the small model's long run (undertrained big one beats it) is dropped."""

@@ -10,6 +10,15 @@ import numpy as np
 from recscale.io import atomic_write_bytes
 from recscale.scaling.fit import FamilyRuns, PowerLawFit
 
+# Matplotlib's cycle has 10 colours: the 11th family took the 1st one's. Each block of 10 families gets
+# its own marker, so up to 80 families are told apart by colour and marker together.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def family_style(i: int) -> tuple[str, str]:
+    """The colour and marker of the ``i``-th family of a plot; distinct for the first 80."""
+    return f"C{i % 10}", MARKERS[(i // 10) % len(MARKERS)]
+
 
 def plot_scaling(families: list[FamilyRuns], fits: dict[str, PowerLawFit], out: str | Path) -> Path:
     """Left: every run (dots), each point's mean over seeds (circles), the compute-optimal frontier
@@ -23,18 +32,18 @@ def plot_scaling(families: list[FamilyRuns], fits: dict[str, PowerLawFit], out: 
 
     fig, (ax, excess) = plt.subplots(1, 2, figsize=(12, 4.8))
     for i, fam in enumerate(families):
-        color = f"C{i}"
+        color, marker = family_style(i)
         front = fam.frontier()
         ax.plot(fam.run_compute, fam.run_loss, ".", color=color, alpha=0.3, markersize=3)
-        ax.plot(fam.compute, fam.loss, "o", color=color, fillstyle="none", alpha=0.6)
-        ax.plot(fam.compute[front], fam.loss[front], "o-", color=color, label=f"{fam.name} frontier")
+        ax.plot(fam.compute, fam.loss, marker, color=color, fillstyle="none", alpha=0.6)
+        ax.plot(fam.compute[front], fam.loss[front], f"{marker}-", color=color, label=f"{fam.name} frontier")
         if fam.name in fits:
             fit = fits[fam.name]
             grid = np.geomspace(fam.compute[front].min(), fam.compute[front].max(), 200)
             label = f"{fam.name} fit: {fit.l_inf:.4f} + a·C^-{fit.b:.2f}"
             ax.plot(grid, fit(grid), "--", color=color, label=label)
             above = fam.loss[front] - fit.l_inf
-            excess.plot(fam.compute[front], above, "o", color=color, label=fam.name)
+            excess.plot(fam.compute[front], above, marker, color=color, label=fam.name)
             excess.plot(grid, fit(grid) - fit.l_inf, "--", color=color)
     floors = {f.bayes for f in families if f.bayes is not None}
     if len(floors) == 1:
