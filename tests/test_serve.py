@@ -523,6 +523,53 @@ def test_serve_workers_each_load_the_model_and_score_alike(trained, scorer):
             proc.kill()
 
 
+def _workers_of(pid: int) -> list[int]:
+    """The processes ``pid`` spawned as its server workers (not multiprocessing's resource tracker)."""
+    out = []
+    for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(int(child))
+        except OSError:  # gone meanwhile
+            pass
+    return out
+
+
+def _loaded(pid: int, library: bytes) -> bool:
+    try:
+        return library in Path(f"/proc/{pid}/maps").read_bytes()
+    except OSError:  # gone
+        return False
+
+
+def test_one_ctrl_c_stops_workers_that_are_still_starting(trained):
+    """Ctrl-C reaches the whole process group: `serve --workers 2` stopped while its workers were still
+    importing torch printed a KeyboardInterrupt traceback per worker, and the supervisor restarted the dead
+    ones (the server then served on for tens of seconds). Now the workers ignore SIGINT until uvicorn handles
+    it: one Ctrl-C stops the server, quietly, through the supervisor."""
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    argv = ["serve", str(_export(trained)), "--port", "0", "--workers", "2"]
+    proc = subprocess.Popen([sys.executable, "-m", "recscale.cli", *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,  # its own group
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    try:
+        assert proc.stdout is not None and "serving" in proc.stdout.readline()
+        deadline, workers = time.time() + 60, []
+        # Each worker in the middle of its imports: fbgemm loaded (after torch), torchrec still loading.
+        while len(workers) < 2 or not all(_loaded(w, b"fbgemm_gpu_py") for w in workers):
+            assert proc.poll() is None and time.time() < deadline, "no 2 workers importing torch within 60 s"
+            time.sleep(0.05)
+            workers = _workers_of(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+        assert not [w for w in workers if Path(f"/proc/{w}").exists()]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def test_workers_starting_on_a_busy_machine_are_not_taken_for_hung(monkeypatch, tmp_path):
     """uvicorn's supervisor kills a worker that misses a 5 s ping: a worker still importing torch on a busy
     machine was restarted every few seconds and never got ready. The server gives them a minute."""

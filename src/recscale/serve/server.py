@@ -28,9 +28,9 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -298,6 +298,23 @@ class _WorkerApp:
         return build_app(Path(self.model_dir), self.max_rows, self.opts)[0]
 
 
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored in the block (and blocked in this thread, so that one coming meanwhile waits): the
+    processes started in it ignore SIGINT until uvicorn handles it (a graceful stop, in ``Server.serve``),
+    as the disposition is inherited. A Ctrl-C reaches the whole process group: a worker still importing
+    torch took it as a KeyboardInterrupt and printed a traceback, and the supervisor restarted it; now the
+    supervisor alone acts on it, stopping its workers with SIGTERM. Only for the milliseconds of starting
+    processes: another thread of this one may take a Ctrl-C meanwhile, which is then lost."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 WORKER_HEALTHCHECK_S = 60
 
 
@@ -330,9 +347,15 @@ def serve(
         _set_threads(opts)
         Server(config(app)).run(sockets=[sock])
         return
+
+    class Supervisor(Multiprocess):
+        def init_processes(self) -> None:  # starts the workers, at once: they ignore SIGINT (_sigint_ignored)
+            with _sigint_ignored():
+                super().init_processes()
+
     worker = _WorkerApp(str(model_dir), max_rows, opts)
     # The supervisor kills a worker that does not answer its ping within timeout_worker_healthcheck (uvicorn's
     # default 5 s). A worker importing torch and loading its model on a busy machine can hold the GIL longer,
     # and was killed and restarted every few seconds, never ready: a minute tells slow from hung.
     cfg = config(worker, factory=True, workers=opts.workers, timeout_worker_healthcheck=WORKER_HEALTHCHECK_S)
-    Multiprocess(cfg, sockets=[sock]).run()
+    Supervisor(cfg, sockets=[sock]).run()
