@@ -43,6 +43,7 @@ def test_probe_writes_a_plan_that_loads_back(run, tmp_path, capsys) -> None:
     plan = _strict_json(out)
     assert {"model.quant", "per_layer", "baseline", "with_plan", "all_layers"} <= set(plan)
     assert plan["target"] == "mxfp8_e4m3" and plan["tolerance"] == 5e-4 and plan["rows"] == 500
+    assert plan["precision"] == "fp32" and "(fp32 elsewhere" in printed and "\nfp32: AUC" in printed
 
     cfg, pre, _ = load_trained(run)
     model = build_model(cfg.model.name, feature_set(pre), cfg.model.embedding, cfg.model.params)
@@ -89,6 +90,36 @@ def test_probe_api_lowers_and_restores(run) -> None:
     # a tolerance nothing breaks takes every layer
     plan = probe(run, rows=300, formats=["mxfp8_e4m3"], tolerance=1.0)
     assert list(plan["model.quant"]["layers"]) == names
+
+
+def test_a_bf16_run_is_probed_in_bf16(tmp_path, capsys) -> None:
+    """A train.precision=bf16 run trains and evaluates under bf16 autocast: the probe's baseline and every
+    lowered model are scored so too (it measured them in fp32), and its output says so. In bf16 a layer
+    lowered to the bf16 format computes exactly what it computes plain: its output error is zero."""
+    from recscale.train.metrics import ctr_metrics
+
+    run = tmp_path / "run"
+    code = main(["train", str(DEMO), "--out", str(run), "data.synthetic.rows={train: 2000, valid: 500, test: 500}",
+                 "train.max_steps=10", "train.progress=false", "train.precision=bf16"])  # fmt: skip
+    assert code == 0
+    capsys.readouterr()
+    out = tmp_path / "plan.json"
+    assert main(["precision", "probe", str(run), "--formats", "bf16", "mxfp8_e4m3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = _strict_json(out)
+    assert plan["precision"] == "bf16" and "(bf16 elsewhere" in printed and "\nbf16: AUC" in printed
+
+    cfg, pre, built = load_trained(run)
+    batches = calibration_sample(run, cfg, pre, None, 16384)
+    labels = torch.cat([b.labels for b in batches])
+    bf16, fp32 = (ctr_metrics(logits(built.module, batches, p), labels) for p in ("bf16", "fp32"))
+    assert plan["baseline"] == {"auc": bf16["auc"], "logloss": bf16["logloss"]}
+    assert plan["baseline"]["logloss"] != fp32["logloss"]  # the two precisions do score apart
+    for r in plan["per_layer"]:
+        if r["format"] == "bf16":  # the same computation as the plain bf16 layer
+            assert r["rel_err"] == 0 and r["sqnr_db"] is None and r["d_auc"] == r["d_logloss"] == 0, r
+        else:
+            assert r["rel_err"] > 0, r
 
 
 def test_probe_user_errors(run, tmp_path, capsys) -> None:

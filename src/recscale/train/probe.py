@@ -4,13 +4,15 @@ On a calibration sample (rows of the run's materialised valid split, or of a fil
 ``nn.Linear`` layer and every format, with only that layer lowered (``recscale.models.quant``):
 
     rel_err, sqnr_db   the layer's own output error on the same inputs: a forward hook compares the
-                       lowered output with the fp32 one computed from the very inputs it was given,
+                       lowered output with the plain layer's computed from the very inputs it was given,
                        ||y_q - y|| / ||y|| and 10 log10(||y||^2 / ||y_q - y||^2)
-    auc, logloss       the whole model's metrics (d_auc, d_logloss: minus the fp32 model's)
+    auc, logloss       the whole model's metrics (d_auc, d_logloss: minus the plain model's)
 
 then a plan for one target format: layers added greedily in order of increasing individual AUC loss,
-each kept only if the model with every kept layer lowered stays within ``tolerance`` AUC of the fp32
-model. The plan file's ``"model.quant"`` is a ``model.quant`` config section; train with it as
+each kept only if the model with every kept layer lowered stays within ``tolerance`` AUC of the plain
+model. Everything is computed in the run's own ``train.precision`` (``"precision"`` in the plan): a
+bf16 run's baseline and lowered models run under bf16 autocast, as it trained and as ``recscale eval``
+scores it. The plan file's ``"model.quant"`` is a ``model.quant`` config section; train with it as
 ``model.quant.layers="$(jq -c '."model.quant".layers' PLAN.json)"`` (JSON is YAML).
 """
 
@@ -44,6 +46,7 @@ from recscale.models.quant import (
 )
 from recscale.train.data import prepare_split
 from recscale.train.metrics import ctr_metrics
+from recscale.train.precision import Precision, autocast
 from recscale.train.runs import load_trained, run_config
 
 DEFAULT_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8")
@@ -84,11 +87,12 @@ def _sample(ds: ArrayDataset, rows: int) -> list[Batch]:
 
 
 @torch.no_grad()
-def logits(module: nn.Module, batches: Sequence[Batch]) -> Tensor:
-    """The model's logits (N,) on the sample, in eval mode."""
+def logits(module: nn.Module, batches: Sequence[Batch], precision: Precision = "fp32") -> Tensor:
+    """The model's logits (N,) on the sample, in eval mode, computed in ``precision`` (float32 out)."""
     was_training = module.training
     module.eval()
-    out = torch.cat([module(b.dense, b.sparse).float() for b in batches])
+    with autocast(precision, next(module.parameters()).device):
+        out = torch.cat([module(b.dense, b.sparse).float() for b in batches])
     module.train(was_training)
     return out
 
@@ -104,14 +108,15 @@ def lowered(model: nn.Module, layers: dict[str, str]) -> Iterator[dict[str, Quan
 
 
 class _OutputError:
-    """Forward hook on a lowered layer: sums ||y_q - y||^2 and ||y||^2, y from the same inputs in fp32."""
+    """Forward hook on a lowered layer: sums ||y_q - y||^2 and ||y||^2, y from the same inputs as the
+    plain layer computes them (under the caller's autocast, so in the run's precision)."""
 
     def __init__(self) -> None:
         self.err = self.ref = 0.0
 
     def __call__(self, mod: nn.Linear, inputs: tuple[Tensor, ...], out: Tensor) -> None:
         y = F.linear(inputs[0], mod.weight, mod.bias)
-        self.err += (out - y).double().pow(2).sum().item()
+        self.err += (out.double() - y.double()).pow(2).sum().item()  # a bf16 difference would round
         self.ref += y.double().pow(2).sum().item()
 
     def result(self) -> dict[str, float | None]:
@@ -150,7 +155,10 @@ def probe(
     run_config(run_dir)  # a directory that is not a run is named first
     cfg, pre, built = load_trained(run_dir, "to probe", flat_only=True)
     model = cast(RecModel, built.model)  # flat: flat_only
-    dequantize_model(model)  # a run trained with model.quant: measure against its fp32 computation
+    # A run trained with model.quant is measured against its plain computation, in the precision it
+    # trained in: a bf16 run's baseline and lowered layers are scored under bf16 autocast, as eval does.
+    dequantize_model(model)
+    precision = cfg.train.precision
     names = linear_names(model)
     if not names:
         raise RecscaleError(f"{run_dir}: model {cfg.model.name} has no linear layer to lower")
@@ -160,14 +168,14 @@ def probe(
         raise RecscaleError(
             f"precision probe: the {len(labels)} calibration rows hold one class only; give more --rows"
         )
-    z0 = logits(built.module, batches)
+    z0 = logits(built.module, batches, precision)
     baseline = _metrics(z0, labels)
 
     def trial(layers: dict[str, str], hook_on: str | None = None) -> tuple[Tensor, dict[str, Any]]:
         with lowered(model, layers) as q:
             hook = _OutputError()
             handle = q[hook_on].register_forward_hook(hook) if hook_on else None
-            z = logits(built.module, batches)
+            z = logits(built.module, batches, precision)
             if handle is not None:
                 handle.remove()
         return z, (hook.result() if hook_on else {}) | _metrics(z, labels, baseline)
@@ -197,6 +205,7 @@ def probe(
         "model.quant": {"layers": {n: chosen[n] for n in names if n in chosen}},
         "target": target,
         "tolerance": tolerance,
+        "precision": precision,
         "rows": len(labels),
         "baseline": baseline,
         "with_plan": with_plan,
@@ -208,12 +217,13 @@ def probe(
 def table(plan: dict[str, Any]) -> str:
     """The probe as text: per layer and format, SQNR (dB) and the AUC change with that layer alone lowered."""
     formats = list(plan["all_layers"])
+    precision = plan["precision"]
     rows: dict[str, dict[str, dict[str, Any]]] = {}
     for r in plan["per_layer"]:
         rows.setdefault(r["layer"], {})[r["format"]] = r
     width = max(len("layer"), *(len(n) for n in rows)) + 2
     lines = [
-        "SQNR dB / AUC change with one layer lowered (fp32 elsewhere)",
+        f"SQNR dB / AUC change with one layer lowered ({precision} elsewhere, the run's train.precision)",
         f"{'layer':{width}s}{'in->out':>12s}  " + "".join(f"{f:>20s}" for f in formats) + "  plan",
     ]
     plan_layers = plan["model.quant"]["layers"]
@@ -225,7 +235,7 @@ def table(plan: dict[str, Any]) -> str:
     lines.append(f"{'all layers':{width}s}{'':>12s}  {every}")
     b, w = plan["baseline"], plan["with_plan"]
     lines.append(
-        f"fp32: AUC {b['auc']:.5f}  LogLoss {b['logloss']:.5f} on {plan['rows']} rows  ·  plan: "
+        f"{precision}: AUC {b['auc']:.5f}  LogLoss {b['logloss']:.5f} on {plan['rows']} rows  ·  plan: "
         f"{len(plan_layers)}/{len(rows)} layers in {plan['target']}, AUC {w['auc']:.5f} ({w['d_auc']:+.5f}), "
         f"LogLoss {w['logloss']:.5f} ({w['d_logloss']:+.5f}), tolerance {plan['tolerance']}"
     )
