@@ -17,7 +17,7 @@ import torch
 
 from recscale.cli import main
 from recscale.config import DistributedConfig, load_config, validate_config
-from recscale.distributed.env import DistEnv, shutdown
+from recscale.distributed.env import DistEnv, init_distributed, shutdown
 from recscale.distributed.launch import launch
 from recscale.distributed.sharding import plan_tables
 from recscale.distributed.topology import Topology
@@ -95,6 +95,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 def _worker(spec_path: str) -> None:
     """Each job of the spec in turn: train a run, or resume one and score its test split."""
     logging.disable(logging.WARNING)  # TorchRec's planner and sharders warn on every run
+    init_distributed()  # the group outlasts each Trainer's fit, which would end a group it started itself
     for job in json.loads(Path(spec_path).read_text()):
         cfg = load_config(CONFIGS / "demo.yaml", [*SMALL, *job["overrides"]])
         trainer = Trainer(cfg, Path(job["dir"]), resume=job["resume"])
@@ -140,12 +141,14 @@ def runs(tmp_path_factory) -> Path:
     _run_world(root, 2, 2)
     references = [{"dir": str(root / name), "overrides": o, "resume": False, "scores": str(root / f"{name}.npy")}
                   for name, o in (("reference", []), ("reference_adagrad", ADAGRAD))]  # fmt: skip
+    init_distributed()  # a group of one that outlasts each fit: predict below runs collectives
     for job in references + _jobs(root, 1)[len(VARIANTS) : 2 * len(VARIANTS)]:
         cfg = load_config(CONFIGS / "demo.yaml", [*SMALL, *job["overrides"]])
         trainer = Trainer(cfg, Path(job["dir"]), resume=job["resume"])
         if not job["resume"]:
             trainer.fit()
         np.save(job["scores"], predict(trainer.module, trainer.test_ds, 100, 0).numpy())
+    shutdown()
     return root
 
 
@@ -375,5 +378,26 @@ def test_hosts_must_hold_equal_numbers_of_ranks(capsys):
     ]
 
 
+def _twice(run_dirs: list[str]) -> None:
+    """Train a run into each directory in turn, each Trainer starting torchrun's group and ending it."""
+    import torch.distributed as dist
+
+    logging.disable(logging.WARNING)
+    for d in run_dirs:
+        Trainer(load_config(CONFIGS / "demo.yaml", [*SMALL, "distributed.timeout_s=60"]), Path(d)).fit()
+        assert not dist.is_initialized()
+
+
+@dist_mark
+def test_trainers_in_turn_each_start_and_end_the_group(tmp_path):
+    """A Trainer destroys the group it started when fit() returns; the next Trainer in the same torchrun
+    process forms a new one from the same store (torch names each group's keys apart)."""
+    runs = [tmp_path / "a", tmp_path / "b"]
+    launch([__file__, "twice", *map(str, runs)], 2, 2, 0)
+    assert all(losses(r) and (r / "report.json").is_file() for r in runs)
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     _worker(sys.argv[2])
+if __name__ == "__main__" and sys.argv[1:2] == ["twice"]:
+    _twice(sys.argv[2:])

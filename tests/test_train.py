@@ -624,6 +624,76 @@ def test_reuse_memory_serves_large_blocks_from_the_heap(mode, mmapped):
     assert int(out.stdout.split()[-1]) == mmapped
 
 
+def _mmapped_blocks() -> int:
+    """How many mmapped blocks glibc serves a 1 GiB tensor with, in this process: 1 by default, 0 while
+    train.reuse_memory's tuning is in effect. (Larger than any free block a small training leaves in the
+    heap, which glibc would serve it from; never written to, so it costs address space only.)"""
+    import ctypes
+
+    class Info(ctypes.Structure):  # glibc's struct mallinfo2
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = Info
+    before = libc.mallinfo2().hblks
+    x = torch.empty(1 << 30, dtype=torch.uint8)
+    blocks = libc.mallinfo2().hblks - before
+    del x
+    return blocks
+
+
+@pytest.mark.skipif(not Path("/lib/x86_64-linux-gnu/libc.so.6").exists(), reason="glibc only")
+@pytest.mark.parametrize("fails", [False, True])
+def test_fit_undoes_its_process_group_and_malloc_tuning(tmp_path, fails):
+    """train.reuse_memory's malloc tuning and the group of one the Trainer started outlasted fit(): the
+    rest of the process ran with glibc's mmap off, and with a process group nobody would destroy."""
+    import torch.distributed as dist
+
+    from recscale.distributed.env import shutdown
+    from recscale.train.memory import release_freed_memory
+
+    # What an earlier test's Trainer that never ran fit() left set up: this Trainer sets up its own.
+    shutdown()
+    release_freed_memory()
+    tr = Trainer(load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=2"]), tmp_path / "r")
+    assert dist.is_initialized() and _mmapped_blocks() == 0  # in effect while it trains
+    if fails:
+
+        def broken(*args: object) -> torch.Tensor:
+            raise RuntimeError("a step failed")
+
+        tr.train_step = broken  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="a step failed"):
+            tr.fit()
+    else:
+        assert tr.fit()["steps"] == 2
+    assert _mmapped_blocks() == 1  # glibc mmaps large blocks again
+    assert not dist.is_initialized()
+
+
+@pytest.mark.skipif(not Path("/lib/x86_64-linux-gnu/libc.so.6").exists(), reason="glibc only")
+def test_fit_leaves_the_callers_process_group_and_malloc_tuning_alone(tmp_path):
+    """A group the caller started (to score trainer.module after fit) and malloc tuning it set up stay."""
+    import torch.distributed as dist
+
+    from recscale.distributed.env import init_distributed, shutdown
+    from recscale.train.evaluate import predict
+    from recscale.train.memory import keep_freed_memory, release_freed_memory
+
+    init_distributed()
+    assert keep_freed_memory()
+    try:
+        tr = Trainer(load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=2"]), tmp_path / "r")
+        tr.fit()
+        assert dist.is_initialized() and _mmapped_blocks() == 0
+        assert tr.test_ds is not None and len(predict(tr.module, tr.test_ds, 512, 0)) == len(tr.test_ds)
+    finally:
+        release_freed_memory()
+        shutdown()
+    assert _mmapped_blocks() == 1
+
+
 def test_a_resume_below_the_runs_step_is_refused(tmp_path):
     """Resumed at step 8 with max_steps=4 it trained nothing, exited 0 with an examples/s of nothing, and
     rewrote config.yaml with max_steps 4."""

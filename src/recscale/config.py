@@ -162,8 +162,8 @@ class TrainConfig(Settings):
     # optimizer state, loss and metrics; see recscale.train.precision).
     precision: Literal["fp32", "bf16"] = "fp32"
     # Keep memory a step frees for the next step (glibc's malloc without mmap, high trim threshold; see
-    # train/memory.py): no page faults on each step's large activations. Process-wide; false = the
-    # C library's defaults.
+    # train/memory.py): no page faults on each step's large activations. Process-wide until
+    # Trainer.fit() returns or raises, which undoes it; false = the C library's defaults.
     reuse_memory: bool = True
     # torch.compile the model's dense interaction (not the embedding lookups); see docs/BENCHMARKS.md
     compile: bool = False

@@ -39,7 +39,7 @@ from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
 from recscale.distributed import comms
 from recscale.distributed.balance import Balance, CostModel, Padding, balanced_parts
-from recscale.distributed.env import heartbeat, init_distributed
+from recscale.distributed.env import heartbeat, init_distributed, shutdown
 from recscale.distributed.topology import Topology
 from recscale.errors import RESUME, RUN_DIR, CheckpointError, ConfigError, RecscaleError
 from recscale.io import Hold, atomic_write_text, removed_on_failure, strict_json
@@ -58,7 +58,7 @@ from recscale.train.checkpoint import (
 )
 from recscale.train.data import prepare_run_data
 from recscale.train.evaluate import bayes_floor, eval_batch_size, evaluate, predict
-from recscale.train.memory import keep_freed_memory
+from recscale.train.memory import freed_memory_kept, keep_freed_memory, release_freed_memory
 from recscale.train.metrics import ctr_metrics
 from recscale.train.optim import lr_factor
 from recscale.train.precision import autocast, warn_if_emulated
@@ -119,23 +119,41 @@ def check_run_dir(run_dir: Path, cfg: RunConfig, resume: bool, topology: Topolog
 class Trainer:
     """Trains one config into one run directory: ``Trainer(cfg, run_dir).fit()`` returns the report.
 
-    What outlasts ``fit`` in the process (a second Trainer, e.g. in a notebook, trains as the first did):
-    the process group it joins, a group of one outside torchrun, stays up for the next one
-    (``recscale.distributed.env.shutdown()`` ends it); ``train.reuse_memory`` (default on) tunes glibc's
-    malloc for the rest of the process; the global torch RNG is reseeded from ``cfg.seed``. Thread
-    counts and warnings filters are not touched (only the CLI silences upstream warnings).
+    What it sets up for itself ends when ``fit`` returns or raises (or the constructor raises): the
+    process group it started (a group of one outside torchrun, torchrun's group under it) is destroyed,
+    and ``train.reuse_memory``'s malloc tuning (``train.memory``) is undone. A group the caller made
+    first (``recscale.distributed.env.init_distributed()``) stays up, as does malloc tuning already in
+    effect: a caller that scores ``trainer.module`` after ``fit`` (``predict`` runs collectives) starts
+    the group itself. The global torch RNG is reseeded from ``cfg.seed``. Thread counts and warnings
+    filters are not touched (only the CLI silences upstream warnings).
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool = False) -> None:
         self.cfg, self.dir = cfg, Path(run_dir)
-        self.env = init_distributed(cfg.distributed.timeout_s)
-        self.main = self.env.is_main
-        check_world_size(cfg, self.env.world_size)
-        check_model(cfg)  # before the data is prepared and a file is written
-        # Restarted by torchrun (--max-restarts): continue from the last complete checkpoint.
-        resume = resume or (self.env.restart_count > 0 and (self.dir / "config.yaml").is_file())
-        with removed_on_failure(self.dir, enabled=self.main):  # a run that never started leaves no directory
-            self._setup(resume)
+        self._own_group, self._own_malloc = not dist.is_initialized(), False
+        try:
+            self.env = init_distributed(cfg.distributed.timeout_s)
+            self.main = self.env.is_main
+            check_world_size(cfg, self.env.world_size)
+            check_model(cfg)  # before the data is prepared and a file is written
+            # Restarted by torchrun (--max-restarts): continue from the last complete checkpoint.
+            resume = resume or (self.env.restart_count > 0 and (self.dir / "config.yaml").is_file())
+            with removed_on_failure(
+                self.dir, enabled=self.main
+            ):  # a run that never started leaves no directory
+                self._setup(resume)
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        """Undo what this Trainer set up process-wide (see the class docstring); once."""
+        if self._own_malloc:
+            release_freed_memory()
+            self._own_malloc = False
+        if self._own_group:
+            shutdown()  # joins gloo's threads now, and forgets the group's heartbeat
+            self._own_group = False
 
     def _setup(self, resume: bool) -> None:
         cfg, t = self.cfg, self.cfg.train
@@ -150,8 +168,8 @@ class Trainer:
         self.module, self.opt = self.built.module, self.built.opt
         if self.main:
             warn_if_emulated(t.precision, self.env.device)
-        if t.reuse_memory:
-            keep_freed_memory()
+        if t.reuse_memory and not freed_memory_kept():  # tuning the caller set up stays the caller's
+            self._own_malloc = keep_freed_memory()
         if cfg.distributed.count_bytes:
             comms.install()
         self.comm = comms.CommMeter(self.env.topology, self.env.rank)
@@ -375,6 +393,12 @@ class Trainer:
 
     # -------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
+        try:
+            return self._fit()
+        finally:
+            self._release()
+
+    def _fit(self) -> dict[str, Any]:
         from tqdm import tqdm
 
         t, p = self.cfg.train, self.progress
