@@ -478,6 +478,42 @@ def test_a_dmt_run_with_identity_towers_exports_as_the_flat_model_it_computes(dm
 
 
 @pytest.mark.dist
+def test_dmt_partition_takes_a_run_with_identity_towers_as_its_flat_model(dmt_run, capsys):
+    """`dmt partition` refused every DMT run, though one with identity tower modules is the flat model
+    export writes: it partitions that flat model's embeddings now. Compressing ones are refused in one line."""
+    from recscale.cli import main
+    from recscale.train.runs import load_flat, load_trained, run_config
+
+    out = dmt_run.parent / "towers.json"
+    capsys.readouterr()
+    argv = ["dmt", "partition", str(dmt_run), "--towers", "2", "--out", str(out)]
+    if run_config(dmt_run).dmt.tower_module.type != "identity":
+        assert main(argv) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: {dmt_run} is a DMT run with wukong tower modules, a model with no flat form to partition "
+            "into DMT towers (only identity tower modules compute the flat model); partition a flat run, or "
+            "one with identity tower modules"
+        )
+        assert not out.exists()
+        return
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    towers = [f for t in report["partitioner"]["towers"] for f in t["features"]]
+    _, pre, flat = load_flat(dmt_run, "to partition")
+    assert sorted(towers) == sorted(flat.embedding.positions) == sorted(f.name for f in pre.schema.sparse)
+    # the flat model it partitions is the one the run computes: the same logits on its test rows
+    test = ArrayDataset(dmt_run / "data" / "test")
+    batch = test.gather(np.arange(len(test)))
+    _, _, built = load_trained(dmt_run)
+    built.module.eval()
+    with torch.no_grad():
+        expected = built.module(batch.dense, batch.sparse)
+        got = flat(batch.dense, batch.sparse)
+    assert expected.std() > 0
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("launch", [[], ["--nproc", "2", "--local-world-size", "2"]])
 def test_a_dmt_run_resumed_on_another_topology_says_so_before_loading(dmt_run, capsys, launch):
     """Towers are hosts: on another number of hosts the model differs. The error used to come from the

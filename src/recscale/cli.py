@@ -638,7 +638,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("dmt", help="Disaggregated Multi-Tower tools (docs/DMT.md)")
     dmsub = dm.add_subparsers(dest="dmt_command", required=True)
-    dp = dmsub.add_parser("partition", help="group features into balanced towers from a trained flat run")
+    dp = dmsub.add_parser(
+        "partition",
+        help="group features into balanced towers from a trained flat run "
+        "(or a DMT run with identity tower modules)",
+    )
     dp.add_argument("run_dir")
     dp.add_argument(
         "--towers", type=_int_in(1), required=True, help="number of towers (= hosts of the DMT run)"

@@ -158,15 +158,10 @@ def export_run(
 ) -> Manifest:
     """Export a trained run's best (else latest) model to the model directory ``out``."""
     from recscale.distributed.dmt.transform import LocalDMT
-    from recscale.train.runs import load_trained, run_config
+    from recscale.train.runs import load_trained, refuse_without_flat_form, run_config
 
     check_model_out(out)  # before the model loads, not after
-    dmt = run_config(run_dir).dmt
-    if dmt is not None and dmt.tower_module.type != "identity":
-        raise CheckpointError(
-            f"{run_dir} is a DMT run with {dmt.tower_module.type} tower modules, a model with no flat form to "
-            "export (only identity tower modules compute the flat model); `recscale eval` scores it"
-        )
+    refuse_without_flat_form(run_dir, run_config(run_dir), "to export")
     cfg, pre, built = load_trained(run_dir, "to export")
     model = built.model
     state = model.flat_state_dict() if isinstance(model, LocalDMT) else model.state_dict()  # type: ignore[attr-defined]

@@ -19,13 +19,14 @@ from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers.base import SKIP_HINT, OnBadRow
-from recscale.distributed.dmt.transform import local_key
+from recscale.distributed.dmt.transform import LocalDMT, local_key
 from recscale.distributed.env import init_distributed
 from recscale.distributed.topology import Topology
 from recscale.errors import RESUME, RUN_DIR, CheckpointError, ConfigError, DataError, RecscaleError
 from recscale.io import committed
 from recscale.models.base import RecModel
 from recscale.models.embedding import EmbeddingLayer
+from recscale.models.registry import build_model
 from recscale.train.build import Built, build, feature_set
 from recscale.train.checkpoint import list_checkpoints, load_checkpoint, saved_keys
 from recscale.train.data import prepare_split
@@ -194,19 +195,47 @@ def _dmt_names(ckpt: Path, entry: str, tensors: dict[str, torch.Tensor]) -> dict
     return {names.get(k, k): t for k, t in tensors.items()}
 
 
+def refuse_without_flat_form(
+    run_dir: Path, cfg: RunConfig, purpose: str, hint: str = "`recscale eval` scores it"
+) -> None:
+    """A DMT run with compressing tower modules is a model with no flat form: a ``CheckpointError`` saying
+    so (``purpose`` as for ``load_trained``). A flat run, or a DMT run with identity tower modules (DMT
+    then computes exactly the flat model), passes."""
+    if cfg.dmt is not None and cfg.dmt.tower_module.type != "identity":
+        raise CheckpointError(
+            f"{run_dir} is a DMT run with {cfg.dmt.tower_module.type} tower modules, a model with no flat "
+            f"form {purpose} (only identity tower modules compute the flat model); {hint}"
+        )
+
+
+def load_flat(
+    run_dir: Path, purpose: str, hint: str = "`recscale eval` scores it"
+) -> tuple[RunConfig, Preprocessor, RecModel]:
+    """The run's best (else latest) model as a flat model, in this process: a flat run's own; a DMT run
+    with identity tower modules as the flat model it computes (``LocalDMT.flat_state_dict``, as
+    ``recscale export`` writes it); a DMT run with compressing tower modules is refused
+    (``refuse_without_flat_form``)."""
+    refuse_without_flat_form(run_dir, run_config(run_dir), purpose, hint)
+    cfg, pre, built = load_trained(run_dir, purpose)
+    if not isinstance(built.model, LocalDMT):
+        return cfg, pre, cast(RecModel, built.model)
+    flat = build_model(cfg.model.name, feature_set(pre), cfg.model.embedding, cfg.model.params)
+    flat.load_state_dict(built.model.flat_state_dict())
+    return cfg, pre, flat.eval()
+
+
 def load_training_sample(
     run_dir: Path, rows: int, purpose: str
 ) -> tuple[EmbeddingLayer, Batch, Preprocessor]:
-    """A trained flat run's embedding layer, its first ``rows`` training rows and its preprocessing
-    (``purpose`` as for ``load_trained``)."""
-    _, pre, built = load_trained(run_dir, purpose, flat_only=True)
+    """A trained run's flat model's embedding layer (``load_flat``: a DMT run with identity tower modules
+    too), its first ``rows`` training rows and its preprocessing (``purpose`` as for ``load_trained``)."""
+    _, pre, model = load_flat(run_dir, purpose, "partition a flat run, or one with identity tower modules")
     split = Path(run_dir) / "data" / "train"
     if not (split / "meta.json").is_file():
         raise RecscaleError(
             f"{split}: the run's materialised training split is gone; retrain or resume the run"
         )
     ds = ArrayDataset(split)
-    model = cast(RecModel, built.model)  # flat: flat_only
     return model.embedding, ds.gather(np.arange(min(rows, len(ds)))), pre
 
 
