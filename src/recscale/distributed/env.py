@@ -70,6 +70,7 @@ class _Heartbeat:
 
 
 _heartbeat: _Heartbeat | None = None
+_groups_formed = 0  # process groups this process has formed under torchrun (init_distributed)
 
 
 def free_port() -> int:
@@ -84,7 +85,7 @@ def init_distributed(timeout_s: float | None = None) -> DistEnv:
     ``timeout_s`` bounds every collective: a rank whose peer hangs fails after it instead of
     waiting forever (a peer that dies is noticed at once, by its closed connections).
     """
-    global _heartbeat
+    global _heartbeat, _groups_formed
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -103,7 +104,12 @@ def init_distributed(timeout_s: float | None = None) -> DistEnv:
             store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
             # torchrun's static rendezvous keeps one store across restarts (torch 2.13): without a
             # fresh prefix per attempt, a restarted group reads the dead attempt's addresses and hangs.
-            store = dist.PrefixStore(f"recscale/attempt_{restarts}", store)
+            # So can a group formed again in the same process (a Trainer destroys the group it started,
+            # and destroying the default group resets torch's own group count, its key prefix): a rank
+            # read the last group's addresses and gloo timed out connecting. Every rank forms its groups
+            # in the same order, so the count names the same group on each.
+            store = dist.PrefixStore(f"recscale/attempt_{restarts}/group_{_groups_formed}", store)
+            _groups_formed += 1
             if world > 1:
                 # A first beat before the group forms, so every rank's key exists once it has.
                 _heartbeat = _Heartbeat(store, rank, world, timeout.total_seconds())
