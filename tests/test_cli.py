@@ -446,7 +446,8 @@ def test_a_batch_that_does_not_split_over_nproc_is_refused_before_the_launch(tmp
 @pytest.mark.parametrize("nproc", [[], ["--nproc", "1"]])
 @pytest.mark.parametrize("qcomms", ["forward=int8", "backward=fp16", "dense=bf16"])
 def test_qcomms_on_one_process_are_refused_before_a_file_is_written(tmp_path, capsys, nproc, qcomms):
-    """One process sends nothing between ranks: qcomms trained as fp32 without a word."""
+    """One process sends nothing between ranks: without a word, TorchRec skipped the embedding codecs
+    (forward, backward) and DDP's hook (dense) rounded the dense gradients with nothing sent."""
     code, _, err = run(capsys, "train", str(CONFIGS / "demo.yaml"), "--out", str(tmp_path / "r"),
                        "data.synthetic.rows={train: 500, valid: 100, test: 100}", "train.max_steps=1",
                        f"distributed.qcomms.{qcomms}", *nproc)  # fmt: skip

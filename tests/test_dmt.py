@@ -404,6 +404,12 @@ def test_settings_dmt_cannot_take_are_refused_by_the_config():
     assert str(e.value) == (
         "invalid config: config: dmt: not supported together with train.compile, model.quant; drop them or dmt"
     )
+    # DMT builds its towers and top without qcomms' codecs and hook: a run with them sent fp32 unsaid.
+    with pytest.raises(ConfigError) as e:
+        load_config(demo, ["dmt={}", "distributed.qcomms={forward: fp16, backward: fp16, dense: bf16}"])
+    assert str(e.value) == (
+        "invalid config: config: dmt: not supported together with distributed.qcomms; drop it or dmt"
+    )
 
 
 # The two kinds of run a scorer loads differently: identity tower modules (the flat model, order restored)

@@ -287,7 +287,9 @@ class DistributedConfig(Settings):
 
     def check_world_size(self, world_size: int) -> None:
         """What needs more than one rank. Not a validator: the number of ranks is known only at launch."""
-        # One process sends nothing between ranks: the codecs would be dropped without a word.
+        # One process sends nothing between ranks: TorchRec skips the embedding codecs in a group of one
+        # (its all-to-all hands the input back), while DDP's compression hook (qcomms.dense) still rounds
+        # every dense gradient to fp16/bf16, with nothing sent: neither is what qcomms means.
         if world_size == 1 and self.qcomms != QComms():
             raise ConfigError(
                 "distributed.qcomms quantizes the collectives between ranks, and this run is one process "
@@ -386,6 +388,8 @@ class RunConfig(Settings):
             "model.quant": self.model.quant is not None,
             "distributed.dense=fsdp": self.distributed.dense == "fsdp",
             "distributed.tables (a host's tables follow dmt.sharding)": bool(self.distributed.tables),
+            # DMT's towers and top are sharded and wrapped without the codecs or the compression hook.
+            "distributed.qcomms": self.distributed.qcomms != QComms(),
         }
         bad = [k for k, v in unsupported.items() if v]
         if bad:
