@@ -143,16 +143,20 @@ class Trainer:
             ):  # a run that never started leaves no directory
                 self._setup(resume)
         except BaseException:
-            self._release()
+            self._release(failed=True)
             raise
 
-    def _release(self) -> None:
-        """Undo what this Trainer set up process-wide (see the class docstring); once."""
+    def _release(self, failed: bool = False) -> None:
+        """Undo what this Trainer set up process-wide (see the class docstring); once. ``failed``: the
+        heartbeat store is kept, so the error's one line can still name a rank that hung (``lost_peer``)."""
         if self._own_malloc:
             release_freed_memory()
             self._own_malloc = False
         if self._own_group:
-            shutdown()  # joins gloo's threads now, and forgets the group's heartbeat
+            if not failed:
+                shutdown()  # joins gloo's threads now, and forgets the group's heartbeat
+            elif dist.is_initialized():
+                dist.destroy_process_group()
             self._own_group = False
 
     def _setup(self, resume: bool) -> None:
@@ -394,9 +398,12 @@ class Trainer:
     # -------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
         try:
-            return self._fit()
-        finally:
-            self._release()
+            report = self._fit()
+        except BaseException:
+            self._release(failed=True)
+            raise
+        self._release()
+        return report
 
     def _fit(self) -> dict[str, Any]:
         from tqdm import tqdm
