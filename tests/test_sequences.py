@@ -11,15 +11,17 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recscale.config import DistributedConfig
+from recscale.config import DistributedConfig, load_config
 from recscale.data.readers import ReadStats, read_batches
 from recscale.data.schema import Schema
 from recscale.data.synthetic import SyntheticSpec, synthetic_batches
-from recscale.distributed.env import DistEnv
+from recscale.distributed.env import DistEnv, init_distributed, shutdown
 from recscale.distributed.sharding import plan_tables
-from recscale.errors import ConfigError, DataError
+from recscale.errors import ConfigError, DataError, ResourceError
 from recscale.models import EmbeddingConfig, FeatureSet, SparseInput, build_model, model_names
+from recscale.train.build import build, schema_features
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SCHEMA = Schema.model_validate({"sparse": [{"name": "u"}, {"name": "h", "multi": True, "max_len": 3}]})
 
 
@@ -68,7 +70,6 @@ def test_a_malformed_history_is_one_line_naming_file_and_line(tmp_path, fmt, whe
 
 def test_a_sequence_encoder_needs_a_sequence_feature():
     """A history declared without max_len trained as a mean-pooled bag, the encoder set for it ignored."""
-    from recscale.config import load_config
     from recscale.train.build import check_features
 
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -283,3 +284,23 @@ def test_a_history_maps_its_ids_with_the_items_vocabulary(tmp_path):
     assert set(saved["vocabs"]) == {"item"}  # stored once, rebuilt for h on load
     back = Preprocessor.from_json(saved)
     assert back.lookup("h", pa.array(["b", "q"])).tolist() == [b, 0]
+
+
+@pytest.mark.parametrize("materialize", ["full", "shards"])
+def test_a_max_len_too_large_for_the_position_embeddings_names_max_len(materialize):
+    """A causal encoder learns max_len x dim position embeddings, dense on every rank: an allocation of
+    them that fails named the embedding tables and advised shards or more ranks, neither of which helps."""
+    from recscale.config import load_config
+
+    cfg = load_config(
+        CONFIGS / "movielens" / "sequences.yaml",
+        ["data.schema.sparse.8.max_len=1000000000000", f"distributed.materialize={materialize}",
+         "model.embedding.sequence={encoder: causal_din, target: item_id}"],
+    )  # fmt: skip
+    try:
+        with pytest.raises(ResourceError) as e:
+            build(cfg, schema_features(cfg.data.schema), init_distributed())
+    finally:
+        shutdown()
+    assert "position embeddings of sequence feature 'history' (max_len 1,000,000,000,000" in str(e.value)
+    assert "lower the max_len of 'history'" in str(e.value) and "\n" not in str(e.value)

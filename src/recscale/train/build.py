@@ -37,7 +37,7 @@ from recscale.distributed.planner.features import BATCH
 from recscale.distributed.sharding import shard_model
 from recscale.errors import ConfigError, ResourceError
 from recscale.models.base import RecModel, TrainableModel, count_parameters
-from recscale.models.blocks.sequence import SequenceConfig
+from recscale.models.blocks.sequence import SequenceConfig, SequenceEncoder
 from recscale.models.embedding import FeatureSet, SparseInput, check_feature_options
 from recscale.models.quant import quantize_model
 from recscale.models.registry import build_model
@@ -174,28 +174,37 @@ def flat_model(cfg: RunConfig, features: FeatureSet) -> RecModel:
     return model
 
 
-def _tables_do_not_fit(cfg: RunConfig, features: FeatureSet, env: DistEnv, e: RuntimeError) -> ResourceError:
-    tables = build_model(
-        cfg.model.name, features, cfg.model.embedding, cfg.model.params, torch.device("meta")
-    )
+def _model_does_not_fit(cfg: RunConfig, features: FeatureSet, env: DistEnv, e: RuntimeError) -> ResourceError:
+    model = build_model(cfg.model.name, features, cfg.model.embedding, cfg.model.params, torch.device("meta"))
     size = 2 if cfg.model.embedding.storage == "fp16" else 4
-    ec = tables.embedding.ec
+    ec = model.embedding.ec
     configs = [
-        *tables.embedding.ebc.embedding_bag_configs(),
+        *model.embedding.ebc.embedding_bag_configs(),
         *(ec.embedding_configs() if ec is not None else []),
     ]
     need = sum(c.num_embeddings * c.embedding_dim * size for c in configs)
+    tried = re.search(r"allocate (\d+) bytes", str(e))
+    failed = f"; the allocation that failed: {int(tried.group(1)):,} bytes" if tried else ""
+    # A causal encoder's position embeddings (max_len x dim, dense: neither shards nor more ranks shrink
+    # them) are the allocation that failed when its size is theirs.
+    for name, enc in (model.embedding.encoders or {}).items():
+        w = enc.positions.weight if isinstance(enc, SequenceEncoder) and enc.positions is not None else None
+        if tried and w is not None and int(tried.group(1)) == w.numel() * w.element_size():
+            return ResourceError(
+                f"rank {env.rank}: out of memory allocating the position embeddings of sequence feature "
+                f"'{name}' (max_len {w.shape[0]:,} x model.embedding.dim {w.shape[1]}{failed}): the "
+                f"{cfg.model.embedding.sequence.encoder} encoder learns one per position up to max_len; "
+                f"lower the max_len of '{name}' in data.schema.sparse"
+            )
     n = env.world_size
     how = (
         "every rank first builds all of them: set distributed.materialize: shards"
         if cfg.distributed.materialize == "full"
         else f"this rank holds its share of them over {n} rank{'s' * (n > 1)}: train on more ranks"
     )
-    tried = re.search(r"allocate (\d+) bytes", str(e))
     return ResourceError(
-        f"rank {env.rank}: out of memory allocating the embedding tables ({need:,} bytes in all"
-        + (f"; the allocation that failed: {int(tried.group(1)):,} bytes" if tried else "")
-        + f"); {how}, or shrink them (model.embedding.dim, hash_buckets, qr_buckets)"
+        f"rank {env.rank}: out of memory allocating the embedding tables ({need:,} bytes in all{failed}); "
+        f"{how}, or shrink them (model.embedding.dim, hash_buckets, qr_buckets)"
     )
 
 
@@ -241,7 +250,7 @@ def build(
         except RuntimeError as e:
             if "allocate" not in str(e):
                 raise
-            raise _tables_do_not_fit(cfg, features, env, e) from None
+            raise _model_does_not_fit(cfg, features, env, e) from None
         model = get_unwrapped_module(module)
         dense_params = {
             n: p for n, p in in_backward_optimizer_filter(module.named_parameters()) if n not in tables.params
