@@ -157,3 +157,15 @@ def test_balanced_two_rank_run_has_the_losses_of_contiguous_slices(tmp_path):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     _worker(sys.argv[2])
+
+
+def test_a_resume_may_change_the_balance(tmp_path):
+    """Balancing only decides which rank trains which sample of a step (each still once), as resuming on
+    another number of ranks does, which was allowed; changing distributed.balance was refused."""
+    run = tmp_path / "r"
+    Trainer(load_config(CONFIGS / "demo.yaml", [*SMALL, "train.max_steps=2"]), run).fit()
+    longer = [*SMALL, "train.max_steps=4", "distributed.balance=tokens2"]
+    report = Trainer(load_config(CONFIGS / "demo.yaml", longer), run, resume=True).fit()
+    assert report["steps"] == 4
+    with pytest.raises(ConfigError, match="changes model.num_layers"):  # what shapes the model still may not
+        Trainer(load_config(CONFIGS / "demo.yaml", [*longer, "model.num_layers=2"]), run, resume=True)

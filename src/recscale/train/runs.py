@@ -46,13 +46,14 @@ def flat_keys(d: Any, prefix: str = "") -> dict[str, Any]:
 
 # What a resumed run may change: how long it trains, how often it logs/evaluates/keeps, how it
 # reports, the wire's precision (a run of several ranks resumed on one process, which sends nothing
-# between ranks, must leave qcomms fp32); not anything that shapes the model, its state or the data it
-# has seen.
+# between ranks, must leave qcomms fp32), which rank trains which sample of a step (distributed.balance:
+# every sample is still trained once per step, as when the run resumes on another number of ranks); not
+# anything that shapes the model, its state or the data it has seen.
 RESUMABLE_KEYS = (
     "train.epochs", "train.max_steps", "train.eval_every", "train.log_every", "train.progress",
     "train.keep_checkpoints", "train.early_stopping.patience", "data.test", "data.num_workers",
     "distributed.timeout_s", "distributed.count_bytes", "distributed.qcomms.forward",
-    "distributed.qcomms.backward", "distributed.qcomms.dense",
+    "distributed.qcomms.backward", "distributed.qcomms.dense", "distributed.balance",
 )  # fmt: skip
 
 
