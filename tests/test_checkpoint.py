@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from recscale.distributed.env import init_distributed, shutdown
-from recscale.errors import CheckpointError, Terminated
+from recscale.errors import CheckpointError, ResourceError, Terminated
 from recscale.io import atomic_dir
 from recscale.train.checkpoint import (
     join_state,
@@ -103,6 +103,35 @@ def test_ctrl_c_or_sigterm_inside_dcp_stops_as_itself(tmp_path, monkeypatch, sto
     monkeypatch.setattr(SafeReader, "read_data", interrupted)
     with pytest.raises(stop):
         load_checkpoint(path, state())
+
+
+@pytest.mark.parametrize(
+    ("error", "words"),
+    [
+        # what torch's CPU allocator raised reading a 4-rank run's table shard under a memory limit
+        (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                      "you tried to allocate 768000128 bytes. Error code 12 (Cannot allocate memory)"),
+         "(the allocation that failed: 768,000,128 bytes)"),
+        (MemoryError(), "out of memory reading the checkpoint;"),
+    ],
+)  # fmt: skip
+def test_a_load_out_of_memory_is_not_called_damaged(tmp_path, monkeypatch, error, words):
+    """DCP reads each saved tensor whole before copying it into this rank's shard: a resume that ran out of
+    memory there said the intact checkpoint was damaged, inviting the user to delete it."""
+    from recscale.train.dcp_safety import SafeReader
+
+    path = tmp_path / "step_00000001"
+    save_checkpoint(path, state())
+
+    def out_of_memory(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(SafeReader, "read_data", out_of_memory)
+    with pytest.raises(ResourceError) as e:
+        load_checkpoint(path, state())
+    line = str(e.value)
+    assert line.startswith(f"{path}: out of memory") and words in line and "\n" not in line
+    assert "is not damaged" in line and "more ranks" in line
 
 
 class Evil:

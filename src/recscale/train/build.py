@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from recscale.models.blocks.sequence import SequenceConfig, SequenceEncoder
 from recscale.models.embedding import FeatureSet, SparseInput, check_feature_options
 from recscale.models.quant import quantize_model
 from recscale.models.registry import build_model
+from recscale.train.memory import failed_allocation
 from recscale.train.optim import dense_optimizer_factory, sparse_optimizer
 
 if TYPE_CHECKING:
@@ -174,7 +174,8 @@ def flat_model(cfg: RunConfig, features: FeatureSet) -> RecModel:
     return model
 
 
-def _model_does_not_fit(cfg: RunConfig, features: FeatureSet, env: DistEnv, e: RuntimeError) -> ResourceError:
+def _model_does_not_fit(cfg: RunConfig, features: FeatureSet, env: DistEnv, tried: int) -> ResourceError:
+    """The out-of-memory line of a rank whose model's allocation of ``tried`` bytes (0: not said) failed."""
     model = build_model(cfg.model.name, features, cfg.model.embedding, cfg.model.params, torch.device("meta"))
     size = 2 if cfg.model.embedding.storage == "fp16" else 4
     ec = model.embedding.ec
@@ -183,13 +184,12 @@ def _model_does_not_fit(cfg: RunConfig, features: FeatureSet, env: DistEnv, e: R
         *(ec.embedding_configs() if ec is not None else []),
     ]
     need = sum(c.num_embeddings * c.embedding_dim * size for c in configs)
-    tried = re.search(r"allocate (\d+) bytes", str(e))
-    failed = f"; the allocation that failed: {int(tried.group(1)):,} bytes" if tried else ""
+    failed = f"; the allocation that failed: {tried:,} bytes" if tried else ""
     # A causal encoder's position embeddings (max_len x dim, dense: neither shards nor more ranks shrink
     # them) are the allocation that failed when its size is theirs.
     for name, enc in (model.embedding.encoders or {}).items():
         w = enc.positions.weight if isinstance(enc, SequenceEncoder) and enc.positions is not None else None
-        if tried and w is not None and int(tried.group(1)) == w.numel() * w.element_size():
+        if tried and w is not None and tried == w.numel() * w.element_size():
             return ResourceError(
                 f"rank {env.rank}: out of memory allocating the position embeddings of sequence feature "
                 f"'{name}' (max_len {w.shape[0]:,} x model.embedding.dim {w.shape[1]}{failed}): the "
@@ -248,9 +248,9 @@ def build(
                 flat, env, cfg.distributed, (opt_cls, opt_kw), dense_dtype=dense_dtype, sample=sample
             )
         except RuntimeError as e:
-            if "allocate" not in str(e):
+            if (tried := failed_allocation(e)) is None:
                 raise
-            raise _model_does_not_fit(cfg, features, env, e) from None
+            raise _model_does_not_fit(cfg, features, env, tried) from None
         model = get_unwrapped_module(module)
         dense_params = {
             n: p for n, p in in_backward_optimizer_filter(module.named_parameters()) if n not in tables.params

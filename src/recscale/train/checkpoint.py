@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from recscale.errors import RESUME, CheckpointError
+from recscale.errors import RESUME, CheckpointError, ResourceError
 from recscale.io import atomic_dir, remove_partial_writes
 from recscale.train.dcp_safety import (
     METADATA_FILE,
@@ -32,6 +32,7 @@ from recscale.train.dcp_safety import (
     read_regular_file,
     tampered,
 )
+from recscale.train.memory import failed_allocation
 
 STATE_FILE = "state.json"
 # state.json holds counters, hyper-parameters, one tensor marker per tensor and ~7 KB of RNG state
@@ -151,6 +152,20 @@ def _interruption(e: CheckpointException) -> BaseException | None:
     return next((exc for exc, _ in e.failures.values() if not isinstance(exc, Exception)), None)
 
 
+def _out_of_memory(path: Path, e: BaseException) -> ResourceError | None:
+    """A read that ran out of memory (DCP reads a whole saved tensor before copying it into its shard): the
+    checkpoint is intact, not damaged, and deleting it would lose the run. None for other errors."""
+    errors = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+    tried = next((n for n in map(failed_allocation, errors) if n is not None), None)
+    if tried is None:
+        return None
+    return ResourceError(
+        f"{path}: out of memory reading the checkpoint"
+        + (f" (the allocation that failed: {tried:,} bytes)" if tried else "")
+        + "; the checkpoint is not damaged: give the process more memory or train on more ranks (--nproc)"
+    )
+
+
 def _write_error(path: Path, e: CheckpointException) -> BaseException:
     """What a failed DCP write ends the command with: an interruption as itself, the disk's error (an OSError)
     naming ``path``, else one line with the first rank's error and the disk's free space (torch's zip writer
@@ -243,6 +258,8 @@ def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     except (Exception, CheckpointException) as e:  # DCP wraps storage errors in a BaseException subclass
         if isinstance(e, CheckpointException) and (stop := _interruption(e)) is not None:
             raise stop from None
+        if (memory := _out_of_memory(path, e)) is not None:
+            raise memory from None
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise CheckpointError(
             f"{path}: could not be read into this model ({one_line(first)}); the checkpoint is damaged, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import re
 
 # glibc's mallopt parameters (malloc.h).
 M_TRIM_THRESHOLD = -1
@@ -81,3 +82,15 @@ def _startup_value(param: int, default: int) -> int:
         return int(value, 0)
     except ValueError:  # unset, or what glibc would not have parsed either
         return default
+
+
+def failed_allocation(e: BaseException) -> int | None:
+    """The bytes of the allocation ``e`` reports failing (0 where it does not say how many), or None when ``e``
+    is no allocation failure. torch's CPU allocator raises a plain RuntimeError ("DefaultCPUAllocator: can't
+    allocate memory: you tried to allocate N bytes"), Python a MemoryError."""
+    if isinstance(e, MemoryError):
+        return 0
+    if not isinstance(e, RuntimeError) or "allocate" not in str(e):
+        return None
+    tried = re.search(r"allocate (\d+) bytes", str(e))
+    return int(tried.group(1)) if tried else 0
