@@ -453,13 +453,25 @@ def test_a_dmt_run_evaluates_in_one_process_as_it_did_itself(dmt_run, capsys):
     assert len(err.splitlines()) == 1 and "is a DMT run" in err and "`recscale eval` scores DMT runs" in err
 
 
+def _run_and_flat_logits(dmt_run: Path, flat: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DMT run's own logits on its test rows, and ``flat``'s."""
+    from recscale.train.runs import load_trained
+
+    test = ArrayDataset(dmt_run / "data" / "test")
+    batch = test.gather(np.arange(len(test)))
+    _, _, built = load_trained(dmt_run)
+    built.module.eval()
+    with torch.no_grad():
+        return built.module(batch.dense, batch.sparse), flat(batch.dense, batch.sparse)
+
+
 @pytest.mark.dist
 def test_a_dmt_run_with_identity_towers_exports_as_the_flat_model_it_computes(dmt_run, capsys):
     """Identity tower modules: the exported flat model scores the run's test rows as the run does.
     Compressing ones have no flat form: refused in one line, nothing written."""
     from recscale.cli import main
     from recscale.serve.scorer import Scorer
-    from recscale.train.runs import load_trained, run_config
+    from recscale.train.runs import run_config
 
     out = dmt_run.parent / "model"
     capsys.readouterr()
@@ -472,13 +484,7 @@ def test_a_dmt_run_with_identity_towers_exports_as_the_flat_model_it_computes(dm
         assert not out.exists()
         return
     assert main(["export", str(dmt_run), "--out", str(out)]) == 0
-    test = ArrayDataset(dmt_run / "data" / "test")
-    batch = test.gather(np.arange(len(test)))
-    _, _, built = load_trained(dmt_run)
-    built.module.eval()
-    with torch.no_grad():
-        expected = built.module(batch.dense, batch.sparse)
-        got = Scorer(out).model(batch.dense, batch.sparse)
+    expected, got = _run_and_flat_logits(dmt_run, Scorer(out).model)
     assert expected.std() > 0  # not a constant model: the check can fail
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
@@ -488,7 +494,7 @@ def test_dmt_partition_takes_a_run_with_identity_towers_as_its_flat_model(dmt_ru
     """`dmt partition` refused every DMT run, though one with identity tower modules is the flat model
     export writes: it partitions that flat model's embeddings now. Compressing ones are refused in one line."""
     from recscale.cli import main
-    from recscale.train.runs import load_flat, load_trained, run_config
+    from recscale.train.runs import load_flat, run_config
 
     out = dmt_run.parent / "towers.json"
     capsys.readouterr()
@@ -508,13 +514,7 @@ def test_dmt_partition_takes_a_run_with_identity_towers_as_its_flat_model(dmt_ru
     _, pre, flat = load_flat(dmt_run, "to partition")
     assert sorted(towers) == sorted(flat.embedding.positions) == sorted(f.name for f in pre.schema.sparse)
     # the flat model it partitions is the one the run computes: the same logits on its test rows
-    test = ArrayDataset(dmt_run / "data" / "test")
-    batch = test.gather(np.arange(len(test)))
-    _, _, built = load_trained(dmt_run)
-    built.module.eval()
-    with torch.no_grad():
-        expected = built.module(batch.dense, batch.sparse)
-        got = flat(batch.dense, batch.sparse)
+    expected, got = _run_and_flat_logits(dmt_run, flat)
     assert expected.std() > 0
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 

@@ -471,9 +471,9 @@ def test_report_fraction_holds_valid_rows_out_of_every_selection(tmp_path):
     assert other.report_ds is not None and np.array_equal(other.report_ds.index, tr.report_ds.index)
 
 
-def test_a_valid_split_of_one_class_stops_early_on_logloss(tmp_path):
-    """Early stopping on AUC with a valid split of one class stopped after `patience` evaluations at
-    best_step 0 (AUC undefined at each); it compares LogLoss, and says so once."""
+def one_class_valid_run(tmp_path: Path, train: str) -> None:
+    """tmp_path/run.yaml: LR on 64 CSV rows of both classes, validated on the same rows all labelled 0;
+    ``train``: more keys of its train section."""
     rows = [f"{i % 2},{i % 7},{i % 11}" for i in range(64)]
     (tmp_path / "train.csv").write_text("\n".join(["label,user,item", *rows]) + "\n")
     (tmp_path / "valid.csv").write_text("\n".join(["label,user,item", *(f"0,{r[2:]}" for r in rows)]) + "\n")
@@ -481,9 +481,14 @@ def test_a_valid_split_of_one_class_stops_early_on_logloss(tmp_path):
         f"data:\n  format: csv\n  train: {tmp_path / 'train.csv'}\n  valid: {tmp_path / 'valid.csv'}\n"
         "  schema: {label: label, sparse: [{name: user}, {name: item}]}\n  num_workers: 0\n"
         "model: {name: lr}\n"
-        "train: {batch_size: 16, max_steps: 3, eval_every: 1, log_every: 1, progress: false,\n"
-        "        early_stopping: {metric: auc, patience: 2}}\n"
+        f"train: {{batch_size: 16, eval_every: 1, log_every: 1, progress: false, {train}}}\n"
     )
+
+
+def test_a_valid_split_of_one_class_stops_early_on_logloss(tmp_path):
+    """Early stopping on AUC with a valid split of one class stopped after `patience` evaluations at
+    best_step 0 (AUC undefined at each); it compares LogLoss, and says so once."""
+    one_class_valid_run(tmp_path, "max_steps: 3, early_stopping: {metric: auc, patience: 2}")
     with pytest.warns(UserWarning, match="metric=auc is undefined on the valid split") as said:
         report = Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()
     assert len([w for w in said if "undefined" in str(w.message)]) == 1
@@ -493,15 +498,7 @@ def test_a_valid_split_of_one_class_stops_early_on_logloss(tmp_path):
 def test_nan_metrics_are_written_as_json_null(tmp_path, capsys):
     """AUC, NE and calibration of a valid set of one class are NaN: metrics.jsonl and report.json wrote
     them as bare NaN, which is not JSON (jq, JSON.parse and strict parsers refuse the file)."""
-    rows = [f"{i % 2},{i % 7},{i % 11}" for i in range(64)]
-    (tmp_path / "train.csv").write_text("\n".join(["label,user,item", *rows]) + "\n")
-    (tmp_path / "valid.csv").write_text("\n".join(["label,user,item", *(f"0,{r[2:]}" for r in rows)]) + "\n")
-    (tmp_path / "run.yaml").write_text(
-        f"data:\n  format: csv\n  train: {tmp_path / 'train.csv'}\n  valid: {tmp_path / 'valid.csv'}\n"
-        "  schema: {label: label, sparse: [{name: user}, {name: item}]}\n  num_workers: 0\n"
-        "model: {name: lr}\n"
-        "train: {batch_size: 16, max_steps: 2, eval_every: 1, log_every: 1, progress: false}\n"
-    )
+    one_class_valid_run(tmp_path, "max_steps: 2")
     report = Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()
     assert np.isnan(report["valid"]["auc"])  # the returned report (the printed summary) keeps its NaN
 
