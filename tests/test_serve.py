@@ -666,6 +666,32 @@ def test_a_served_empty_id_of_a_multi_id_feature_is_dropped_as_the_readers_drop_
     assert p[0] == pytest.approx(p[1], rel=1e-6), p
 
 
+def test_served_ids_follow_the_readers_id_rule(tmp_path):
+    """The readers read "3.0" as id 3 and a single "" as a missing id; the server kept both as written
+    (another id: OOV), so a row scored otherwise served than in `recscale eval`."""
+    run, model = tmp_path / "run", tmp_path / "model"
+    assert main(["train", str(CONFIGS / "demo.yaml"), "--out", str(run), "train.max_steps=2",
+                 "data.synthetic.rows={train: 512, valid: 256, test: 256}", "train.progress=false"]) == 0  # fmt: skip
+    assert main(["export", str(run), "--out", str(model)]) == 0
+    scorer = Scorer(model, max_rows=8)
+    names = scorer.parser.arrow_schema.names
+    single = [n for n in names if n.startswith("s")]
+    multi = [n for n in names if n.startswith("m")]
+    assert single and multi
+    row = {n: (0.5 if n.startswith("d") else [1, 2] if n in multi else 3) for n in names}
+    rows = [
+        row,
+        row | dict.fromkeys(single, "3.0") | dict.fromkeys(multi, ["1.0", "2"]),
+        row | dict.fromkeys(single, None),
+        row | dict.fromkeys(single, ""),
+    ]
+    batch = scorer.parser.parse(json.dumps({"rows": rows}).encode())
+    assert batch.column(single[0]).to_pylist() == ["3", "3", None, None]
+    assert batch.column(multi[0]).to_pylist()[1] == ["1", "2"]
+    p = scorer.probabilities(batch)
+    assert p[0] == pytest.approx(p[1], rel=1e-6) and p[2] == pytest.approx(p[3], rel=1e-6), p
+
+
 def test_a_served_history_with_an_empty_id_is_refused_as_the_readers_refuse_it():
     """Training data with a history 3||7 is refused as malformed; the server scored ["3", ""] with an OOV
     position (another score than ["3"]) without a word."""

@@ -14,8 +14,10 @@ from typing import Annotated, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, StrictStr, ValidationError, create_model
 
+from recscale.data.readers.base import normal_ids
 from recscale.data.schema import WEIGHT_SUFFIX, Schema
 from recscale.train.dcp_safety import one_line
 
@@ -95,9 +97,17 @@ class RowParser:
                             "list or null is an empty history",
                         )
             try:
-                columns.append(pa.array(values, type=arrow))
+                column = pa.array(values, type=arrow)
             except (pa.ArrowException, UnicodeError, OverflowError) as e:  # e.g. lone surrogates in a string
                 raise RequestError(422, f"{self._kinds[i][0]}: unusable value ({one_line(e)})") from None
+            # Ids as the readers read them: "3.0" is id 3, and a single "" is a missing id. A list keeps
+            # its "" for the empty-id handling above and below (dropped, or refused in a history).
+            if arrow == pa.string():
+                column = normal_ids(column)
+            elif arrow == pa.list_(pa.string()):
+                flat = pc.fill_null(normal_ids(pc.list_flatten(column)), "")
+                column = pa.ListArray.from_arrays(column.offsets, flat, mask=column.is_null())
+            columns.append(column)
         batch = pa.RecordBatch.from_arrays(columns, schema=self._schema)
         for ids, w in self._weighted:
             a, b = batch.column(ids).value_lengths(), batch.column(w).value_lengths()
