@@ -616,15 +616,20 @@ def test_rows_missing_a_column_are_one_data_error(scorer, trained):
         scorer.probabilities(scorer.parser.parse(body).drop_columns(["tags"]))
 
 
-def test_a_model_trained_on_synthetic_data_serves(tmp_path):
-    """Synthetic ids are integers, so their vocabularies are int; the warm-up's row of nulls gives a
-    multi-id field no ids at all, and the empty lookup used to fail on the types before it was cast:
-    the server never started for `make demo`'s kind of run."""
+def _demo_scorer(tmp_path: Path) -> Scorer:
+    """A Scorer of `make demo`'s kind of run (synthetic data), trained two steps and exported."""
     run, model = tmp_path / "run", tmp_path / "model"
     assert main(["train", str(CONFIGS / "demo.yaml"), "--out", str(run), "train.max_steps=2",
                  "data.synthetic.rows={train: 512, valid: 256, test: 256}", "train.progress=false"]) == 0  # fmt: skip
     assert main(["export", str(run), "--out", str(model)]) == 0
-    scorer = Scorer(model, max_rows=8)
+    return Scorer(model, max_rows=8)
+
+
+def test_a_model_trained_on_synthetic_data_serves(tmp_path):
+    """Synthetic ids are integers, so their vocabularies are int; the warm-up's row of nulls gives a
+    multi-id field no ids at all, and the empty lookup used to fail on the types before it was cast:
+    the server never started for `make demo`'s kind of run."""
+    scorer = _demo_scorer(tmp_path)
     with TestClient(create_app(scorer, ServeOptions())) as c:  # the lifespan warms up on a row of nulls
         names = scorer.parser.arrow_schema.names
         row = {n: (0.5 if n.startswith("d") else [1, 2] if n.startswith("m") else 3) for n in names}
@@ -652,11 +657,7 @@ def test_a_served_history_keeps_its_most_recent_max_len_ids(tmp_path):
 
 def test_a_served_empty_id_of_a_multi_id_feature_is_dropped_as_the_readers_drop_it(tmp_path):
     """Training reads `x|` (or a list ['x', '']) as ['x']; the server embedded ["1", ""] with an OOV id."""
-    run, model = tmp_path / "run", tmp_path / "model"
-    assert main(["train", str(CONFIGS / "demo.yaml"), "--out", str(run), "train.max_steps=2",
-                 "data.synthetic.rows={train: 512, valid: 256, test: 256}", "train.progress=false"]) == 0  # fmt: skip
-    assert main(["export", str(run), "--out", str(model)]) == 0
-    scorer = Scorer(model, max_rows=8)
+    scorer = _demo_scorer(tmp_path)
     names = scorer.parser.arrow_schema.names
     row = {n: (0.5 if n.startswith("d") else [1, 2] if n.startswith("m") else 3) for n in names}
     multi = [n for n in names if n.startswith("m")]
@@ -669,11 +670,7 @@ def test_a_served_empty_id_of_a_multi_id_feature_is_dropped_as_the_readers_drop_
 def test_served_ids_follow_the_readers_id_rule(tmp_path):
     """The readers read "3.0" as id 3 and a single "" as a missing id; the server kept both as written
     (another id: OOV), so a row scored otherwise served than in `recscale eval`."""
-    run, model = tmp_path / "run", tmp_path / "model"
-    assert main(["train", str(CONFIGS / "demo.yaml"), "--out", str(run), "train.max_steps=2",
-                 "data.synthetic.rows={train: 512, valid: 256, test: 256}", "train.progress=false"]) == 0  # fmt: skip
-    assert main(["export", str(run), "--out", str(model)]) == 0
-    scorer = Scorer(model, max_rows=8)
+    scorer = _demo_scorer(tmp_path)
     names = scorer.parser.arrow_schema.names
     single = [n for n in names if n.startswith("s")]
     multi = [n for n in names if n.startswith("m")]
