@@ -17,7 +17,7 @@ import torch
 
 from recscale.cli import main
 from recscale.config import DistributedConfig, load_config, validate_config
-from recscale.distributed.env import DistEnv, init_distributed, shutdown
+from recscale.distributed.env import DistEnv, init_distributed, lost_peer, record_error, shutdown
 from recscale.distributed.launch import launch
 from recscale.distributed.sharding import plan_tables
 from recscale.distributed.topology import Topology
@@ -97,11 +97,17 @@ def _worker(spec_path: str) -> None:
     logging.disable(logging.WARNING)  # TorchRec's planner and sharders warn on every run
     init_distributed()  # the group outlasts each Trainer's fit, which would end a group it started itself
     for job in json.loads(Path(spec_path).read_text()):
-        cfg = load_config(CONFIGS / "demo.yaml", [*SMALL, *job["overrides"]])
-        trainer = Trainer(cfg, Path(job["dir"]), resume=job["resume"])
-        if not job["resume"]:
-            trainer.fit()
-        scores = predict(trainer.module, trainer.test_ds, 100, 0)
+        try:
+            cfg = load_config(CONFIGS / "demo.yaml", [*SMALL, *job["overrides"]])
+            trainer = Trainer(cfg, Path(job["dir"]), resume=job["resume"])
+            if not job["resume"]:
+                trainer.fit()
+            scores = predict(trainer.module, trainer.test_ds, 100, 0)
+        except (
+            Exception
+        ) as e:  # the launcher's error then names the job and the first error, not a consequence
+            record_error(f"{Path(job['dir']).name}: {type(e).__name__}: {e}"[:400], lost_peer(e) is not None)
+            raise
         if trainer.main:
             np.save(job["scores"], scores.numpy())
     shutdown()

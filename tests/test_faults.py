@@ -19,7 +19,8 @@ from test_distributed import CONFIGS, REPO, SMALL, dist_mark
 from recscale.cli import main
 from recscale.distributed import env as dist_env
 from recscale.distributed.env import free_port, lost_peer
-from recscale.distributed.launch import _kill_hung
+from recscale.distributed.launch import _kill_hung, launch
+from recscale.errors import RecscaleError
 from recscale.train.checkpoint import list_checkpoints
 
 
@@ -141,6 +142,24 @@ def test_killed_rank_stops_the_job_in_bounded_time_with_one_clear_line(tmp_path)
         f"error: rank 1 (pid {victim}) was killed by SIGKILL; the other ranks were stopped"
     ]
     assert "Traceback" not in err
+
+
+@dist_mark
+def test_a_crashed_rank_is_named_with_where_it_crashed(tmp_path):
+    """A rank that aborts (as on a C++ exception no one caught) leaves its stacks to the launcher, whose
+    line says in which function it died; the other rank is stopped."""
+    program = tmp_path / "crash.py"
+    program.write_text(
+        "import os, time\nfrom recscale.distributed.env import init_distributed\n"
+        "def _crash_here():\n    os.abort()\n"
+        "if init_distributed().rank == 1:\n    _crash_here()\ntime.sleep(120)\n"
+    )
+    with pytest.raises(RecscaleError) as e:
+        launch([str(program)], 2, 2, 0)
+    assert re.fullmatch(
+        r"rank 1 \(pid \d+\) was killed by SIGABRT in _crash_here \(crash\.py:4\); the other ranks were stopped",
+        str(e.value),
+    ), str(e.value)
 
 
 @dist_mark

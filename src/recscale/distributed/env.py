@@ -7,10 +7,15 @@ Hangs: each rank of a multi-process job posts a heartbeat (its last step) to the
 (``heartbeat``). A rank whose collective times out reads them to name the rank that stopped
 responding (``lost_peer``) and, under ``recscale train --nproc``, leaves that verdict in
 ``$RECSCALE_FAULT_DIR``, where the launcher picks it up and kills the hung rank at once.
+
+Crashes: under that launcher a rank killed by a fatal signal (SIGSEGV, SIGABRT: a C++ exception no
+one caught, in gloo's threads say) leaves its threads' Python stacks there too (``crash_site``), so
+the job's one line says where it died.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import math
 import os
@@ -29,6 +34,7 @@ from recscale.distributed.topology import Topology
 
 FAULT_DIR_ENV = "RECSCALE_FAULT_DIR"  # set by recscale's launcher: where ranks leave hang verdicts
 ERRORS_SUBDIR = "errors"  # ...and, in this folder of it, their one-line errors (``record_error``)
+CRASH_SUBDIR = "crash"  # ...and in this one, PID.txt: faulthandler's stacks of a rank that crashed
 _BEAT_EVERY_S = 1.0  # a beat is a round trip to the store's host: one a second at most, however short a step
 _PEER_SETTLE_S = 2.0  # ranks stuck in one collective time out within about a step of each other
 
@@ -71,6 +77,7 @@ class _Heartbeat:
 
 _heartbeat: _Heartbeat | None = None
 _groups_formed = 0  # process groups this process has formed under torchrun (init_distributed)
+_crash_file: object = None  # open for faulthandler while the process lives (``_dump_stacks_on_crash``)
 
 
 def free_port() -> int:
@@ -101,6 +108,7 @@ def init_distributed(timeout_s: float | None = None) -> DistEnv:
     restarts = _attempt()
     if not dist.is_initialized():
         if launched:
+            _dump_stacks_on_crash()
             store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
             # torchrun's static rendezvous keeps one store across restarts (torch 2.13): without a
             # fresh prefix per attempt, a restarted group reads the dead attempt's addresses and hangs.
@@ -119,6 +127,47 @@ def init_distributed(timeout_s: float | None = None) -> DistEnv:
             store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return DistEnv(rank, world, local_world, device, backend, restarts)
+
+
+def _dump_stacks_on_crash() -> None:
+    """Under recscale's launcher, have a fatal signal write this process's Python stacks to
+    ``$RECSCALE_FAULT_DIR/crash/PID.txt`` (faulthandler) for the launcher's line (``crash_site``)."""
+    global _crash_file
+    fault_dir = os.environ.get(FAULT_DIR_ENV)
+    if not fault_dir or _crash_file is not None:
+        return
+    try:
+        path = Path(fault_dir) / CRASH_SUBDIR / f"{os.getpid()}.txt"
+        path.parent.mkdir(exist_ok=True)
+        _crash_file = path.open("w")
+    except OSError:  # the launcher is gone: no one would read it
+        return
+    faulthandler.enable(_crash_file, all_threads=True)
+
+
+def crash_site(fault_dir: Path, pid: int) -> str | None:
+    """Where process ``pid`` was when a fatal signal killed it, from the stacks it left
+    (``_dump_stacks_on_crash``): the innermost frame of the thread that took the signal, or, when that
+    thread ran no Python (a C++ library's own thread), that and the other threads' innermost frames."""
+    try:
+        text = (Path(fault_dir) / CRASH_SUBDIR / f"{pid}.txt").read_text(errors="replace")
+    except OSError:
+        return None
+    stacks = re.findall(r"^(Current thread|Thread) 0x[0-9a-f]+ [^\n]*\n((?:  .*\n?)*)", text, re.MULTILINE)
+    if not stacks:
+        return None
+
+    def top(frames: str) -> str | None:
+        m = re.search(r'File "([^"]+)", line (\d+) in (\S+)', frames)
+        return f"{m.group(3)} ({Path(m.group(1)).name}:{m.group(2)})" if m else None
+
+    current = next((f for kind, f in stacks if kind == "Current thread"), "")
+    if (where := top(current)) is not None:
+        return f"in {where}"
+    others = [w for kind, f in stacks if kind == "Thread" and (w := top(f)) is not None]
+    return "in a thread running no Python (a C++ library's)" + (
+        f", while its other threads were in {', '.join(others)}" if others else ""
+    )
 
 
 def heartbeat(step: int) -> None:

@@ -36,7 +36,7 @@ import time
 import uuid
 from pathlib import Path
 
-from recscale.distributed.env import ERRORS_SUBDIR, FAULT_DIR_ENV, free_port
+from recscale.distributed.env import ERRORS_SUBDIR, FAULT_DIR_ENV, crash_site, free_port
 from recscale.errors import RecscaleError, Terminated
 
 _POLL_S = 0.2
@@ -194,6 +194,9 @@ def _describe(rank: int, failure: object) -> str:
     code = failure.exitcode  # type: ignore[attr-defined]
     if code < 0:
         how = f"was killed by {signal.Signals(-code).name}"
+        # A crash (SIGSEGV, SIGABRT) left the rank's stacks; a kill from outside (SIGKILL) leaves none.
+        if (site := crash_site(Path(os.environ.get(FAULT_DIR_ENV, ".")), failure.pid)) is not None:  # type: ignore[attr-defined]
+            how += f" {site}"
     else:
         how = f"exited with code {code} (its error is printed above)"
     return f"rank {rank} (pid {failure.pid}) {how}"  # type: ignore[attr-defined]
