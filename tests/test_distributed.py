@@ -93,24 +93,26 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 # ---------------------------------------------------------------- worker side
 def _worker(spec_path: str) -> None:
-    """Each job of the spec in turn: train a run, or resume one and score its test split."""
+    """Each job of the spec in turn: train a run, or resume one and score its test split. A job's error
+    is left to the launcher (``record_error``), whose line then names it rather than what followed."""
     logging.disable(logging.WARNING)  # TorchRec's planner and sharders warn on every run
     init_distributed()  # the group outlasts each Trainer's fit, which would end a group it started itself
-    for job in json.loads(Path(spec_path).read_text()):
-        try:
-            cfg = load_config(CONFIGS / "demo.yaml", [*SMALL, *job["overrides"]])
-            trainer = Trainer(cfg, Path(job["dir"]), resume=job["resume"])
-            if not job["resume"]:
-                trainer.fit()
-            scores = predict(trainer.module, trainer.test_ds, 100, 0)
-        except (
-            Exception
-        ) as e:  # the launcher's error then names the job and the first error, not a consequence
-            record_error(f"{Path(job['dir']).name}: {type(e).__name__}: {e}"[:400], lost_peer(e) is not None)
-            raise
-        if trainer.main:
-            np.save(job["scores"], scores.numpy())
-    shutdown()
+    try:
+        for job in json.loads(Path(spec_path).read_text()):
+            try:
+                cfg = load_config(CONFIGS / "demo.yaml", [*SMALL, *job["overrides"]])
+                trainer = Trainer(cfg, Path(job["dir"]), resume=job["resume"])
+                if not job["resume"]:
+                    trainer.fit()
+                scores = predict(trainer.module, trainer.test_ds, 100, 0)
+            except Exception as e:
+                line = " ".join(f"{Path(job['dir']).name}: {type(e).__name__}: {e}".split())
+                record_error(line[:400], consequence=lost_peer(e) is not None)
+                raise
+            if trainer.main:
+                np.save(job["scores"], scores.numpy())
+    finally:
+        shutdown()  # gloo's threads joined now: left to exit-time destructors they can abort the process
 
 
 def _jobs(root: Path, world: int) -> list[dict]:
