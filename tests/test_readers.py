@@ -678,6 +678,18 @@ def test_text_that_is_not_utf8_is_one_line_naming_its_line(tmp_path):
         read_all(path, "csv", make_schema(sparse=["a"]))
 
 
+def test_a_file_with_no_line_end_is_not_read_whole_for_its_header(tmp_path, monkeypatch):
+    """Its 'first line' was the whole file, read into memory however large (e.g. a data dump named .csv)."""
+    monkeypatch.setattr("recscale.data.readers.text._LINE_MAX", 1 << 20)
+    path = tmp_path / "t.csv"
+    path.write_bytes(b"label,a" + b",b" * (1 << 20))  # 2 MiB, no line end
+    with pytest.raises(DataError, match=r"t\.csv line 1: no line end in its first 1 MiB, so no header line"):
+        read_all(path, "csv", make_schema(sparse=["a"]))
+    path.write_bytes(b"label,a" + b",b" * (1 << 18) + b"\n1,x\n")  # long, but a line: read as a header
+    with pytest.raises(DataError, match=r"names column"):  # 'b' more than once, so the header was read
+        read_all(path, "csv", make_schema(sparse=["a"]))
+
+
 @pytest.mark.parametrize(
     ("fmt", "schema", "good"),
     [

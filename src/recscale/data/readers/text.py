@@ -25,6 +25,7 @@ BLOCK_BYTES = 8 << 20
 
 R = TypeVar("R")
 # pyarrow ends a row at a carriage return alone too, where recscale counts lines by their line feeds.
+_LINE_MAX = 16 << 20  # a header line longer than this is no header (first_line)
 BARE_CR = (
     "a carriage return (\\r) inside the line, which ends a row for the parser; remove it "
     "(lines end in \\n or \\r\\n)"
@@ -141,13 +142,19 @@ def _text_options(delimiter: str, quote: bool, handler: Callable | None) -> pacs
 
 
 def first_line(path: Path) -> bytes:
-    """A text file's first line (line end excluded), read without loading the file."""
+    """A text file's first line (line end excluded), read without loading the file: a DataError if it has
+    no line end within ``_LINE_MAX`` bytes (a file of other data, or of one huge line)."""
     with _input_stream(path) as stream:
         head = b""
         # A carriage return ends the search too: a file whose lines end in \r alone is not read whole (the
         # header check names it); one at the very end may be a CRLF's first half.
         while b"\n" not in head and b"\r" not in head[:-1] and (more := stream.read(1 << 16)):
             head += more
+            if len(head) > _LINE_MAX and b"\n" not in head and b"\r" not in head:
+                raise DataError(
+                    f"{path} line 1: no line end in its first {_LINE_MAX >> 20} MiB, so no header line; "
+                    "check the path and data.format"
+                )
     return head.split(b"\n", 1)[0].rstrip(b"\r")
 
 
