@@ -642,10 +642,12 @@ def _mmapped_blocks() -> int:
 
 @pytest.mark.skipif(not Path("/lib/x86_64-linux-gnu/libc.so.6").exists(), reason="glibc only")
 @pytest.mark.parametrize("fails", [False, True])
-def test_fit_undoes_its_process_group_and_malloc_tuning(tmp_path, fails):
+def test_fit_undoes_its_process_group_and_malloc_tuning(tmp_path, monkeypatch, fails):
     """train.reuse_memory's malloc tuning and the group of one the Trainer started outlasted fit(): the
-    rest of the process ran with glibc's mmap off, and with a process group nobody would destroy."""
+    rest of the process ran with glibc's mmap off, and with a process group nobody would destroy. Nor does
+    a run without a progress bar start tqdm's monitor thread (a disabled tqdm bar did)."""
     import torch.distributed as dist
+    import tqdm
 
     from recscale.distributed.env import shutdown
     from recscale.train.memory import release_freed_memory
@@ -653,6 +655,7 @@ def test_fit_undoes_its_process_group_and_malloc_tuning(tmp_path, fails):
     # What an earlier test's Trainer that never ran fit() left set up: this Trainer sets up its own.
     shutdown()
     release_freed_memory()
+    monkeypatch.setattr(tqdm.tqdm, "monitor", None)  # tqdm's one monitor, started by the first bar
     tr = Trainer(load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=2"]), tmp_path / "r")
     assert dist.is_initialized() and _mmapped_blocks() == 0  # in effect while it trains
     if fails:
@@ -667,6 +670,7 @@ def test_fit_undoes_its_process_group_and_malloc_tuning(tmp_path, fails):
         assert tr.fit()["steps"] == 2
     assert _mmapped_blocks() == 1  # glibc mmaps large blocks again
     assert not dist.is_initialized()
+    assert tqdm.tqdm.monitor is None
 
 
 @pytest.mark.skipif(not Path("/lib/x86_64-linux-gnu/libc.so.6").exists(), reason="glibc only")

@@ -48,13 +48,20 @@ from recscale.io import atomic_dir
 BLOCK_IDS = 1 << 22
 
 
-def progress_bar(enabled: bool, desc: str, unit: str = " rows", total: int | None = None) -> Any:
-    """A tqdm bar on the terminal, or None."""
+def progress_bar(
+    enabled: bool,
+    desc: str,
+    unit: str = " rows",
+    total: int | None = None,
+    initial: int = 0,
+    leave: bool = False,
+) -> Any:
+    """A tqdm bar on the terminal, or None (a disabled tqdm bar still starts tqdm's monitor thread)."""
     if not enabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(desc=desc, unit=unit, unit_scale=unit == " rows", total=total, leave=False)
+    return tqdm(desc=desc, unit=unit, unit_scale=unit == " rows", total=total, initial=initial, leave=leave)
 
 
 class _Spill:

@@ -37,6 +37,7 @@ from torch import nn
 from recscale.config import FP16_SHRINK, RunConfig
 from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
+from recscale.data.materialize import progress_bar
 from recscale.distributed import comms
 from recscale.distributed.balance import Balance, CostModel, Padding, balanced_parts
 from recscale.distributed.env import heartbeat, init_distributed, shutdown
@@ -406,7 +407,6 @@ class Trainer:
         return report
 
     def _fit(self) -> dict[str, Any]:
-        from tqdm import tqdm
 
         t, p = self.cfg.train, self.progress
         if self.steps_per_epoch == 0:
@@ -414,10 +414,8 @@ class Trainer:
                 f"train.batch_size {t.batch_size} is larger than the training set ({len(self.train_ds)} rows)"
             )
         # A bar only on a terminal: redirected to a log, it would print a line per refresh.
-        bar = tqdm(
-            total=self.total_steps, initial=p.step, desc="train", unit="step",
-            disable=not (t.progress and self.main and sys.stderr.isatty()),
-        )  # fmt: skip
+        shown = t.progress and self.main and sys.stderr.isatty()
+        bar = progress_bar(shown, "train", "step", self.total_steps, initial=p.step, leave=True)
         try:
             # The log window may have begun before a resume (Progress.window_*); the byte counters have
             # counted only the steps of this process since the last log (``counted``).
@@ -433,10 +431,13 @@ class Trainer:
                     p.window_steps, p.window_seconds = p.window_steps + 1, p.window_seconds + now - last
                     counted, last = counted + 1, now
                     p.batch += 1
-                    bar.update(1)
+                    if bar is not None:
+                        bar.update(1)
                     heartbeat(p.step)  # lets a peer that times out name this rank if it hangs
                     if p.step % t.log_every == 0:
-                        bar.set_postfix(loss=f"{self._log_window(counted):.4f}")
+                        loss = self._log_window(counted)
+                        if bar is not None:
+                            bar.set_postfix(loss=f"{loss:.4f}")
                         counted = 0
                     if p.batch >= self.steps_per_epoch:  # end of epoch
                         p.epoch, p.batch = p.epoch + 1, 0
@@ -448,7 +449,8 @@ class Trainer:
                         self.module.train()
                         last = time.perf_counter()  # a window's rate is training's: evaluation left out
         finally:
-            bar.close()  # before any error line, so it does not land on the bar's line
+            if bar is not None:
+                bar.close()  # before any error line, so it does not land on the bar's line
         return self.finish()
 
     def _epoch(self) -> Iterator[tuple[Batch, int | None]]:
