@@ -401,7 +401,7 @@ def test_a_nan_metric_is_worse_than_any_number(metric):
     assert old.improves(m(0.5), es) and not old.improves(m(nan), es)
 
 
-@pytest.mark.parametrize("metric", ["auc", "ne"])
+@pytest.mark.parametrize("metric", ["auc", "ne", "gauc"])
 def test_early_stopping_compares_logloss_where_the_metric_is_undefined(metric):
     """AUC and NE of a valid split of one class are NaN at every evaluation: the run stopped after
     `patience` evaluations with best_step 0, whatever the model learnt. Early stopping compares their
@@ -412,7 +412,7 @@ def test_early_stopping_compares_logloss_where_the_metric_is_undefined(metric):
     es, p, nan = EarlyStopping(metric=metric, patience=2), Progress(), float("nan")
     for step, logloss in enumerate([0.6, 0.5, 0.55, 0.4, 0.45, 0.41], start=1):
         p.step = step
-        evaluation = {"auc": nan, "logloss": logloss, "ne": nan}
+        evaluation = {"auc": nan, "logloss": logloss, "ne": nan, "gauc": nan}
         assert watched_metric(evaluation, es) == "logloss"
         p.record_eval(evaluation, p.improves(evaluation, es), es)
     assert (p.best, p.best_step, p.bad_evals, p.stopped_early) == (0.4, 4, 2, True)
@@ -784,3 +784,36 @@ def test_eval_group_by_scores_the_group_auc_of_known_ids(tmp_path, capsys):
         assert capsys.readouterr().err == (
             f"error: --group-by {field}: not a single-id feature of {tmp_path / 'r'}; group by one of user, item\n"
         )
+
+
+def test_training_reports_and_stops_on_the_group_auc(tmp_path):
+    """train.group_by: every evaluation logs the group AUC too, early_stopping.metric=gauc keeps the step
+    where it peaked, and `recscale eval` scores it over the run's own grouping without being told."""
+    rng = np.random.default_rng(1)
+    header = "label,user,item"
+    rows = [f"{int(rng.random() < 0.3 + 0.05 * (i % 7))},{i % 11},{i % 17}" for i in range(600)]
+    (tmp_path / "train.csv").write_text("\n".join([header, *rows[:480]]) + "\n")
+    (tmp_path / "valid.csv").write_text("\n".join([header, *rows[480:]]) + "\n")
+    text = (
+        f"data:\n  format: csv\n  train: {tmp_path / 'train.csv'}\n  valid: {tmp_path / 'valid.csv'}\n"
+        "  schema: {label: label, sparse: [{name: user}, {name: item}]}\n  num_workers: 0\nmodel: {name: fm}\n"
+        "train: {batch_size: 32, max_steps: 40, eval_every: 5, progress: false, group_by: user,\n"
+        "        early_stopping: {metric: gauc, patience: 100}}\n"
+    )
+    (tmp_path / "run.yaml").write_text(text)
+    report = Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()
+    valid = [r for r in map(json.loads, (tmp_path / "r" / "metrics.jsonl").read_text().splitlines())
+             if r["split"] == "valid"]  # fmt: skip
+    assert len(valid) == 8 and all(r["gauc_groups"] == 11 and r["gauc_rows"] == 120 for r in valid)
+    peak = max(valid, key=lambda r: r["gauc"])  # the first of equal peaks: a tie is no improvement
+    assert len({r["gauc"] for r in valid}) > 1 and report["best_step"] == peak["step"]
+    assert report["valid"]["gauc"] == pytest.approx(peak["gauc"], abs=1e-9)  # the kept model's
+    m = eval_run(tmp_path / "r", str(tmp_path / "valid.csv"))
+    assert m["gauc_by"] == "user" and m["gauc"] == pytest.approx(peak["gauc"], abs=1e-6)
+    with pytest.raises(ConfigError, match="early_stopping.metric=gauc is the group AUC over train.group_by"):
+        load_config(tmp_path / "run.yaml", ["train.group_by=null"])
+    with pytest.raises(
+        ConfigError, match=r"^train.group_by=nope: not a single-id feature of the data; group by"
+    ):
+        Trainer(load_config(tmp_path / "run.yaml", ["train.group_by=nope"]), tmp_path / "r2")
+    assert not (tmp_path / "r2").exists()

@@ -182,7 +182,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(f"note: {note}", file=sys.stderr)
     if "gauc" in metrics and not math.isfinite(metrics["gauc"]):
         print(
-            f"note: gauc is null: no {args.group_by} the run knows holds both classes in this file (rows of ids "
+            f"note: gauc is null: no {metrics['gauc_by']} the run knows holds both classes in this file (rows of ids "
             "the run never saw belong to no group)"
             if metrics["gauc_rows"] == 0
             else "note: gauc is null: the model scored NaN (a diverged model)",

@@ -120,7 +120,8 @@ class OptimizerConfig(Settings):
 
 class EarlyStopping(Settings):
     # auc and ne are undefined on a valid split of one class: early stopping compares logloss there (warned).
-    metric: Literal["auc", "logloss", "ne"] = "auc"
+    # gauc: group AUC over train.group_by's ids (a user's rows ranked among themselves).
+    metric: Literal["auc", "logloss", "ne", "gauc"] = "auc"
     patience: int = Field(2, ge=1)
     min_delta: float = Field(0.0, ge=0)
     # Multiply every learning rate (dense and tables) by this on each evaluation without improvement.
@@ -154,6 +155,9 @@ class TrainConfig(Settings):
     # apply it. Fixes over-confidence without moving AUC.
     calibrate: bool = False
     eval_every: int | None = Field(None, ge=1)  # steps; None = once per epoch
+    # A single-id sparse feature (e.g. user_id): every evaluation also reports the group AUC over its ids
+    # (gauc, gauc_groups, gauc_rows), which early_stopping.metric=gauc can stop on.
+    group_by: str | None = None
     early_stopping: EarlyStopping | None = EarlyStopping()
     keep_checkpoints: int = Field(2, ge=1)
     log_every: int = Field(50, ge=1)
@@ -358,6 +362,12 @@ class RunConfig(Settings):
                 f"train.table_weight_decay shrinks each row by table lr x decay = {shrink:.2g} a step, "
                 "under what model.embedding.storage=fp16 resolves (2^-11 = 4.9e-4): the fp16 rows would "
                 "round the shrink away; use storage fp32, or train.embedding_l2"
+            )
+        es = self.train.early_stopping
+        if es is not None and es.metric == "gauc" and self.train.group_by is None:
+            raise ValueError(
+                "train.early_stopping.metric=gauc is the group AUC over train.group_by's ids, which is not set: "
+                "name the single-id feature to group by (e.g. train.group_by=user_id)"
             )
         synthetic = self.data.synthetic if self.data.format == "synthetic" else None
         if self.train.calibrate and ("valid" not in synthetic.rows if synthetic else self.data.valid is None):

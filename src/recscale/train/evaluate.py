@@ -51,7 +51,11 @@ def evaluate(
     """``ctr_metrics`` of the model on ``ds``; with ``group_by`` (a single-id field) also its group AUC
     over that field's ids (gauc, gauc_groups, gauc_rows). Rows whose id is OOV (unseen in training, or
     missing) belong to no known group and are left out of it: gauc_rows says how many rows it covers."""
-    logits = predict(model, ds, batch_size, num_workers, precision)
+    return scored(predict(model, ds, batch_size, num_workers, precision), ds, group_by)
+
+
+def scored(logits: torch.Tensor, ds: ArrayDataset, group_by: str | None = None) -> dict[str, float]:
+    """``evaluate``'s metrics of the ``logits`` (N,) a model gave ``ds``'s rows."""
     labels = torch.from_numpy(ds.labels().copy())
     m = ctr_metrics(logits, labels)
     if group_by is not None:

@@ -58,13 +58,12 @@ from recscale.train.checkpoint import (
     saved_step,
 )
 from recscale.train.data import prepare_run_data
-from recscale.train.evaluate import bayes_floor, eval_batch_size, evaluate, predict
+from recscale.train.evaluate import bayes_floor, eval_batch_size, evaluate, predict, scored
 from recscale.train.memory import freed_memory_kept, keep_freed_memory, release_freed_memory
-from recscale.train.metrics import ctr_metrics
 from recscale.train.optim import lr_factor
 from recscale.train.precision import autocast, warn_if_emulated
 from recscale.train.regularizers import DenseEMA, EmbeddingL2, TableDecay
-from recscale.train.runs import check_dmt_topology, check_resume, refuse_artifact
+from recscale.train.runs import check_dmt_topology, check_group_by, check_resume, refuse_artifact
 from recscale.train.state import Progress, RunLog, rng_state, set_rng_state, watched_metric
 
 
@@ -169,6 +168,8 @@ class Trainer:
         self._prepare_data(resume)
         if self.main:
             self._barrier()
+        if t.group_by is not None:
+            check_group_by(self.pre.schema, t.group_by, f"train.group_by={t.group_by}", "the data")
         self.built = build(cfg, feature_set(self.pre), self.env, planner_sample(cfg, self.train_ds))
         self.module, self.opt = self.built.module, self.built.opt
         if self.main:
@@ -509,10 +510,15 @@ class Trainer:
             if es is not None:
                 if self.main and not self.said_watched and watched_metric(m, es) != es.metric:
                     self.said_watched = True
+                    why = (
+                        f"no {t.group_by} of its rows the run knows holds both classes"
+                        if es.metric == "gauc"
+                        else f"whose {m['rows']:,} rows are of one class"
+                    )
                     warnings.warn(
-                        f"train.early_stopping.metric={es.metric} is undefined on the valid split, whose "
-                        f"{m['rows']:,} rows are of one class: early stopping compares LogLoss instead; give "
-                        "valid rows of both classes to stop on the metric asked for",
+                        f"train.early_stopping.metric={es.metric} is undefined on the valid split, {why}: early "
+                        "stopping compares LogLoss instead; give valid rows of both classes to stop on the "
+                        "metric asked for",
                         stacklevel=2,
                     )
                 restore = p.record_eval(m, improved, es)
@@ -549,7 +555,7 @@ class Trainer:
     def _evaluate(self, ds: ArrayDataset) -> dict[str, float]:
         t = self.cfg.train
         return evaluate(
-            self.module, ds, eval_batch_size(t.batch_size), self.cfg.data.num_workers, t.precision
+            self.module, ds, eval_batch_size(t.batch_size), self.cfg.data.num_workers, t.precision, t.group_by
         )
 
     def _calibrate(self, step: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -568,7 +574,8 @@ class Trainer:
         for c in layers[1:]:
             c.set(a, b)
         self._keep_best(step)
-        return {"scale": a, "bias": b, "rows": len(self.valid_ds)}, ctr_metrics(layers[0](logits), labels)
+        calibrated = scored(layers[0](logits), self.valid_ds, t.group_by)
+        return {"scale": a, "bias": b, "rows": len(self.valid_ds)}, calibrated
 
     def finish(self) -> dict[str, Any]:
         p = self.progress

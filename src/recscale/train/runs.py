@@ -19,6 +19,7 @@ from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers.base import SKIP_HINT, OnBadRow
+from recscale.data.schema import Schema
 from recscale.distributed.dmt.transform import LocalDMT, local_key
 from recscale.distributed.env import init_distributed
 from recscale.distributed.topology import Topology
@@ -240,6 +241,14 @@ def load_training_sample(
     return model.embedding, ds.gather(np.arange(min(rows, len(ds)))), pre
 
 
+def check_group_by(schema: Schema, name: str, where: str, of: str) -> None:
+    """A ConfigError unless ``name`` is a single-id sparse feature of ``schema`` (what a group AUC groups by);
+    ``where`` names the setting (``train.group_by=user``, ``--group-by user``), ``of`` what has the schema."""
+    single = [f.name for f in schema.sparse if not f.multi]
+    if name not in single:
+        raise ConfigError(f"{where}: not a single-id feature of {of}; group by one of {', '.join(single)}")
+
+
 def eval_run(
     run_dir: Path,
     data_path: str | None,
@@ -269,11 +278,9 @@ def eval_run(
     if data_path is not None and not Path(data_path).exists():
         raise DataError(f"--data {data_path}: no such file; give the file to score")
     cfg, pre, built = load_trained(run_dir)
-    single = [f.name for f in pre.schema.sparse if not f.multi]
-    if group_by is not None and group_by not in single:
-        raise RecscaleError(
-            f"--group-by {group_by}: not a single-id feature of {run_dir}; group by one of {', '.join(single)}"
-        )
+    if group_by is not None:
+        check_group_by(pre.schema, group_by, f"--group-by {group_by}", str(run_dir))
+    group_by = group_by or cfg.train.group_by  # the run's own grouping, unless told another
     if fmt == "synthetic" and cfg.data.format != "synthetic":
         raise RecscaleError(
             f"{run_dir} was trained on {cfg.data.format} data; --format synthetic scores only a run trained "
@@ -317,6 +324,8 @@ def eval_run(
         )
         # A field whose vocabulary is empty (min_count above every id's count) is OOV in training too.
         unknown = [f for f in ds.unknown_fields() if pre.num_embeddings(f) > 1]
+    if group_by is not None:
+        m["gauc_by"] = group_by
     if stats.skipped:
         m["skipped_rows"] = stats.skipped
     if unknown:

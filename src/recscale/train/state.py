@@ -15,7 +15,7 @@ import torch
 from recscale.config import EarlyStopping
 from recscale.io import atomic_write_text, naming, strict_json
 
-HIGHER_IS_BETTER = {"auc": True, "logloss": False, "ne": False}
+HIGHER_IS_BETTER = {"auc": True, "logloss": False, "ne": False, "gauc": True}
 
 
 def watched_metric(metrics: dict[str, float], es: EarlyStopping) -> str:
