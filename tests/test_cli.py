@@ -617,11 +617,10 @@ def test_the_summary_prints_the_held_out_report_half(capsys):
 
     m = {"auc": 0.9, "logloss": 0.3, "ne": 0.5, "calibration": 1.0, "rows": 10}
     print_report({"model": "lr", "steps": 1, "examples_per_s": 1, "mflops_per_example": 0.0, "run_dir": "r",
-                  "parameters": {"dense": 1, "sparse": 1}, "valid": m, "report": m | {"rows": 11}})  # fmt: skip
+                  "parameters": {"dense": 1, "sparse": 1}, "valid": m, "report": m | {"rows": 11, "gauc": 0.7}})  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
-    assert any(x.startswith("valid  auc 0.9") for x in lines) and any(
-        x.startswith("report auc") for x in lines
-    )
+    assert "valid  auc 0.9000  logloss 0.3000  ne 0.5000  calibration 1.0000  rows 10" in lines
+    assert "report auc 0.9000  logloss 0.3000  ne 0.5000  calibration 1.0000  gauc 0.7000  rows 11" in lines
 
 
 @pytest.mark.parametrize(("mflops", "text"), [(0.00032, "0.000320 MFLOP"), (0.590848, "0.591 MFLOP")])

@@ -41,7 +41,11 @@ def print_report(report: dict) -> None:
             m = report[split]
             lines.append(
                 f"{split:6s} "
-                + "  ".join(f"{k} {_fmt(m[k])}" for k in ("auc", "logloss", "ne", "calibration", "rows"))
+                + "  ".join(
+                    f"{k} {_fmt(m[k])}"
+                    for k in ("auc", "logloss", "ne", "calibration", "gauc", "rows")
+                    if k in m
+                )
             )
             if (note := undefined_note(m)) is not None:
                 notes.append(f"note: {split} {note}")
