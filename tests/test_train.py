@@ -1,6 +1,8 @@
 import json
 import math
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -693,6 +695,29 @@ def test_fit_leaves_the_callers_process_group_and_malloc_tuning_alone(tmp_path):
         release_freed_memory()
         shutdown()
     assert _mmapped_blocks() == 1
+
+
+@pytest.mark.skipif(not Path("/lib/x86_64-linux-gnu/libc.so.6").exists(), reason="glibc only")
+def test_a_trainer_that_never_trains_is_closed_by_its_with_block(tmp_path):
+    """A Trainer built to score a run (resume=True, no fit) kept its process group, malloc tuning and the
+    run directory's lock until the process ended: nothing undid them."""
+    import torch.distributed as dist
+
+    from recscale.distributed.env import shutdown
+    from recscale.train.evaluate import predict
+    from recscale.train.memory import release_freed_memory
+
+    cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=2"])
+    Trainer(cfg, tmp_path / "r").fit()
+    shutdown()  # what an earlier test left set up: this Trainer sets up its own
+    release_freed_memory()
+    lock = f"import fcntl, os; fcntl.lockf(os.open({str(tmp_path / 'r' / '.lock')!r}, os.O_RDWR), fcntl.LOCK_EX | fcntl.LOCK_NB)"
+    with Trainer(cfg, tmp_path / "r", resume=True) as tr:
+        assert dist.is_initialized() and _mmapped_blocks() == 0
+        assert tr.test_ds is not None and len(predict(tr.module, tr.test_ds, 512, 0)) == len(tr.test_ds)
+        assert subprocess.run([sys.executable, "-c", lock], capture_output=True).returncode != 0  # held
+    assert not dist.is_initialized() and _mmapped_blocks() == 1
+    assert subprocess.run([sys.executable, "-c", lock], capture_output=True).returncode == 0
 
 
 def test_a_resume_below_the_runs_step_is_refused(tmp_path):

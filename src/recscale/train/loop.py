@@ -119,7 +119,8 @@ def check_run_dir(run_dir: Path, cfg: RunConfig, resume: bool, topology: Topolog
 class Trainer:
     """Trains one config into one run directory: ``Trainer(cfg, run_dir).fit()`` returns the report.
 
-    What it sets up for itself ends when ``fit`` returns or raises (or the constructor raises): the
+    What it sets up for itself ends when ``fit`` returns or raises (or the constructor raises, or ``close``
+    is called on a Trainer that never trains: ``with Trainer(cfg, run, resume=True) as t:`` to score one): the
     process group it started (a group of one outside torchrun, torchrun's group under it) is destroyed,
     and ``train.reuse_memory``'s malloc tuning (``train.memory``) is undone. A group the caller made
     first (``recscale.distributed.env.init_distributed()``) stays up, as does malloc tuning already in
@@ -145,6 +146,20 @@ class Trainer:
         except BaseException:
             self._release(failed=True)
             raise
+
+    def close(self) -> None:
+        """End this Trainer without training (``fit`` ends it itself): its log, the run directory's hold
+        (another process may then train into it) and what it set up process-wide (the class docstring)."""
+        self.log.close()
+        if self.main:
+            self.hold.release()
+        self._release()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _release(self, failed: bool = False) -> None:
         """Undo what this Trainer set up process-wide (see the class docstring); once. ``failed``: the
