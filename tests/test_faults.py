@@ -19,7 +19,7 @@ from test_distributed import CONFIGS, REPO, SMALL, dist_mark
 from recscale.cli import main
 from recscale.distributed import env as dist_env
 from recscale.distributed.env import free_port, lost_peer
-from recscale.distributed.launch import _kill_hung, launch
+from recscale.distributed.launch import _first_cause, _kill_hung, launch
 from recscale.errors import RecscaleError
 from recscale.train.checkpoint import list_checkpoints
 
@@ -411,3 +411,20 @@ def test_resume_drops_log_lines_that_are_not_records(tmp_path):
     log.truncate(20)
     log.close()
     assert [json.loads(x) for x in log.path.read_text().splitlines()] == good[:2]
+
+
+def test_the_agent_blames_a_killed_rank_before_the_ranks_that_failed_of_it():
+    """Ranks found failed by one check share a whole-second time: the agent named the lowest rank, so rank
+    0 aborting on a lost peer (gloo's SIGABRT), or stopped by its agent, hid rank 1, killed from outside."""
+    from types import SimpleNamespace
+
+    def failed(code: int, t: int = 7) -> SimpleNamespace:
+        return SimpleNamespace(exitcode=code, timestamp=t)
+
+    abort, kill, error, stopped = -signal.SIGABRT, -signal.SIGKILL, 1, -signal.SIGTERM
+    assert _first_cause({0: failed(abort), 1: failed(kill)})[0] == 1
+    assert _first_cause({0: failed(stopped), 1: failed(abort), 2: failed(-signal.SIGSEGV)})[0] == 2
+    assert _first_cause({0: failed(stopped), 1: failed(abort)})[0] == 1  # an abort is no stop
+    assert _first_cause({0: failed(abort), 1: failed(error)})[0] == 0  # a tie: the lowest rank
+    # The earliest first: a rank its agent killed after the grace period is no cause.
+    assert _first_cause({0: failed(error, 7), 1: failed(kill, 12)})[0] == 0

@@ -35,6 +35,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from recscale.distributed.env import ERRORS_SUBDIR, FAULT_DIR_ENV, crash_site, free_port
 from recscale.errors import RecscaleError, Terminated
@@ -190,6 +191,25 @@ def _stop(agents: list[subprocess.Popen]) -> None:
             a.wait()
 
 
+def _first_cause(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The rank (and its ``ProcessFailure``) to blame among those the agent found failed: the earliest, and
+    of those failed in the same (whole) second, one killed from outside (SIGKILL, SIGSEGV), then one that
+    may have failed of it (an error, an abort), then one its agent stopped (SIGTERM); then the lowest rank."""
+
+    def key(rf: tuple[int, Any]) -> tuple[int, int, int]:
+        code = rf[1].exitcode
+        return rf[1].timestamp, 2 if code == -signal.SIGTERM else int(_maybe_consequence(code)), rf[0]
+
+    return min(failures.items(), key=key)
+
+
+def _maybe_consequence(exitcode: int) -> bool:
+    """Whether a rank that ended so may have failed because another rank did: it exited with an error (a
+    lost connection raises), aborted (gloo aborts on some) or was stopped by its agent (SIGTERM), rather
+    than killed by another signal."""
+    return exitcode >= 0 or -exitcode in (signal.SIGABRT, signal.SIGTERM)
+
+
 def _describe(rank: int, failure: object) -> str:
     code = failure.exitcode  # type: ignore[attr-defined]
     if code < 0:
@@ -226,12 +246,12 @@ def _agent(args: argparse.Namespace) -> int:
     try:
         elastic_launch(config, entrypoint=sys.executable)(*args.command)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = _first_cause(e.failures)
         restarts = f" (after {args.max_restarts} restarts)" if args.max_restarts else ""
         summary = {
             "error": _describe(rank, failure) + restarts,
             "time": failure.timestamp,
-            "maybe_consequence": failure.exitcode >= 0 or -failure.exitcode == signal.SIGABRT,
+            "maybe_consequence": _maybe_consequence(failure.exitcode),
         }
         Path(args.summary).write_text(json.dumps(summary))
         return 1
