@@ -353,3 +353,32 @@ def test_inspect_reports_history_lengths_and_the_rows_max_len_cuts(tmp_path, fmt
 
     assert main(["data", "inspect", str(path), "--max-len", "8"]) == 0
     assert columns(json.loads(capsys.readouterr().out))["h"]["length"]["truncated"] == 1
+
+
+def test_inspect_gives_the_schema_that_trains_on_the_file(tmp_path):
+    """`data inspect` listed each column's inferred type, and the user wrote data.schema from it by hand;
+    its "schema" is that block (JSON, which YAML reads), and a run trains with it as given."""
+    from recscale.config import load_config
+    from recscale.train.loop import Trainer
+
+    path = write(
+        tmp_path / "t.csv",
+        ["label,price,user,tags"] + [f"{i % 2},{i / 4},{i % 5},a|{i % 3}" for i in range(64)],
+    )
+    report = inspect_file(path)
+    assert report["schema"] == {
+        "dense": [{"name": "price"}],
+        "sparse": [{"name": "user"}, {"name": "tags", "multi": True}],
+    }
+    config = (
+        f"data: {{format: csv, train: {path}, num_workers: 0, schema: {json.dumps(report['schema'])}}}\n"
+        "model: {name: fm}\ntrain: {batch_size: 16, max_steps: 2, progress: false}\n"
+    )
+    (tmp_path / "run.yaml").write_text(config)
+    assert Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()["steps"] == 2
+    # A fixed layout gives its own; columns with no label column give none.
+    criteo = inspect_file(write(tmp_path / "day_0", [criteo_line()] * 2))["schema"]
+    assert [f["name"] for f in criteo["dense"]] == [f"I{i}" for i in range(1, 14)] and len(
+        criteo["sparse"]
+    ) == 26
+    assert inspect_file(write(tmp_path / "u.csv", ["click,user", "1,3"]))["schema"] is None

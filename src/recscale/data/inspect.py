@@ -454,6 +454,7 @@ def inspect_file(
     fmt = fmt or ("csv" if "delimiter" in options else guess_format(path))  # only csv takes a delimiter
     validate_options(fmt, options)
     stats = ReadStats()
+    fixed: Schema | None = None  # the format's own layout (criteo, libsvm, movielens)
     if fmt == "csv":
         check_file(path)
         delimiter = options.get("delimiter", ",")
@@ -495,6 +496,7 @@ def inspect_file(
         else:  # movielens: validate_options above rejected unknown formats
             options = {"split": "all", **options}
             schema = _movielens_schema(path)
+        fixed = schema
         kinds = {LABEL: LABEL} | dict.fromkeys(schema.dense_names, "dense")
         kinds |= {f.name: "multi" if f.multi else "sparse" for f in schema.sparse}
         columns = [
@@ -513,12 +515,35 @@ def inspect_file(
         "path": str(path),
         "format": fmt,
         "options": options,
+        "schema": _config_schema(columns, fixed),
         "rows": rows,
         "bad_rows": stats.skipped,
         "bad_row_examples": stats.examples,
         "positive_rate": label.positives / label.rows if label and label.rows else None,
         "columns": [c.report(max_len) for c in columns],
     }
+
+
+def _config_schema(columns: list[_Column], fixed: Schema | None) -> dict[str, Any] | None:
+    """The ``data.schema`` that trains on the file as inspected, as a config takes it (JSON, which YAML reads):
+    the format's fixed layout (``fixed``: criteo, libsvm, movielens), else the columns as inferred; None for
+    columns no schema can take (no ``label`` column, no features, a name training refuses)."""
+    if fixed is None:
+        kinds = {c.name: c.inferred() for c in columns}
+        try:
+            fixed = Schema(
+                dense=[DenseFeature(name=n) for n, k in kinds.items() if k == "dense"],
+                sparse=[
+                    SparseFeature(name=c.name, multi=kinds[c.name] == "multi", weighted=c.weighted)
+                    for c in columns
+                    if kinds[c.name] in ("sparse", "multi")
+                ],
+            )
+        except ValueError:
+            return None
+        if LABEL not in kinds.values():
+            return None
+    return fixed.model_dump(mode="json", exclude_defaults=True)
 
 
 def _pair_weights(columns: list[_Column], arrow: pa.Schema) -> None:
