@@ -842,3 +842,24 @@ def test_training_reports_and_stops_on_the_group_auc(tmp_path):
     ):
         Trainer(load_config(tmp_path / "run.yaml", ["train.group_by=nope"]), tmp_path / "r2")
     assert not (tmp_path / "r2").exists()
+
+
+def test_negative_downsampling_trains_on_fewer_negatives_and_predicts_calibrated(tmp_path):
+    """data.negative_sampling_rate: every positive and a fixed hash's quarter of the negatives are trained on,
+    and the loss's log(1/w) shift keeps the model's own predictions calibrated on unsampled valid rows (the
+    same run without the shift predicts ~2.2x the valid CTR)."""
+    from recscale.data.dataset import ArrayDataset, held_out
+
+    common = [*SMALL_SYNTH, "train.epochs=3", "model.name=lr", "train.early_stopping=null"]
+    report = Trainer(
+        load_config(CONFIGS / "demo.yaml", [*common, "data.negative_sampling_rate=0.25"]), tmp_path / "r"
+    ).fit()
+    labels = ArrayDataset(tmp_path / "r" / "data" / "train").labels()
+    kept = (labels > 0) | held_out(len(labels), 0.25, salt=1)
+    negatives = int((~kept).sum() + (kept & (labels == 0)).sum())
+    assert report["negative_sampling"] == {"rate": 0.25, "train_rows": int(kept.sum())}
+    assert 0.2 < (kept & (labels == 0)).sum() / negatives < 0.3 and kept[labels > 0].all()
+    assert report["examples"] == 3 * (int(kept.sum()) // 256) * 256  # epochs over the kept rows only
+    assert abs(report["valid"]["calibration"] - 1) < 0.15
+    with pytest.raises(ConfigError, match="negative_sampling_rate"):
+        load_config(CONFIGS / "demo.yaml", [*common, "data.negative_sampling_rate=0"])

@@ -47,6 +47,11 @@ class DataConfig(Settings):
     # kept checkpoint): valid is the rest, and the held-out rows are scored once, at the end, as the
     # report's "report" split, on which nothing was tuned.
     report_fraction: float | None = Field(None, gt=0, lt=1)
+    # Negative downsampling (He et al., "Practical Lessons from Predicting Clicks on Ads at Facebook"): train on
+    # every positive and this fraction w of the training split's negatives (a fixed hash of the row picks
+    # them), with log(1/w) added to the logits in the training loss only: the model's own predictions stay
+    # calibrated to the unsampled data (valid, test, eval, serve), with no recalibration step.
+    negative_sampling_rate: float | None = Field(None, gt=0, le=1)
     chunk_rows: int = Field(65536, ge=1)
     on_bad_row: Literal["error", "skip"] = "error"
     num_workers: int = Field(1, ge=0)

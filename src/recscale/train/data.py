@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from recscale.config import DataConfig
-from recscale.data.dataset import ArrayDataset, read_meta
+from recscale.data.dataset import ArrayDataset, held_out, read_meta
 from recscale.data.materialize import materialize
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import ReadStats
@@ -158,6 +158,17 @@ def prepare_run_data(
 
 
 def _hold_out(data: DataConfig, splits: dict[str, ArrayDataset]) -> dict[str, ArrayDataset]:
+    """The splits a run trains and scores on: valid's report half held out (``data.report_fraction``), the
+    training split's negatives downsampled (``data.negative_sampling_rate``)."""
+    if data.negative_sampling_rate is not None:
+        train = splits["train"]
+        kept = (train.labels() > 0) | held_out(len(train), data.negative_sampling_rate, salt=1)
+        if not kept.any():
+            raise DataError(
+                f"data.negative_sampling_rate={data.negative_sampling_rate} keeps no row of the training "
+                f"split's {len(train)} (it has no positive): give a larger rate"
+            )
+        splits["train"] = train.subset(kept)
     if data.report_fraction is not None and "valid" in splits:  # valid keeps the selection rows
         rows = len(splits["valid"])
         splits["valid"], splits["report"] = splits["valid"].hold_out(data.report_fraction)

@@ -20,6 +20,7 @@ Run directory::
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 import time
@@ -211,6 +212,10 @@ class Trainer:
         self.steps_per_epoch = n // t.batch_size + (1 if n % t.batch_size and n < t.batch_size else 0)
         self.total_steps = min(t.epochs * self.steps_per_epoch, t.max_steps or 10**18)
         self.decay_resolved = True  # fp16 tables' decay: see _warn_if_decay_rounds_away
+        # Negatives kept at rate w make the training rows' odds 1/w times the data's: the loss sees the
+        # logits shifted by log(1/w), so the model's own logits are the unsampled data's.
+        rate = cfg.data.negative_sampling_rate
+        self.logit_offset = -math.log(rate) if rate is not None else 0.0
         self.said_watched = False  # early stopping's LogLoss in place of an undefined AUC/NE, said once
         if t.warmup_steps > self.total_steps and self.main:
             warnings.warn(
@@ -389,14 +394,14 @@ class Trainer:
             g["lr"] = lr * p.lr_scale
         with self._recording():
             with autocast(t.precision, self.env.device):
-                logits = self.module(batch.dense, batch.sparse)
+                logits = self.module(batch.dense, batch.sparse).float() + self.logit_offset
             if global_size is None:
                 per_rank: float = batch.size
-                loss = nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+                loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
             else:
                 per_rank = global_size / self.env.world_size
                 bce = nn.functional.binary_cross_entropy_with_logits
-                loss = bce(logits.float(), batch.labels, reduction="sum") / per_rank
+                loss = bce(logits, batch.labels, reduction="sum") / per_rank
             objective = loss if self.l2 is None else loss + self.l2(per_rank)
             self.opt.zero_grad()
             objective.backward()
@@ -622,6 +627,13 @@ class Trainer:
         }
         if calibration is not None:
             report["calibration"] = calibration
+        if (
+            self.cfg.data.negative_sampling_rate is not None
+        ):  # the rows trained on: every positive, w of negatives
+            report["negative_sampling"] = {
+                "rate": self.cfg.data.negative_sampling_rate,
+                "train_rows": len(self.train_ds),
+            }
         if self.valid_ds is not None:
             report["valid"] = calibrated_valid or self._evaluate(self.valid_ds)
         if self.report_ds is not None:  # valid rows no selection decision saw
