@@ -863,3 +863,40 @@ def test_negative_downsampling_trains_on_fewer_negatives_and_predicts_calibrated
     assert abs(report["valid"]["calibration"] - 1) < 0.15
     with pytest.raises(ConfigError, match="negative_sampling_rate"):
         load_config(CONFIGS / "demo.yaml", [*common, "data.negative_sampling_rate=0"])
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_eval_writes_each_rows_prediction(tmp_path, suffix):
+    """`recscale eval --predictions FILE`: one (label, score) row per row read, in file order, whose AUC and
+    LogLoss are eval's; the input file itself, or a directory, is refused before anything is scored."""
+    import pyarrow.parquet as pq
+
+    from recscale.train.metrics import ctr_metrics
+
+    rng = np.random.default_rng(2)
+    lines = ["label,user,item", *(f"{int(rng.random() < 0.3)},{i % 7},{i % 11}" for i in range(300))]
+    (tmp_path / "train.csv").write_text("\n".join(lines) + "\n")
+    (tmp_path / "run.yaml").write_text(
+        f"data: {{format: csv, train: {tmp_path / 'train.csv'}, num_workers: 0, "
+        "schema: {label: label, sparse: [{name: user}, {name: item}]}}\n"
+        "model: {name: fm}\ntrain: {batch_size: 32, max_steps: 10, progress: false}\n"
+    )
+    Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()
+    out = tmp_path / f"scores{suffix}"
+    assert (
+        main(["eval", str(tmp_path / "r"), "--data", str(tmp_path / "train.csv"), "--predictions", str(out)])
+        == 0
+    )
+    m = eval_run(tmp_path / "r", str(tmp_path / "train.csv"))
+    table = pq.read_table(out) if suffix == ".parquet" else pacsv.read_csv(out)
+    assert table.column_names == ["label", "score"] and table.num_rows == m["rows"] == 300
+    labels = np.array([int(x.split(",")[0]) for x in lines[1:]])
+    np.testing.assert_array_equal(table["label"].to_numpy(), labels)
+    scores = torch.from_numpy(table["score"].to_numpy().astype(np.float64))
+    got = ctr_metrics(torch.logit(scores), torch.from_numpy(labels.astype(np.float64)))
+    assert got["auc"] == pytest.approx(m["auc"], abs=1e-6) and got["logloss"] == pytest.approx(
+        m["logloss"], rel=1e-5
+    )
+    for bad, why in ((tmp_path / "train.csv", "is the --data file"), (tmp_path, "is a directory")):
+        with pytest.raises(RecscaleError, match=why):
+            eval_run(tmp_path / "r", str(tmp_path / "train.csv"), predictions=bad)

@@ -179,6 +179,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         on_bad_row=args.on_bad_row,
         overrides=args.overrides,
         group_by=args.group_by,
+        predictions=Path(args.predictions) if args.predictions else None,
     )
     shutdown()  # as train and export: gloo's threads joined now, not by exit-time destructors
     print(strict_json(metrics))
@@ -504,6 +505,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--group-by",
         metavar="FIELD",
         help="also the group AUC over this single-id feature's ids (e.g. the user): gauc, gauc_groups, gauc_rows",
+    )
+    e.add_argument(
+        "--predictions",
+        metavar="FILE",
+        help="also write each row's predicted probability: columns label, score, one row per row read, in "
+        "file order (bad rows --on-bad-row skip drops left out); Parquet if FILE ends in .parquet, else CSV",
     )
     e.set_defaults(fn=cmd_eval)
 

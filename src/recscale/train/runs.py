@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
 import torch
 
 from recscale.config import DistributedConfig, RunConfig, load_config, validate_config
@@ -24,7 +27,7 @@ from recscale.distributed.dmt.transform import LocalDMT, local_key
 from recscale.distributed.env import init_distributed
 from recscale.distributed.topology import Topology
 from recscale.errors import RESUME, RUN_DIR, CheckpointError, ConfigError, DataError, RecscaleError
-from recscale.io import committed
+from recscale.io import atomic_write_bytes, committed
 from recscale.models.base import RecModel
 from recscale.models.embedding import EmbeddingLayer
 from recscale.models.registry import build_model
@@ -32,7 +35,7 @@ from recscale.train.build import Built, build, feature_set
 from recscale.train.checkpoint import list_checkpoints, load_checkpoint, saved_keys
 from recscale.train.data import prepare_split
 from recscale.train.dcp_safety import MANIFEST, manifest_format
-from recscale.train.evaluate import eval_batch_size, evaluate
+from recscale.train.evaluate import eval_batch_size, predict, scored
 
 
 def flat_keys(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -241,6 +244,18 @@ def load_training_sample(
     return model.embedding, ds.gather(np.arange(min(rows, len(ds)))), pre
 
 
+def write_predictions(path: Path, labels: np.ndarray, scores: np.ndarray) -> None:
+    """Rows of (label, score) to ``path``: Parquet where its name ends in .parquet or .pq, else CSV; the
+    file appears whole or not at all."""
+    table = pa.table({"label": labels.astype(np.int8), "score": scores})  # float64: no two logits merged
+    sink = pa.BufferOutputStream()
+    if path.suffix in (".parquet", ".pq"):
+        pq.write_table(table, sink)
+    else:
+        pacsv.write_csv(table, sink)
+    atomic_write_bytes(path, sink.getvalue().to_pybytes())
+
+
 def check_group_by(schema: Schema, name: str, where: str, of: str) -> None:
     """A ConfigError unless ``name`` is a single-id sparse feature of ``schema`` (what a group AUC groups by);
     ``where`` names the setting (``train.group_by=user``, ``--group-by user``), ``of`` what has the schema."""
@@ -257,6 +272,7 @@ def eval_run(
     on_bad_row: OnBadRow | None = None,
     group_by: str | None = None,
     overrides: list[str] | None = None,
+    predictions: Path | None = None,
 ) -> dict[str, Any]:
     """The metrics (auc, logloss, ne, calibration, rows; skipped_rows and unknown_id_fields, the sparse
     fields with a vocabulary none of whose ids the file holds, if any) of the run's best (else
@@ -265,7 +281,8 @@ def eval_run(
     (default: as the run read its data). The reader's options are the run's ``data.options`` (another
     ``fmt``'s: its defaults), changed by ``overrides`` of them as train takes them (``data.options.delimiter=';'``
     or ``data.options={delimiter: ','}``). ``group_by``: a single-id feature;
-    adds the group AUC over its ids (``evaluate``)."""
+    adds the group AUC over its ids (``evaluate``). ``predictions``: a file (.parquet, else CSV) to write
+    each row's label and predicted probability (``score``) to, in the order read."""
     run_config(run_dir)  # a directory that is not a run is named first
     for item in overrides or []:  # checked before the model loads
         key = item.partition("=")[0]
@@ -277,6 +294,15 @@ def eval_run(
     # A file, or a directory where the format reads one (MovieLens); the readers name a wrong kind of path.
     if data_path is not None and not Path(data_path).exists():
         raise DataError(f"--data {data_path}: no such file; give the file to score")
+    if predictions is not None and predictions.is_dir():
+        raise RecscaleError(f"--predictions {predictions} is a directory; name the file to write")
+    if (
+        predictions is not None
+        and data_path is not None
+        and predictions.exists()
+        and predictions.samefile(data_path)
+    ):
+        raise RecscaleError(f"--predictions {predictions} is the --data file; name another file to write")
     cfg, pre, built = load_trained(run_dir)
     if group_by is not None:
         check_group_by(pre.schema, group_by, f"--group-by {group_by}", str(run_dir))
@@ -319,9 +345,10 @@ def eval_run(
         except DataError as e:  # the readers' hint names a config key, which eval takes no overrides for
             raise DataError(str(e).replace(SKIP_HINT, "(pass --on-bad-row skip to drop such rows)")) from None
         # The batches the run's own evaluations used: an fp8 activation's scale is its batch's.
-        m: dict[str, Any] = evaluate(
-            built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision, group_by
-        )
+        logits = predict(built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision)
+        m: dict[str, Any] = scored(logits, ds, group_by)
+        if predictions is not None:
+            write_predictions(predictions, ds.labels(), torch.sigmoid(logits.double()).numpy())
         # A field whose vocabulary is empty (min_count above every id's count) is OOV in training too.
         unknown = [f for f in ds.unknown_fields() if pre.num_embeddings(f) > 1]
     if group_by is not None:
