@@ -428,3 +428,26 @@ def test_the_agent_blames_a_killed_rank_before_the_ranks_that_failed_of_it():
     assert _first_cause({0: failed(abort), 1: failed(error)})[0] == 0  # a tie: the lowest rank
     # The earliest first: a rank its agent killed after the grace period is no cause.
     assert _first_cause({0: failed(error, 7), 1: failed(kill, 12)})[0] == 0
+
+
+@pytest.mark.parametrize("library", ["wraps", "swallows"])
+def test_sigterm_stops_a_command_whose_library_caught_it(library):
+    """A SIGTERM landing in a library's callback came out as the library's error (pydantic's serializer:
+    "internal error PydanticSerializationError: ... Terminated", exit 1), or not at all where the library
+    caught everything: the block still ends with Terminated (one line, exit 143)."""
+    from recscale.cli import _sigterm_raises
+    from recscale.errors import Terminated
+
+    def callback() -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs here
+        except BaseException as e:  # as pydantic-core takes any Python error of a callback
+            if library == "wraps":
+                raise ValueError("Error calling function: Terminated") from None
+            del e
+
+    with pytest.raises(Terminated):
+        with _sigterm_raises():
+            callback()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # as before the block

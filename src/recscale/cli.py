@@ -143,15 +143,29 @@ def _sigterm_raises() -> Iterator[None]:
         yield
         return
 
+    received = False
+
     def raise_terminated(signum: int, frame: FrameType | None) -> NoReturn:
+        nonlocal received
+        received = True
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise Terminated
 
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         yield
+    except Terminated:
+        raise
+    except BaseException as e:
+        # Raised inside a library's callback, Terminated can come out as the library's own error (pydantic's
+        # serializer: "PydanticSerializationError: ... Terminated"); the SIGTERM is still what ended the block.
+        if received:
+            raise Terminated from e
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if received:  # a library caught it and went on: the command was still asked to stop
+        raise Terminated
 
 
 def _launch(args: argparse.Namespace, out: Path) -> None:
