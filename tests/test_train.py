@@ -624,9 +624,10 @@ def test_reuse_memory_serves_large_blocks_from_the_heap(mode, mmapped):
 
 
 def _mmapped_blocks() -> int:
-    """How many mmapped blocks glibc serves a 1 GiB tensor with, in this process: 1 by default, 0 while
-    train.reuse_memory's tuning is in effect. (Larger than any free block a small training leaves in the
-    heap, which glibc would serve it from; never written to, so it costs address space only.)"""
+    """How many mmapped blocks glibc serves a large tensor with, in this process: 1 by default, 0 while
+    train.reuse_memory's tuning is in effect. (1 GiB more than the heap's free bytes: larger than any free
+    block earlier tests in this process left, which glibc would serve it from; never written to, so it
+    costs address space only.)"""
     import ctypes
 
     class Info(ctypes.Structure):  # glibc's struct mallinfo2
@@ -635,8 +636,9 @@ def _mmapped_blocks() -> int:
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = Info
-    before = libc.mallinfo2().hblks
-    x = torch.empty(1 << 30, dtype=torch.uint8)
+    info = libc.mallinfo2()
+    before = info.hblks
+    x = torch.empty((1 << 30) + info.fordblks, dtype=torch.uint8)
     blocks = libc.mallinfo2().hblks - before
     del x
     return blocks
