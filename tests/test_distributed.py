@@ -17,7 +17,7 @@ import torch
 
 from recscale.cli import main
 from recscale.config import DistributedConfig, load_config, validate_config
-from recscale.distributed.env import DistEnv, init_distributed, lost_peer, record_error, shutdown
+from recscale.distributed.env import DistEnv, exit_rank, init_distributed, lost_peer, record_error, shutdown
 from recscale.distributed.launch import launch
 from recscale.distributed.sharding import plan_tables
 from recscale.distributed.topology import Topology
@@ -415,5 +415,7 @@ def test_trainers_in_turn_each_start_and_end_the_group(tmp_path):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
     _worker(sys.argv[2])
+    exit_rank(0)  # as recscale's ranks end (see exit_rank)
 if __name__ == "__main__" and sys.argv[1:2] == ["twice"]:
     _twice(sys.argv[2:])
+    exit_rank(0)

@@ -451,3 +451,16 @@ def test_sigterm_stops_a_command_whose_library_caught_it(library):
         with _sigterm_raises():
             callback()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # as before the block
+
+
+def test_a_finished_rank_exits_with_its_code_and_output_but_no_exit_time_teardown():
+    """A rank's exit ran the interpreter's teardown, where the gloo group DDP keeps alive past
+    destroy_process_group was destroyed by exit-time destructors: on rare runs that aborted a finished rank
+    (SIGABRT, "terminate called without an active exception"). exit_rank ends it at once, output flushed."""
+    program = (
+        "import atexit, sys\nfrom recscale.distributed.env import exit_rank\n"
+        "atexit.register(lambda: print('teardown ran'))\n"
+        "print('report', end='')\nprint('warning', end='', file=sys.stderr)\nexit_rank(3)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "report", "warning")

@@ -790,4 +790,9 @@ def _error_line(e: Exception) -> tuple[int, str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "RANK" in os.environ:  # a rank of --nproc or torchrun: done, it ends without exit-time destructors
+        from recscale.distributed.env import exit_rank
+
+        exit_rank(code)
+    sys.exit(code)

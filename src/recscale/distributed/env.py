@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import logging
 import math
 import os
 import re
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -189,6 +192,23 @@ def shutdown() -> None:
     _heartbeat = None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a launched rank's process with ``code`` once its work is done, without interpreter finalization.
+
+    ``shutdown()`` destroys the process group, but a DistributedDataParallel built on it keeps the gloo
+    group (and its threads) alive in torch 2.13, even after the module is freed; exit-time destructors
+    then tear them down, and on rare runs that aborts the finished rank ("terminate called without an
+    active exception", SIGABRT: its launcher reports a failed job). Output is flushed and logging shut
+    down first; the kernel releases the rest (files, locks, the group's sockets)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more to say on it
+            pass
+    os._exit(code)
 
 
 def lost_peer(e: BaseException) -> str | None:
