@@ -464,3 +464,23 @@ def test_a_finished_rank_exits_with_its_code_and_output_but_no_exit_time_teardow
     )
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (3, "report", "warning")
+
+
+def test_a_crash_outside_python_says_what_the_other_threads_did(tmp_path):
+    """faulthandler's dump of a rank that aborted in a C++ thread: the line names the other threads' frames,
+    or, with none running Python, that the process was ending (CI's SIGABRT at a finished rank's teardown)."""
+    (tmp_path / dist_env.CRASH_SUBDIR).mkdir()
+    during = (
+        "Fatal Python error: Aborted\n\nThread 0x00007f01 (most recent call first):\n"
+        '  File "/x/loop.py", line 431 in train_step\n  File "/x/loop.py", line 40 in fit\n\n'
+        "Current thread 0x00007f02 (most recent call first):\n  <no Python frame>\n"
+    )
+    (tmp_path / dist_env.CRASH_SUBDIR / "11.txt").write_text(during)
+    assert dist_env.crash_site(tmp_path, 11) == (
+        "in a thread running no Python (a C++ library's), while its other threads were in train_step (loop.py:431)"
+    )
+    (tmp_path / dist_env.CRASH_SUBDIR / "12.txt").write_text(
+        "Fatal Python error: Aborted\n\nCurrent thread 0x00007f02 (most recent call first):\n  <no Python frame>\n"
+    )
+    assert dist_env.crash_site(tmp_path, 12).endswith("with no Python code running: the process was ending")
+    assert dist_env.crash_site(tmp_path, 13) is None  # no dump: killed from outside

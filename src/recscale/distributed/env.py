@@ -169,7 +169,9 @@ def crash_site(fault_dir: Path, pid: int) -> str | None:
         return f"in {where}"
     others = [w for kind, f in stacks if kind == "Thread" and (w := top(f)) is not None]
     return "in a thread running no Python (a C++ library's)" + (
-        f", while its other threads were in {', '.join(others)}" if others else ""
+        f", while its other threads were in {', '.join(others)}"
+        if others
+        else ", with no Python code running: the process was ending"
     )
 
 
