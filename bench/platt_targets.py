@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from recscale.data.dataset import ArrayDataset
 from recscale.models.blocks.calibration import Calibration, _platt
@@ -29,24 +28,9 @@ zs, zr = (predict(built.module, ds, bs, 0, cfg.train.precision).double() for ds 
 ys, yr = (torch.from_numpy(ds.labels().copy()).double() for ds in (sel, rep))
 
 
-def old_rule(z: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:  # 0/1 targets, the same L-BFGS
-    ab = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([ab], max_iter=100, tolerance_change=1e-12, line_search_fn="strong_wolfe")
-
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        loss = F.binary_cross_entropy_with_logits(ab[0] * z + ab[1], y)
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    a, b = ab.detach().tolist()
-    return a, b
-
-
 fits = {
     "raw": (1.0, 0.0),
-    "0/1 targets (old)": old_rule(zs, ys),
+    "0/1 targets (old)": _platt(zs, ys, smoothed=False),
     "smoothed (now)": _platt(zs, ys),
     "stored in best/": stored,
 }

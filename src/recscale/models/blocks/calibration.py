@@ -57,10 +57,10 @@ def platt_targets(y: Tensor) -> Tensor:
     return torch.where(y > 0.5, (positives + 1) / (positives + 2), 1 / (negatives + 2))
 
 
-def _platt(z: Tensor, y: Tensor) -> tuple[float, float]:
-    """The (a, b) minimising the LogLoss of sigmoid(a * z + b) against Platt's targets of y, float64 L-BFGS
-    from (1, 0)."""
-    y = platt_targets(y)
+def _platt(z: Tensor, y: Tensor, smoothed: bool = True) -> tuple[float, float]:
+    """The (a, b) minimising the LogLoss of sigmoid(a * z + b) against Platt's targets of y (``smoothed``;
+    else y itself, the rule before them: bench/platt_targets.py compares the two), float64 L-BFGS from (1, 0)."""
+    y = platt_targets(y) if smoothed else y
     ab = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
     opt = torch.optim.LBFGS([ab], max_iter=100, tolerance_change=1e-12, line_search_fn="strong_wolfe")
 
