@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from recscale.data.dataset import ArrayDataset
-from recscale.models.blocks.calibration import Calibration, _platt
+from recscale.models.blocks.calibration import Calibration, platt_fit
 from recscale.train.evaluate import eval_batch_size, predict
 from recscale.train.metrics import ctr_metrics
 from recscale.train.runs import load_trained
@@ -30,8 +30,8 @@ ys, yr = (torch.from_numpy(ds.labels().copy()).double() for ds in (sel, rep))
 
 fits = {
     "raw": (1.0, 0.0),
-    "0/1 targets (old)": _platt(zs, ys, smoothed=False),
-    "smoothed (now)": _platt(zs, ys),
+    "0/1 targets (old)": platt_fit(zs, ys, smoothed=False),
+    "smoothed (now)": platt_fit(zs, ys),
     "stored in best/": stored,
 }
 for name, (a, b) in fits.items():

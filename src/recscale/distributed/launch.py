@@ -215,7 +215,8 @@ def _describe(rank: int, failure: object) -> str:
     if code < 0:
         how = f"was killed by {signal.Signals(-code).name}"
         # A crash (SIGSEGV, SIGABRT) left the rank's stacks; a kill from outside (SIGKILL) leaves none.
-        if (site := crash_site(Path(os.environ.get(FAULT_DIR_ENV, ".")), failure.pid)) is not None:  # type: ignore[attr-defined]
+        fault_dir = os.environ.get(FAULT_DIR_ENV)  # set by launch() for its agents
+        if fault_dir and (site := crash_site(Path(fault_dir), failure.pid)) is not None:  # type: ignore[attr-defined]
             how += f" {site}"
     else:
         how = f"exited with code {code} (its error is printed above)"

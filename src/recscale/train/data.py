@@ -127,7 +127,7 @@ def prepare_run_data(
                 )
         elif main:
             pre.save(pre_path, fingerprint=fingerprint)  # the run directory keeps its own copy, for eval
-        return pre, _hold_out(data, splits), stats
+        return pre, _run_splits(data, splits), stats
     if main:  # a split whose write was killed left its temporary directory (as large as the split) behind
         remove_partial_writes(run_dir / "data")
     fitted = False
@@ -154,10 +154,10 @@ def prepare_run_data(
             )
     if fitted and main:
         pre.save(pre_path, fingerprint=fingerprint)
-    return pre, _hold_out(data, splits), stats
+    return pre, _run_splits(data, splits), stats
 
 
-def _hold_out(data: DataConfig, splits: dict[str, ArrayDataset]) -> dict[str, ArrayDataset]:
+def _run_splits(data: DataConfig, splits: dict[str, ArrayDataset]) -> dict[str, ArrayDataset]:
     """The splits a run trains and scores on: valid's report half held out (``data.report_fraction``), the
     training split's negatives downsampled (``data.negative_sampling_rate``)."""
     if data.negative_sampling_rate is not None:

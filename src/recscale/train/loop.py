@@ -394,7 +394,9 @@ class Trainer:
             g["lr"] = lr * p.lr_scale
         with self._recording():
             with autocast(t.precision, self.env.device):
-                logits = self.module(batch.dense, batch.sparse).float() + self.logit_offset
+                logits = self.module(batch.dense, batch.sparse).float()
+            if self.logit_offset:  # negative downsampling's shift, in the loss only
+                logits = logits + self.logit_offset
             if global_size is None:
                 per_rank: float = batch.size
                 loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
@@ -428,7 +430,6 @@ class Trainer:
         return report
 
     def _fit(self) -> dict[str, Any]:
-
         t, p = self.cfg.train, self.progress
         if self.steps_per_epoch == 0:
             raise RecscaleError(

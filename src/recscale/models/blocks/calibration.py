@@ -37,7 +37,7 @@ class Calibration(nn.Module):
         Labels of one class, or a fit that reverses or flattens the ranking, keep the identity."""
         z, y = logits.double().cpu(), labels.double().cpu()
         # One class: the LogLoss falls without end as b grows, so there is nothing to fit.
-        a, b = (1.0, 0.0) if bool((y == y[0]).all()) else _platt(z, y)
+        a, b = (1.0, 0.0) if bool((y == y[0]).all()) else platt_fit(z, y)
         if not a > 0:  # a ranking reversed or flat is no calibration: keep the identity
             a, b = 1.0, 0.0
         self.set(a, b)
@@ -57,7 +57,7 @@ def platt_targets(y: Tensor) -> Tensor:
     return torch.where(y > 0.5, (positives + 1) / (positives + 2), 1 / (negatives + 2))
 
 
-def _platt(z: Tensor, y: Tensor, smoothed: bool = True) -> tuple[float, float]:
+def platt_fit(z: Tensor, y: Tensor, smoothed: bool = True) -> tuple[float, float]:
     """The (a, b) minimising the LogLoss of sigmoid(a * z + b) against Platt's targets of y (``smoothed``;
     else y itself, the rule before them: bench/platt_targets.py compares the two), float64 L-BFGS from (1, 0)."""
     y = platt_targets(y) if smoothed else y
