@@ -2,6 +2,8 @@
 (its 4-rank training parity: the ``learned`` variant of tests/test_distributed.py)."""
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -9,12 +11,14 @@ import pytest
 import torch
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.types import PlannerError
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.cli import main
 from recscale.config import DistributedConfig, LearnedConfig
 from recscale.data.access import HIST_BINS, access_histogram
 from recscale.data.inspect import inspect_file
-from recscale.distributed.env import DistEnv
+from recscale.distributed.env import DistEnv, exit_rank, init_distributed, shutdown
+from recscale.distributed.launch import launch
 from recscale.distributed.planner.baselines import GREEDY_KEYS, candidates, greedy, torchrec_shards
 from recscale.distributed.planner.cost_model import CostModels
 from recscale.distributed.planner.features import TableFeatures, synthetic_table
@@ -22,7 +26,7 @@ from recscale.distributed.planner.learned import table_plan
 from recscale.distributed.planner.search import LearnedPlanner, Plan, Shard, inter_host_ms, traffic
 from recscale.distributed.sharding import predicted_plan
 from recscale.distributed.topology import Topology
-from recscale.errors import CheckpointError, ConfigError
+from recscale.errors import CheckpointError, ConfigError, RecscaleError
 from recscale.models.embedding import EmbeddingConfig, FeatureSet, SparseInput
 from recscale.models.registry import build_model
 
@@ -236,6 +240,51 @@ def test_learned_sharding_with_every_table_explicit_plans_nothing():
     assert prediction is None and plan.plan["embedding.ebc"]["t_f5"].ranks == [1]
 
 
+def _pooled_sample(heavy: int) -> KeyedJaggedTensor:
+    """A batch of lr_model's six features in which feature ``heavy`` pools 40 ids an example."""
+    lengths = torch.tensor([40 if i == heavy else 1 for i in range(6)]).repeat_interleave(64)
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randint(0, 100 * (i + 1), (int(lengths[i * 64 : (i + 1) * 64].sum()),), generator=g)
+              for i in range(6)]  # fmt: skip
+    return KeyedJaggedTensor.from_lengths_sync([f"f{i}" for i in range(6)], torch.cat(values), lengths)
+
+
+def _plan_on_each_rank(out: str) -> None:
+    """Each rank plans lr_model from its own sample (on one rank f0 pools most, on the other f5: alone,
+    they plan differently); writes the plan it got, then what an impossible memory cap raised."""
+    init_distributed()
+    rank = int(os.environ["RANK"])
+    env = DistEnv(rank, 2, 2, torch.device("cpu"), "gloo")
+    sample = _pooled_sample(0 if rank == 0 else 5)
+    plan, _ = predicted_plan(
+        lr_model(), env, DistributedConfig.model_validate({"sharding": "learned"}), None, sample
+    )
+    got = {n: [ps.sharding_type, ps.ranks] for n, ps in plan.plan["embedding.ebc"].items()}
+    capped = DistributedConfig.model_validate({"sharding": "learned", "learned": {"memory_cap_mb": 1e-4}})
+    try:
+        predicted_plan(lr_model(), env, capped, None, sample)
+        error = None
+    except RecscaleError as e:
+        error = type(e).__name__
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"plan": got, "error": error}))
+    shutdown()
+
+
+@pytest.mark.dist
+def test_learned_plan_is_searched_once_and_taken_by_every_rank(tmp_path):
+    """Every rank planned for itself: ranks whose data samples (or floating point) differed could shard the
+    same tables differently. Rank 0's plan, or its error, is now every rank's."""
+    launch([__file__, "plan_on_each_rank", str(tmp_path)], 2, 2, 0)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1] and ranks[0]["error"] == "ConfigError"
+    env = DistEnv(0, 2, 2, torch.device("cpu"), "gloo")
+    alone, _ = predicted_plan(lr_model(), env, DistributedConfig.model_validate({"sharding": "learned"}), None,
+                              _pooled_sample(0))  # fmt: skip
+    assert ranks[0]["plan"] == {
+        n: [ps.sharding_type, ps.ranks] for n, ps in alone.plan["embedding.ebc"].items()
+    }
+
+
 def test_learned_config_validates():
     with pytest.raises(ValueError, match="memory_cap_mb"):
         LearnedConfig.model_validate({"memory_cap_mb": 0})
@@ -379,3 +428,8 @@ def test_hierarchical_plans_keep_column_splits_inside_a_host(models):
 def test_learned_shards_become_the_matching_sharding_type(ranks, topology, expected, by_rows):
     p = table_plan(ranks, topology, by_rows)
     assert (p.type, p.ranks, p.host) == expected
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["plan_on_each_rank"]:
+    _plan_on_each_rank(sys.argv[2])
+    exit_rank(0)

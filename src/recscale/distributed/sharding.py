@@ -160,7 +160,9 @@ def predicted_plan(
         for name, ps in built.items():
             for rank, rows, cols in _shard_sizes(ps, next(c for c in configs if c.name == name)):
                 reserved[rank] += rows * (cols * WEIGHT_BYTES + STATE_BYTES)
-        specs, predicted, features = learned_specs(planned, sample, env.topology, cfg.learned, reserved)
+        specs, predicted, features = _planned_once(
+            pg, lambda: learned_specs(planned, sample, env.topology, cfg.learned, reserved)
+        )
         explicit = specs | explicit
         prediction = Prediction([c.name for c in planned], predicted, features)
     plan = _planner_plan(model, env, pg) if cfg.sharding == "planner" else ShardingPlan({})
@@ -176,6 +178,24 @@ def predicted_plan(
     if env.device.type == "cpu":
         _check_row_blocks(plan, collections)
     return plan, prediction
+
+
+def _planned_once(pg: dist.ProcessGroup | None, plan: Callable[[], Any]) -> Any:
+    """``plan()`` on the group's first rank only, its result (or its error) taken by every rank: a plan
+    searched on each rank could differ between hosts whose floating point differs, which would leave
+    the ranks sharding the same tables differently (and the other ranks skip the search's CPU)."""
+    if not dist.is_initialized() or dist.get_world_size(pg) == 1:
+        return plan()
+    box: list[Any] = [None]
+    if dist.get_rank(pg) == 0:
+        try:
+            box[0] = plan()
+        except Exception as e:  # every rank raises it, none is left waiting for a plan
+            box[0] = e
+    dist.broadcast_object_list(box, group=pg, group_src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
 
 
 def _check_row_blocks(plan: ShardingPlan, collections: dict[str, Collection]) -> None:
