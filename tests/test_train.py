@@ -869,8 +869,8 @@ def test_negative_downsampling_trains_on_fewer_negatives_and_predicts_calibrated
 
 @pytest.mark.parametrize("suffix", [".csv", ".parquet"])
 def test_eval_writes_each_rows_prediction(tmp_path, suffix):
-    """`recscale eval --predictions FILE`: one (label, score) row per row read, in file order, whose AUC and
-    LogLoss are eval's; the input file itself, or a directory, is refused before anything is scored."""
+    """`recscale eval --predictions FILE`: one (label, score, line) row per row read, in file order, whose AUC
+    and LogLoss are eval's; the input file itself, or a directory, is refused before anything is scored."""
     import pyarrow.parquet as pq
 
     from recscale.train.metrics import ctr_metrics
@@ -891,7 +891,8 @@ def test_eval_writes_each_rows_prediction(tmp_path, suffix):
     )
     m = eval_run(tmp_path / "r", str(tmp_path / "train.csv"))
     table = pq.read_table(out) if suffix == ".parquet" else pacsv.read_csv(out)
-    assert table.column_names == ["label", "score"] and table.num_rows == m["rows"] == 300
+    assert table.column_names == ["label", "score", "line"] and table.num_rows == m["rows"] == 300
+    assert table["line"].to_pylist() == list(range(2, 302))  # the header is line 1
     labels = np.array([int(x.split(",")[0]) for x in lines[1:]])
     np.testing.assert_array_equal(table["label"].to_numpy(), labels)
     scores = torch.from_numpy(table["score"].to_numpy().astype(np.float64))
@@ -899,6 +900,14 @@ def test_eval_writes_each_rows_prediction(tmp_path, suffix):
     assert got["auc"] == pytest.approx(m["auc"], abs=1e-6) and got["logloss"] == pytest.approx(
         m["logloss"], rel=1e-5
     )
+    # Rows --on-bad-row skip drops leave gaps in the line column, which joins the scores back to the file.
+    bad_lines = [lines[0], *lines[1:5], "x,1,2", *lines[5:9], "1,2", *lines[9:]]
+    (tmp_path / "bad.csv").write_text("\n".join(bad_lines) + "\n")
+    m = eval_run(tmp_path / "r", str(tmp_path / "bad.csv"), on_bad_row="skip", predictions=out)
+    table = pq.read_table(out) if suffix == ".parquet" else pacsv.read_csv(out)
+    assert m["skipped_rows"] == 2 and table.num_rows == 300
+    assert table["line"].to_pylist() == [*range(2, 6), *range(7, 11), *range(12, 304)]
+    np.testing.assert_array_equal(table["label"].to_numpy(), labels)
     for bad, why in ((tmp_path / "train.csv", "is the --data file"), (tmp_path, "is a directory")):
         with pytest.raises(RecscaleError, match=why):
             eval_run(tmp_path / "r", str(tmp_path / "train.csv"), predictions=bad)

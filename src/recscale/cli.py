@@ -523,8 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--predictions",
         metavar="FILE",
-        help="also write each row's predicted probability: columns label, score, one row per row read, in "
-        "file order (bad rows --on-bad-row skip drops left out); Parquet if FILE ends in .parquet, else CSV",
+        help="also write each row's predicted probability: columns label, score and the row's line (text) or "
+        "row (Parquet) in the file, one row per row read, in file order (bad rows --on-bad-row skip drops left "
+        "out); Parquet if FILE ends in .parquet, else CSV",
     )
     e.set_defaults(fn=cmd_eval)
 

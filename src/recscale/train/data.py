@@ -51,14 +51,26 @@ def _batches(data: DataConfig, schema: Schema, split: str, path: str | None, sta
 
 
 def prepare_split(
-    data: DataConfig, pre: Preprocessor, split: str, path: str | None, out_dir: Path, progress: bool
+    data: DataConfig,
+    pre: Preprocessor,
+    split: str,
+    path: str | None,
+    out_dir: Path,
+    progress: bool,
+    positions: bool = False,
 ) -> tuple[ArrayDataset, ReadStats]:
-    """Materialise one split under ``out_dir`` unless an identical one is already there."""
+    """Materialise one split under ``out_dir`` unless an identical one is already there (``positions``:
+    read it anew, the stats keeping each kept row's position in the file)."""
     fp = split_fingerprint(data, pre, split, path)
     meta = read_meta(out_dir)
-    if meta is not None and meta.get("fingerprint") == fp and not _dropped_against(data, meta):
+    if (
+        not positions
+        and meta is not None
+        and meta.get("fingerprint") == fp
+        and not _dropped_against(data, meta)
+    ):
         return ArrayDataset(out_dir), stats_of(meta)
-    stats = ReadStats()
+    stats = ReadStats(positions=[] if positions else None)
     batches = _batches(data, pre.schema, split, path, stats)
     materialize(
         batches, pre.schema, out_dir, pre=pre, fingerprint=lambda _: fp, progress=progress, stats=stats

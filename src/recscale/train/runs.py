@@ -21,7 +21,7 @@ from recscale.config_files import apply_overrides, read_yaml_mapping
 from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
-from recscale.data.readers.base import SKIP_HINT, OnBadRow
+from recscale.data.readers.base import SKIP_HINT, OnBadRow, position_unit
 from recscale.data.schema import Schema
 from recscale.distributed.dmt.transform import LocalDMT, local_key
 from recscale.distributed.env import init_distributed
@@ -244,10 +244,16 @@ def load_training_sample(
     return model.embedding, ds.gather(np.arange(min(rows, len(ds)))), pre
 
 
-def write_predictions(path: Path, labels: np.ndarray, scores: np.ndarray) -> None:
-    """Rows of (label, score) to ``path``: Parquet where its name ends in .parquet or .pq, else CSV; the
-    file appears whole or not at all."""
-    table = pa.table({"label": labels.astype(np.int8), "score": scores})  # float64: no two logits merged
+def write_predictions(
+    path: Path, labels: np.ndarray, scores: np.ndarray, positions: tuple[str, np.ndarray] | None = None
+) -> None:
+    """Rows of (label, score) to ``path``, and each row's position in the file read where given as
+    (unit, positions): Parquet where its name ends in .parquet or .pq, else CSV; the file appears whole
+    or not at all."""
+    columns = {"label": labels.astype(np.int8), "score": scores}  # float64: no two logits merged
+    if positions is not None:
+        columns[positions[0]] = positions[1].astype(np.int64)
+    table = pa.table(columns)
     sink = pa.BufferOutputStream()
     if path.suffix in (".parquet", ".pq"):
         pq.write_table(table, sink)
@@ -341,14 +347,24 @@ def eval_run(
     )
     with tempfile.TemporaryDirectory(prefix="recscale-eval-") as tmp:
         try:
-            ds, stats = prepare_split(data, pre, split, data_path, Path(tmp) / "eval", progress=False)
+            ds, stats = prepare_split(
+                data,
+                pre,
+                split,
+                data_path,
+                Path(tmp) / "eval",
+                progress=False,
+                positions=predictions is not None,
+            )
         except DataError as e:  # the readers' hint names a config key, which eval takes no overrides for
             raise DataError(str(e).replace(SKIP_HINT, "(pass --on-bad-row skip to drop such rows)")) from None
         # The batches the run's own evaluations used: an fp8 activation's scale is its batch's.
         logits = predict(built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision)
         m: dict[str, Any] = scored(logits, ds, group_by)
         if predictions is not None:
-            write_predictions(predictions, ds.labels(), torch.sigmoid(logits.double()).numpy())
+            # Rows a skip dropped leave gaps: the position column (a file's line or Parquet row) joins them back.
+            at = (position_unit(data.format), np.concatenate(stats.positions)) if stats.positions else None
+            write_predictions(predictions, ds.labels(), torch.sigmoid(logits.double()).numpy(), at)
         # A field whose vocabulary is empty (min_count above every id's count) is OOV in training too.
         unknown = [f for f in ds.unknown_fields() if pre.num_embeddings(f) > 1]
     if group_by is not None:

@@ -19,7 +19,14 @@ import pydantic
 
 from recscale.data.chunks import rechunk
 from recscale.data.readers import criteo, csv, libsvm, movielens, parquet
-from recscale.data.readers.base import BadRows, OnBadRow, ReadStats, as_trained, raw_arrow_schema
+from recscale.data.readers.base import (
+    BadRows,
+    OnBadRow,
+    ReadStats,
+    as_trained,
+    position_unit,
+    raw_arrow_schema,
+)
 from recscale.data.schema import Schema
 from recscale.errors import ConfigError, DataError
 
@@ -82,7 +89,7 @@ def read_batches(
         raise ConfigError(f"chunk_rows must be >= 1, got {chunk_rows}")
     path = Path(path)
     stats = ReadStats() if stats is None else stats
-    bad = BadRows(path, "row" if fmt == "parquet" else "line", on_bad_row, stats)
+    bad = BadRows(path, position_unit(fmt), on_bad_row, stats)
     extra = (chunk_rows,) if fmt == "parquet" else ()
     return _counted(module.read(path, schema, opts, bad, *extra), path, schema, chunk_rows, stats)
 

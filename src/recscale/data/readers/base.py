@@ -43,6 +43,8 @@ class ReadStats:
     skipped: int = 0
     examples: list[str] = field(default_factory=list)
     truncated: dict[str, int] = field(default_factory=dict)  # sequence feature -> rows cut to max_len
+    # Each kept row's position in its file (``position_unit``), batch by batch; only when asked (not None).
+    positions: list[np.ndarray] | None = None
 
 
 @dataclass
@@ -82,6 +84,8 @@ class BadRows:
         for p in found:
             bad |= p.bad
         bad_idx = np.flatnonzero(bad)
+        if self.stats.positions is not None:
+            self.stats.positions.append(locate(np.flatnonzero(~bad)))
         if not len(bad_idx) and not rejected:
             return None
         # Word only the first few bad rows: that is all the error or the examples need.
@@ -100,6 +104,12 @@ class BadRows:
 
     def fail(self, pos: int, reason: str) -> NoReturn:
         raise DataError(f"{self.where} {self.unit} {pos}: {reason} {SKIP_HINT}")
+
+
+def position_unit(fmt: str) -> str:
+    """What a row's position in a file of format ``fmt`` counts: data ``row`` s of Parquet, else the
+    text's ``line`` s (header = line 1)."""
+    return "row" if fmt == "parquet" else "line"
 
 
 def consecutive(first: int) -> Locate:
