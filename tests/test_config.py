@@ -132,6 +132,20 @@ def base() -> dict:
             {"model": {"name": "dlrm", "top_mlp": _holding_itself([])}},
             ["model.top_mlp.0: Input should be a valid integer"],
         ),
+        # A quoted number is YAML's string, which pydantic read as the number: dim: '16' trained with d=16
+        (
+            {"model": {"name": "lr", "embedding": {"dim": "16"}}},
+            ["model.embedding.dim: expected a number, not the string '16' (write it without quotes)"],
+        ),
+        (
+            {"model": {"name": "dlrm", "top_mlp": [64, "32"]}},
+            ["model.top_mlp: expected numbers, got the string '32' (write them without quotes)"],
+        ),
+        (
+            {"train": {"dense_optimizer": {"name": "adam", "lr": "1e-3"}}},
+            ["train.dense_optimizer.lr: expected a number, not the string '1e-3'"],
+        ),
+        ({"dmt": {"towers": "2"}}, ["dmt.towers: expected a number, not the string '2'"]),
         (  # the sequence encoder's section was a plain pydantic model, without the config's checks
             {"model": {"name": "lr", "embedding": {"sequence": {"layers": True}}}},
             ["model.embedding.sequence.layers: expected a number, not true"],
