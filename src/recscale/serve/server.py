@@ -349,13 +349,35 @@ def serve(
         return
 
     class Supervisor(Multiprocess):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.stopped_by: list[int] = []
+
         def init_processes(self) -> None:  # starts the workers, at once: they ignore SIGINT (_sigint_ignored)
             with _sigint_ignored():
                 super().init_processes()
+
+        def handle_int(self) -> None:
+            self.stopped_by.append(signal.SIGINT)
+            super().handle_int()
+
+        def handle_term(self) -> None:
+            self.stopped_by.append(signal.SIGTERM)
+            super().handle_term()
 
     worker = _WorkerApp(str(model_dir), max_rows, opts)
     # The supervisor kills a worker that does not answer its ping within timeout_worker_healthcheck (uvicorn's
     # default 5 s). A worker importing torch and loading its model on a busy machine can hold the GIL longer,
     # and was killed and restarted every few seconds, never ready: a minute tells slow from hung.
     cfg = config(worker, factory=True, workers=opts.workers, timeout_worker_healthcheck=WORKER_HEALTHCHECK_S)
-    Supervisor(cfg, sockets=[sock]).run()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    supervisor = Supervisor(cfg, sockets=[sock])  # takes both signals over
+    try:
+        supervisor.run()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    # Once its workers are stopped, the signal that stopped it acts as on one server (uvicorn's Server raises
+    # it again): Ctrl-C is "interrupted" and 130, SIGTERM ends the process by SIGTERM, whatever --workers.
+    for sig in reversed(supervisor.stopped_by):
+        signal.raise_signal(sig)
