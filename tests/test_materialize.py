@@ -4,6 +4,7 @@ The multi-process test caps every process's address space (RLIMIT_AS, inherited 
 the whole set of tables needs, so it fails if any rank builds a full table.
 """
 
+import json
 import resource
 import subprocess
 import sys
@@ -52,21 +53,18 @@ def test_shards_leave_tables_on_meta_and_build_the_dense_part_alike() -> None:
 ROWS, CAP = 6_000_000, int(4.75 * 2**30)
 
 
-def _run(tmp: Path, name: str, *args: str) -> subprocess.CompletedProcess:
+def _capped(*args: str) -> subprocess.CompletedProcess:
+    """``recscale ARGS`` under the address-space cap (inherited by the ranks it launches)."""
+
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (CAP, CAP))
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "recscale.cli",
-        "train",
-        str(tmp / "cfg.yaml"),
-        "--out",
-        str(tmp / name),
-        *args,
-    ]
+    cmd = [sys.executable, "-m", "recscale.cli", *args]
     return subprocess.run(cmd, preexec_fn=cap, capture_output=True, text=True, timeout=600)
+
+
+def _run(tmp: Path, name: str, *args: str) -> subprocess.CompletedProcess:
+    return _capped("train", str(tmp / "cfg.yaml"), "--out", str(tmp / name), *args)
 
 
 @pytest.mark.dist
@@ -90,6 +88,22 @@ def test_tables_larger_than_a_process_train_on_four_ranks(tmp_path: Path) -> Non
     resumed = _run(tmp_path, "shards4", "--nproc", "4", "--resume", "train.max_steps=3")
     assert resumed.returncode == 0, resumed.stderr[-3000:]  # the checkpoint loads into the shards
 
+    # Scoring it: one process would hold every table; 4 ranks each load their share of the checkpoint.
+    scores = tmp_path / "scores.csv"
+    scored = _capped(
+        "eval", str(tmp_path / "shards4"), "--data", str(data), "--nproc", "4", "--predictions", str(scores)
+    )
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert (
+        json.loads(scored.stdout.strip().splitlines()[-1])["rows"]
+        == 256
+        == len(scores.read_text().splitlines()) - 1
+    )
+    alone = _capped("eval", str(tmp_path / "shards4"), "--data", str(data))
+    lines = [x for x in alone.stderr.splitlines() if x.startswith("error:")]
+    assert alone.returncode == 2 and len(lines) == 1, alone.stderr[-3000:]
+    assert "3,072,000,512 bytes in all" in lines[0] and "over 1 rank: run on more ranks (--nproc)" in lines[0]
+
     full = _run(tmp_path, "full4", "--nproc", "4", "distributed.materialize=full")
     assert full.returncode != 0
     assert (
@@ -99,4 +113,4 @@ def test_tables_larger_than_a_process_train_on_four_ranks(tmp_path: Path) -> Non
     one = _run(tmp_path, "shards1")
     lines = [x for x in one.stderr.splitlines() if x.startswith("error:")]
     assert one.returncode == 2 and len(lines) == 1, one.stderr[-3000:]
-    assert "3,072,000,512 bytes in all" in lines[0] and "over 1 rank: train on more ranks" in lines[0]
+    assert "3,072,000,512 bytes in all" in lines[0] and "over 1 rank: run on more ranks (--nproc)" in lines[0]

@@ -184,8 +184,18 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from recscale.distributed.env import shutdown
     from recscale.io import strict_json
     from recscale.train.metrics import undefined_note
-    from recscale.train.runs import eval_run
+    from recscale.train.runs import eval_run, run_config
 
+    if args.nproc is not None:
+        if "RANK" in os.environ:
+            raise RecscaleError("eval: --nproc starts its own processes; under torchrun leave it out")
+        if run_config(Path(args.run_dir)).dmt is not None:  # before the launch, not by every rank after it
+            raise RecscaleError(
+                f"{args.run_dir} is a DMT run, which is scored in one process (its towers all load there); "
+                "leave out --nproc"
+            )
+        _launch_eval(args)
+        return
     metrics = eval_run(
         Path(args.run_dir),
         args.data,
@@ -196,6 +206,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
         predictions=Path(args.predictions) if args.predictions else None,
     )
     shutdown()  # as train and export: gloo's threads joined now, not by exit-time destructors
+    if int(os.environ.get("RANK", 0)) != 0:  # each rank of --nproc or torchrun scored alike: rank 0 says it
+        return
     print(strict_json(metrics))
     if (note := undefined_note(metrics)) is not None:  # beside the JSON, which stays one line
         print(f"note: {note}", file=sys.stderr)
@@ -213,6 +225,24 @@ def cmd_eval(args: argparse.Namespace) -> None:
             "check that the file writes ids as the training data did (e.g. not 007 for 7)",
             file=sys.stderr,
         )
+
+
+def _launch_eval(args: argparse.Namespace) -> None:
+    """``eval`` as --nproc local ranks, each holding its share of the tables (see recscale.distributed.launch)."""
+    from recscale.distributed.launch import launch
+
+    worker = [
+        "-m",
+        "recscale.cli",
+        *(["--debug"] if args.debug else []),
+        "eval",
+        args.run_dir,
+        *args.overrides,
+    ]
+    for flag, value in (("--data", args.data), ("--format", args.format), ("--on-bad-row", args.on_bad_row),
+                        ("--group-by", args.group_by), ("--predictions", args.predictions)):  # fmt: skip
+        worker += [flag, value] if value is not None else []
+    launch(worker, args.nproc, None, 0)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -526,6 +556,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write each row's predicted probability: columns label, score and the row's line (text) or "
         "row (Parquet) in the file, one row per row read, in file order (bad rows --on-bad-row skip drops left "
         "out); Parquet if FILE ends in .parquet, else CSV",
+    )
+    e.add_argument(
+        "--nproc",
+        type=_int_in(1),
+        help="score with N local processes (ranks), each holding its share of the tables, for a run whose "
+        "tables do not fit one process (DMT runs: one process)",
     )
     e.set_defaults(fn=cmd_eval)
 

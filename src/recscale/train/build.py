@@ -200,7 +200,7 @@ def _model_does_not_fit(cfg: RunConfig, features: FeatureSet, env: DistEnv, trie
     how = (
         "every rank first builds all of them: set distributed.materialize: shards"
         if cfg.distributed.materialize == "full"
-        else f"this rank holds its share of them over {n} rank{'s' * (n > 1)}: train on more ranks"
+        else f"this rank holds its share of them over {n} rank{'s' * (n > 1)}: run on more ranks (--nproc)"
     )
     return ResourceError(
         f"rank {env.rank}: out of memory allocating the embedding tables ({need:,} bytes in all{failed}); "

@@ -162,7 +162,7 @@ def _out_of_memory(path: Path, e: BaseException) -> ResourceError | None:
     return ResourceError(
         f"{path}: out of memory reading the checkpoint"
         + (f" (the allocation that failed: {tried:,} bytes)" if tried else "")
-        + "; the checkpoint is not damaged: give the process more memory or train on more ranks (--nproc)"
+        + "; the checkpoint is not damaged: give the process more memory or run on more ranks (--nproc)"
     )
 
 

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
 
 from recscale.config import DistributedConfig, RunConfig, load_config, validate_config
 from recscale.config_files import apply_overrides, read_yaml_mapping
@@ -173,11 +174,21 @@ def load_trained(
     if source is None:
         raise CheckpointError(f"{run_dir}: no complete checkpoint {purpose}; train the run first")
     env = init_distributed()
+    if cfg.dmt is not None and env.world_size > 1:
+        raise RecscaleError(
+            f"{run_dir} is a DMT run, which is scored in one process (its towers all load there); "
+            "leave out --nproc"
+        )
     # Scores do not depend on the sharding, and a multi-rank run's placements may name ranks this
-    # process does not have: the checkpoint loads into the default plan at any world size (replicated
-    # tables stay replicated: their optimizer may have no fused kernel). A DMT run's towers all load
+    # job does not have: the checkpoint loads into the default plan at any world size (replicated
+    # tables stay replicated: their optimizer may have no fused kernel), each rank allocating only its
+    # shards (no unsharded copy first: the checkpoint overwrites them). A DMT run's towers all load
     # here, unsharded (``LocalDMT``), whatever the hosts that trained it.
-    plan = DistributedConfig(sharding="data_parallel") if cfg.dense_tables() else DistributedConfig()
+    plan = (
+        DistributedConfig(sharding="data_parallel")
+        if cfg.dense_tables()
+        else DistributedConfig(materialize="shards")
+    )
     hosts = dmt_hosts(source) if cfg.dmt is not None else None
     try:
         built = build(cfg.model_copy(update={"distributed": plan}), feature_set(pre), env, dmt_hosts=hosts)
@@ -361,7 +372,7 @@ def eval_run(
         # The batches the run's own evaluations used: an fp8 activation's scale is its batch's.
         logits = predict(built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision)
         m: dict[str, Any] = scored(logits, ds, group_by)
-        if predictions is not None:
+        if predictions is not None and dist.get_rank() == 0:  # every rank holds every row's score
             # Rows a skip dropped leave gaps: the position column (a file's line or Parquet row) joins them back.
             at = (position_unit(data.format), np.concatenate(stats.positions)) if stats.positions else None
             write_predictions(predictions, ds.labels(), torch.sigmoid(logits.double()).numpy(), at)
