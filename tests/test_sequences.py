@@ -50,6 +50,8 @@ def test_parquet_list_history_is_read_in_order(tmp_path):
         ("csv", "line 3", "empty element"),
         ("parquet", "row 2", "null or empty element"),
         ("parquet-strings", "row 2", "null or empty element"),  # "" was read as an id
+        ("parquet-bytes", "row 2", "null or empty element"),  # b"" was read as a null id in the history
+        ("parquet-dictionary", "row 2", "null or empty element"),
     ],
 )
 def test_a_malformed_history_is_one_line_naming_file_and_line(tmp_path, fmt, where, words):
@@ -60,6 +62,10 @@ def test_a_malformed_history_is_one_line_naming_file_and_line(tmp_path, fmt, whe
         h = pa.array([[1, 2], [3, None]], pa.list_(pa.int64()))
         if fmt == "parquet-strings":
             h = pa.array([["1", "2"], ["3", ""]], pa.list_(pa.string()))
+        if fmt == "parquet-bytes":
+            h = pa.array([[b"1", b"2"], [b"3", b""]], pa.list_(pa.binary()))
+        if fmt == "parquet-dictionary":
+            h = pa.array([["1", "2"], ["3", ""]], pa.list_(pa.dictionary(pa.int32(), pa.string())))
         pq.write_table(pa.table({"label": [1, 0], "u": ["a", "b"], "h": h}), path)
         fmt = "parquet"
     with pytest.raises(DataError) as e:

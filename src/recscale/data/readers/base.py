@@ -426,8 +426,11 @@ def check_sequence(cells: pa.Array, name: str, sep: str) -> Problem | None:
     if is_list(cells.type):
         lengths = pc.fill_null(pc.list_value_length(cells), 0).to_numpy(zero_copy_only=False)
         items = pc.list_flatten(cells)
-        if pa.types.is_string(items.type) or pa.types.is_large_string(items.type):
-            items = pc.if_else(pc.equal(items, ""), None, items)  # "" is no id either
+        if pa.types.is_dictionary(items.type):
+            items = items.dictionary_decode()
+        if pa.types.is_string(items.type) or pa.types.is_large_string(items.type) or _is_bytes(items.type):
+            # "" is no id either, as text or as bytes (``normal_ids`` makes both a missing id)
+            items = pc.if_else(pc.equal(pc.binary_length(items), 0), None, items)
         bad_items = pc.is_null(items).to_numpy(zero_copy_only=False)
     else:
         text = pc.fill_null(cells, "")
