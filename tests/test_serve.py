@@ -727,6 +727,21 @@ def test_fp16_stored_tables_export_as_the_fp32_their_manifest_names(tmp_path):
     assert torch.equal(art.tensors[name], trained.float())
 
 
+def test_fp16_stored_sequence_tables_export_too(tmp_path):
+    """A history's table is stored fp16 as well; export turned only the pooled tables to fp32 and then
+    refused its own checkpoint ('tensor embedding.ec.embeddings.t_h0.weight is torch.float16 ...; export
+    it again')."""
+    from recscale.serve.artifact import read_artifact
+
+    run, model = tmp_path / "run", tmp_path / "model"
+    assert main(["train", str(CONFIGS / "demo.yaml"), "--out", str(run), "train.max_steps=2",
+                 "data.synthetic.rows={train: 512, valid: 256, test: 256}", "data.synthetic.num_history=1",
+                 "data.synthetic.history_max_len=8", "model.embedding.sequence={encoder: causal}",
+                 "model.embedding.storage=fp16", "train.progress=false"]) == 0  # fmt: skip
+    assert main(["export", str(run), "--out", str(model)]) == 0
+    assert read_artifact(model).tensors["embedding.ec.embeddings.t_h0.weight"].dtype == torch.float32
+
+
 def test_a_model_a_kill_set_aside_while_replacing_it_still_serves(trained, tmp_path):
     """A kill between atomic_dir's two renames (export into an existing --out) left no model at --out, the
     old one as .OUT.old: `serve OUT` said 'not an exported model'. It reads the set-aside copy, and the

@@ -28,6 +28,7 @@ from recscale.train.build import feature_set
 
 _QUANT_DTYPES = {"fp16": torch.float16, "int8": torch.qint8, "int4": torch.quint4x2}
 _TABLES = "embedding.ebc."  # state-dict prefix of the tables in every RecModel
+_SEQUENCE_TABLES = "embedding.ec."  # ... and of the sequence features' tables (per-position lookups)
 
 
 def inference_model(cfg: RunConfig, pre: Preprocessor, tables: TableFormat) -> RecModel:
@@ -171,7 +172,9 @@ def export_run(
         # format says what the file holds and scores equal the run's; --tables fp16 halves them again.
         emb = cfg.model.embedding.model_copy(update={"storage": "fp32"})
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"embedding": emb})})
-        trained = {k: v.float() if k.startswith(_TABLES) else v for k, v in trained.items()}
+        trained = {
+            k: v.float() if k.startswith((_TABLES, _SEQUENCE_TABLES)) else v for k, v in trained.items()
+        }
     model = inference_model(cfg, pre, "fp32")
     load_weights(model, trained, "fp32", f"{run_dir}'s checkpoint")
     if tables != "fp32":
