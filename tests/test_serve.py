@@ -742,6 +742,36 @@ def test_fp16_stored_sequence_tables_export_too(tmp_path):
     assert read_artifact(model).tensors["embedding.ec.embeddings.t_h0.weight"].dtype == torch.float32
 
 
+def test_a_bf16_sequence_run_exported_in_bf16_scores_as_its_eval(tmp_path):
+    """--dense bf16 / int8 stored a history's table and the causal encoder's position embeddings as dense
+    matrices: lookups that autocast never rounds, so the bf16 export of a bf16 run scored ~1e-3 off its
+    eval (its fp32 export scores as eval), and --tables fp32 --dense int8 held an int8 table."""
+    from recscale.serve.artifact import read_artifact
+
+    run = tmp_path / "run"
+    assert main(["train", str(CONFIGS / "demo.yaml"), "--out", str(run), "train.max_steps=2",
+                 "data.synthetic.rows={train: 512, valid: 256, test: 256}", "data.synthetic.num_history=1",
+                 "data.synthetic.history_max_len=8", "model.embedding.sequence={encoder: causal_din, target: s0}",
+                 "train.precision=bf16", "train.dense_optimizer.lr=0.05", "train.progress=false"]) == 0  # fmt: skip
+    for dense in ("fp32", "bf16", "int8"):
+        assert main(["export", str(run), "--out", str(tmp_path / dense), "--dense", dense]) == 0
+    fp32, bf16 = Scorer(tmp_path / "fp32", max_rows=64), Scorer(tmp_path / "bf16", max_rows=64)
+    rng = random.Random(0)
+    names = fp32.parser.arrow_schema.names
+    rows = [
+        {n: rng.random() if n.startswith("d") else [rng.randrange(40) for _ in range(rng.randrange(12))]
+         if n.startswith(("m", "h")) else rng.randrange(40) for n in names}
+        for _ in range(64)
+    ]  # fmt: skip
+    body = json.dumps({"rows": rows}).encode()
+    np.testing.assert_allclose(
+        bf16.logits(bf16.parser.parse(body)), fp32.logits(fp32.parser.parse(body)), atol=1e-6, rtol=0
+    )
+    tensors = read_artifact(tmp_path / "int8").tensors
+    lookups = ["embedding.ec.embeddings.t_h0.weight", "embedding.encoders.h0.positions.weight"]
+    assert all(tensors[n].dtype == torch.float32 and n + ".int8_scale" not in tensors for n in lookups)
+
+
 def test_a_model_a_kill_set_aside_while_replacing_it_still_serves(trained, tmp_path):
     """A kill between atomic_dir's two renames (export into an existing --out) left no model at --out, the
     old one as .OUT.old: `serve OUT` said 'not an exported model'. It reads the set-aside copy, and the

@@ -5,7 +5,7 @@ the model registry. Its tables can be stored quantized through TorchRec's quanti
 ``EmbeddingBagCollection`` (fbgemm's row-wise int8/int4 with a per-row fp16 scale and bias, or fp16),
 which runs on CPU; its dense weight matrices can be stored as bf16 (and then run under bf16 autocast), or as int8: each
 row-wise symmetric int8 with an fp32 scale per output row, dequantized to fp32 when the model loads (a
-smaller artifact; compute stays fp32). Vectors (biases, norms) stay fp32.
+smaller artifact; compute stays fp32). Vectors (biases, norms) and lookups (sequence tables) stay fp32.
 """
 
 from __future__ import annotations
@@ -79,15 +79,19 @@ def weights(model: RecModel, tables: TableFormat, dense: DenseFormat) -> dict[st
     dense weights in ``dense``."""
     widths = _row_widths(model, tables)
     lowered = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    # Lookups (a sequence's table, the causal encoder's positions) are no matmul operand that autocast
+    # rounds anyway, and no dense matrix: stored bf16 or int8 they would score otherwise than the run.
+    lookups = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
     out = {}
     for name, t in model.state_dict().items():
         if isinstance(t, UIntXTensor):
             t = t.elem
+        matrix = _dense_matrix(name, t) and name not in lookups
         if name in widths:
             t = t[:, : widths[name]]
-        elif dense == "bf16" and _dense_matrix(name, t):
+        elif dense == "bf16" and matrix:
             t = _bf16(t, lowered.get(name))
-        elif dense == "int8" and _dense_matrix(name, t):
+        elif dense == "int8" and matrix:
             t, out[name + _SCALE] = quantize_rows(t.detach())
         out[name] = t.detach().contiguous()
     return out
