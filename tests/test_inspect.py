@@ -355,6 +355,29 @@ def test_inspect_reports_history_lengths_and_the_rows_max_len_cuts(tmp_path, fmt
     assert columns(json.loads(capsys.readouterr().out))["h"]["length"]["truncated"] == 1
 
 
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_inspect_max_len_counts_no_cut_of_a_history_training_refuses(tmp_path, fmt):
+    """A history with an empty element (3||7, a null in a list) is a bad row for a sequence feature, which
+    training drops with on_bad_row: skip; inspect counted its cut as truncated all the same (2 against
+    training's 1)."""
+    from recscale.data.readers import ReadStats, read_batches
+    from recscale.data.schema import Schema
+
+    path = tmp_path / f"t.{fmt}"
+    if fmt == "csv":
+        write(path, ["label,h", "1,1|2|3|4|5", "0,1||2|3|4|5", "1,7|8|", "0,"])
+    else:
+        h = [["1", "2", "3", "4", "5"], ["1", None, "2", "3", "4", "5"], ["7", "8", ""], []]
+        pq.write_table(pa.table({"label": [1, 0, 1, 0], "h": h}), path)
+    length = columns(inspect_file(path, max_len=3))["h"]["length"]
+    assert length["max"] == 5 and length["truncated"] == 1  # a bag's lengths, a history's cuts
+    stats = ReadStats()
+    schema = Schema.model_validate({"sparse": [{"name": "h", "multi": True, "max_len": 3}]})
+    for _ in read_batches(path, fmt, schema, on_bad_row="skip", stats=stats):
+        pass
+    assert (stats.truncated, stats.skipped) == ({"h": 1}, 2)
+
+
 def test_inspect_gives_the_schema_that_trains_on_the_file(tmp_path):
     """`data inspect` listed each column's inferred type, and the user wrote data.schema from it by hand;
     its "schema" is that block (JSON, which YAML reads), and a run trains with it as given."""

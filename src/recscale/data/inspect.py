@@ -46,6 +46,7 @@ from recscale.data.readers.base import (
     Locate,
     Problem,
     check_file,
+    check_sequence,
     consecutive,
     damage_named,
     is_list,
@@ -160,11 +161,14 @@ class _Lengths:
 
     def __init__(self) -> None:
         self.rows_of = np.zeros(1, dtype=np.int64)  # [k]: rows with k ids
+        # [k]: those of them a sequence feature reads (``truncated``): a history with an empty element
+        # (3||7, a null or "" in a list) is a bad row there, where a bag drops the empty id
+        self.history_rows_of = np.zeros(1, dtype=np.int64)
 
-    def add(self, lengths: np.ndarray) -> None:
-        counts = np.bincount(lengths, minlength=len(self.rows_of))
-        counts[: len(self.rows_of)] += self.rows_of
-        self.rows_of = counts
+    def add(self, lengths: np.ndarray, malformed: Problem | None = None) -> None:
+        self.rows_of = _histogram(lengths, self.rows_of)
+        kept = lengths if malformed is None else lengths[~malformed.bad]
+        self.history_rows_of = _histogram(kept, self.history_rows_of)
 
     def report(self, max_len: int | None) -> dict[str, Any]:
         rows = int(self.rows_of.sum())
@@ -180,8 +184,15 @@ class _Lengths:
             "max": int(np.flatnonzero(self.rows_of)[-1]) if rows else None,
         }
         if max_len is not None:
-            out["truncated"] = int(self.rows_of[max_len + 1 :].sum())
+            out["truncated"] = int(self.history_rows_of[max_len + 1 :].sum())
         return out
+
+
+def _histogram(lengths: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``counts`` (rows by number of ids) with ``lengths`` added."""
+    out = np.bincount(lengths, minlength=len(counts))
+    out[: len(counts)] += counts
+    return out
 
 
 class _Column:
@@ -235,7 +246,8 @@ class _Column:
             values = values.dictionary_decode()
         if is_list(values.type):  # ids as training reads them
             (ids,) = nonempty_ids(list_ids(values)[0])
-            self.lengths.add(pc.list_value_length(ids).to_numpy(zero_copy_only=False))
+            lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
+            self.lengths.add(lengths, check_sequence(values, self.name, MULTI_SEP))
             self._add_ids(ids.flatten())
             return
         self.missing += values.null_count
@@ -265,7 +277,8 @@ class _Column:
         if pc.any(pc.match_substring(cells, MULTI_SEP)).as_py():
             self.has_sep = True
             ids = split_ids(cells, MULTI_SEP)[0]  # as training reads them
-            self.lengths.add(pc.list_value_length(ids).to_numpy(zero_copy_only=False))
+            lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
+            self.lengths.add(lengths, check_sequence(cells, self.name, MULTI_SEP))
             return ids.flatten()
         self.lengths.add(cells.is_valid().to_numpy(zero_copy_only=False).astype(np.int64))  # one id, or none
         return normal_ids(cells)  # as training reads them: 3.0 is id 3
