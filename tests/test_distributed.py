@@ -197,6 +197,21 @@ def test_single_process_eval_scores_a_4_rank_run_like_its_report(runs):
 
 
 @dist_mark
+def test_eval_on_two_ranks_scores_a_4_rank_run_like_its_report(runs, capfd):
+    """`recscale eval --nproc 2`: the ranks share the tables (each loads its shards of the checkpoint) and
+    rank 0 prints the one JSON line, with the scores of the run's own evaluation."""
+    report = json.loads((runs / "comm_4" / "report.json").read_text())
+    scores = runs / "comm_4_scores.csv"
+    assert main(["eval", str(runs / "comm_4"), "--nproc", "2", "--predictions", str(scores)]) == 0
+    out = [line for line in capfd.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(out) == 1
+    m = json.loads(out[0])
+    assert m["rows"] == report["test"]["rows"] == 256 == len(scores.read_text().splitlines()) - 1
+    assert m["auc"] == pytest.approx(report["test"]["auc"], abs=1e-6)
+    assert m["logloss"] == pytest.approx(report["test"]["logloss"], rel=1e-5)
+
+
+@dist_mark
 def test_comm_bytes_match_hand_computed_volumes(runs):
     """Table-wise all-to-all and DDP all-reduce volumes, 4 ranks as 2 hosts x 2 (ranks 0,1 | 2,3)."""
     rec = [json.loads(line) for line in (runs / "comm_4" / "metrics.jsonl").read_text().splitlines()]

@@ -451,6 +451,9 @@ def test_a_dmt_run_evaluates_in_one_process_as_it_did_itself(dmt_run, capsys):
     assert main(["precision", "probe", str(dmt_run)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is a DMT run" in err and "`recscale eval` scores DMT runs" in err
+    assert main(["eval", str(dmt_run), "--nproc", "2"]) == 2  # refused before any rank starts
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "scored in one process" in err and "leave out --nproc" in err
 
 
 def _run_and_flat_logits(dmt_run: Path, flat: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
