@@ -150,3 +150,24 @@ def test_calibration_leaves_the_held_out_report_rows_alone(run) -> None:
     assert sum(b.size for b in every) == 500 and sum(b.size for b in selection) == int(keep.sum())
     labels = torch.cat([b.labels for b in every])
     assert torch.equal(torch.cat([b.labels for b in selection]), labels[torch.from_numpy(keep)])
+
+
+def test_probe_out_is_checked_before_the_probe(tmp_path, capsys) -> None:
+    """--out naming the --data file replaced the calibration data with the plan; a directory failed only
+    after the whole probe had run. Both are refused first, as eval refuses its --predictions."""
+    csv = tmp_path / "data.csv"
+    header = "label,user,item,daytime,weekday,isweekend,homework,cost,weather,country,city"
+    rows = [f"{i % 2},{i % 7},{i % 11},1,2,3,4,5,6,7,8" for i in range(64)]
+    csv.write_text("\n".join([header, *rows]) + "\n")
+    run = tmp_path / "run"
+    config = Path(__file__).resolve().parents[1] / "configs" / "frappe.yaml"
+    assert main(["train", str(config), "--out", str(run), f"data.train={csv}", f"data.valid={csv}",
+                 "model.name=lr", "train.max_steps=2", "train.progress=false"]) == 0  # fmt: skip
+    capsys.readouterr()
+    before = csv.read_bytes()
+    for out, words in [(csv, "is the --data file"), (tmp_path, "is a directory")]:
+        argv = ["precision", "probe", str(run), "--data", str(csv), "--formats", "mxfp4", "--out", str(out)]
+        assert main(argv) == 2
+        printed, err = capsys.readouterr()
+        assert printed == "" and words in err and len(err.strip().splitlines()) == 1, err
+    assert csv.read_bytes() == before
