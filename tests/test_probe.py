@@ -171,3 +171,29 @@ def test_probe_out_is_checked_before_the_probe(tmp_path, capsys) -> None:
         printed, err = capsys.readouterr()
         assert printed == "" and words in err and len(err.strip().splitlines()) == 1, err
     assert csv.read_bytes() == before
+
+
+def test_probe_calibrates_on_a_directory_where_the_format_reads_one(tmp_path, capsys, shared_data) -> None:
+    """MovieLens is a directory (ml-100k's files), which eval scores; the probe refused it as no such file."""
+    ml = shared_data / "movielens-100k"
+    config = Path(__file__).resolve().parents[1] / "configs" / "movielens.yaml"
+    run = tmp_path / "run"
+    assert main(["train", str(config), "--out", str(run), f"data.train={ml}", "model.name=lr",
+                 "train.max_steps=2", "train.progress=false"]) == 0  # fmt: skip
+    capsys.readouterr()
+    out = tmp_path / "plan.json"
+    argv = [
+        "precision",
+        "probe",
+        str(run),
+        "--data",
+        str(ml),
+        "--rows",
+        "2000",
+        "--formats",
+        "mxfp4",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert _strict_json(out)["rows"] == 2000

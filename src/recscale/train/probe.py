@@ -70,7 +70,8 @@ def calibration_sample(
         raise RecscaleError(
             f"{run_dir}: the run has no materialised valid split (data/valid); calibrate on a file with --data"
         )
-    if not Path(data_path).is_file():
+    # A file, or a directory where the format reads one (MovieLens), as ``recscale eval`` takes it.
+    if not Path(data_path).exists():
         raise DataError(f"--data {data_path}: no such file; give the file to calibrate on")
     if cfg.data.format == "synthetic":
         raise RecscaleError(f"{run_dir} was trained on synthetic data, which has no file format to read --data {data_path} with; "
