@@ -55,6 +55,17 @@ def test_zero_rows_decode_to_zero():
     assert torch.equal(back, torch.zeros(64))
 
 
+@pytest.mark.parametrize("is_fwd", [True, False])
+def test_rows_too_small_for_a_scale_decode_to_zero_not_nan(is_fwd):
+    """A row of subnormal values (a gradient that has all but vanished) has an fp32 scale amax / 448 (or
+    / 57344) that underflows to 0: its zeros decoded as 0/0 = NaN, which training then spread."""
+    x = torch.zeros(64)
+    x[:3] = torch.tensor([1e-43, -5e-44, 0.0])
+    x[32] = 1.0
+    _, back = _roundtrip(RowwiseFP8Codec(is_fwd=is_fwd), x)
+    assert torch.equal(back[:32], torch.zeros(32)) and back[32] == 1.0 and not back.isnan().any()
+
+
 def test_padding_makes_each_ranks_width_a_whole_number_of_rows():
     codec = RowwiseFP8Codec(is_fwd=True)
     ctx = codec.create_context()

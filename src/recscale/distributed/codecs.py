@@ -112,7 +112,10 @@ class RowwiseFP8Codec(_RowwiseCodec):
         amax = rows.abs().amax(dim=1, keepdim=True)
         # A product, not amax / max: torch's CPU kernel divides by a scalar through its reciprocal and CUDA
         # does not, so the quotient's last bit differed between devices (seen on an H200).
-        scale = torch.where(amax > 0, amax * (1.0 / self.max), torch.ones_like(amax))  # (n, 1) float32
+        scale = amax * (1.0 / self.max)
+        # A row of values so tiny (subnormal) that its scale underflows to 0 would decode its zeros as
+        # 0/0 = NaN: scale 1 instead flushes it to zero, as it does an all-zero row. (n, 1) float32.
+        scale = torch.where(scale > 0, scale, torch.ones_like(amax))
         row_dim = rows.shape[1]
         width = self.row_bytes(row_dim) - 8
         out = torch.zeros(rows.shape[0], width + 8, dtype=torch.uint8, device=rows.device)
