@@ -205,6 +205,15 @@ def test_per_tensor_fp8_and_casts() -> None:
     assert fake_quant(x.bfloat16(), "mxfp8_e4m3").dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_per_tensor_fp8_of_tiny_and_empty_tensors(fmt) -> None:
+    """A tensor of subnormal values has a scale amax / max_normal that underflows to 0 in fp32: its zeros
+    came back NaN (0/0). An empty tensor (which MX formats and casts take) raised in amax()."""
+    tiny = fake_quant(torch.tensor([1e-44, 0.0, -3e-45]), fmt)
+    assert not tiny.isnan().any() and torch.equal(tiny.abs(), torch.zeros(3))
+    assert fake_quant(torch.zeros(0, 16), fmt).shape == (0, 16)
+
+
 def test_error_ordering_on_gaussian_data() -> None:
     x = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
     err = {f: ((fake_quant(x, f) - x).norm() / x.norm()).item() for f in FORMATS}

@@ -127,10 +127,12 @@ def _mx(x: Tensor, elem: Elem, block: int) -> Tensor:
 
 
 def _per_tensor(x: Tensor, elem: Elem) -> Tensor:
-    """FP8 with one fp32 scale amax / max_normal for the whole tensor (1 for an all-zero tensor)."""
+    """FP8 with one fp32 scale amax / max_normal for the whole tensor (1 for an all-zero or empty tensor,
+    and for one so tiny that the scale underflows to 0, whose zeros would be 0/0 = NaN: it flushes to 0)."""
     xf = x.float()
-    amax = xf.abs().amax()
-    scale = torch.where(amax > 0, amax / elem.max_normal, 1.0)
+    amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())  # amax() of no elements raises
+    scale = amax / elem.max_normal
+    scale = torch.where(scale > 0, scale, 1.0)
     scale = torch.where(torch.isfinite(amax), scale, torch.nan)
     return (round_to_elem(xf / scale, elem) * scale).to(x.dtype)
 
