@@ -152,6 +152,12 @@ def test_qcomms_on_replicated_tables_are_refused():
 
     with pytest.raises(ValidationError, match="data_parallel tables do not send"):
         DistributedConfig.model_validate({"sharding": "data_parallel", "qcomms": {"forward": "int8"}})
+    # tables: every one planned data_parallel too; one sharded sends them
+    replicated = {"sharding": "data_parallel", "tables": {"user": {"type": "data_parallel"}}}
+    with pytest.raises(ValidationError, match="data_parallel tables do not send"):
+        DistributedConfig.model_validate(replicated | {"qcomms": {"forward": "fp8"}})
+    sharded = {"sharding": "data_parallel", "tables": {"user": {"type": "table_wise"}}}
+    DistributedConfig.model_validate(sharded | {"qcomms": {"forward": "fp8"}})
     DistributedConfig.model_validate(
         {"sharding": "data_parallel", "qcomms": {"dense": "fp16"}}
     )  # DDP's, kept

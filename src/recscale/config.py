@@ -285,7 +285,7 @@ class DistributedConfig(Settings):
         q = self.qcomms
         if (
             self.sharding == "data_parallel"
-            and not self.tables
+            and all(t.type == "data_parallel" for t in self.tables.values())  # none sharded by a plan either
             and (q.forward, q.backward) != ("fp32", "fp32")
         ):
             raise ValueError(
