@@ -152,17 +152,24 @@ def test_calibration_leaves_the_held_out_report_rows_alone(run) -> None:
     assert torch.equal(torch.cat([b.labels for b in selection]), labels[torch.from_numpy(keep)])
 
 
-def test_probe_out_is_checked_before_the_probe(tmp_path, capsys) -> None:
-    """--out naming the --data file replaced the calibration data with the plan; a directory failed only
-    after the whole probe had run. Both are refused first, as eval refuses its --predictions."""
-    csv = tmp_path / "data.csv"
+@pytest.fixture(scope="module")
+def csv_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A run trained on a small Frappe-like CSV file, and the file."""
+    tmp = tmp_path_factory.mktemp("csv")
+    csv = tmp / "data.csv"
     header = "label,user,item,daytime,weekday,isweekend,homework,cost,weather,country,city"
     rows = [f"{i % 2},{i % 7},{i % 11},1,2,3,4,5,6,7,8" for i in range(64)]
     csv.write_text("\n".join([header, *rows]) + "\n")
-    run = tmp_path / "run"
     config = Path(__file__).resolve().parents[1] / "configs" / "frappe.yaml"
-    assert main(["train", str(config), "--out", str(run), f"data.train={csv}", f"data.valid={csv}",
+    assert main(["train", str(config), "--out", str(tmp / "run"), f"data.train={csv}", f"data.valid={csv}",
                  "model.name=lr", "train.max_steps=2", "train.progress=false"]) == 0  # fmt: skip
+    return tmp / "run", csv
+
+
+def test_probe_out_is_checked_before_the_probe(csv_run, tmp_path, capsys) -> None:
+    """--out naming the --data file replaced the calibration data with the plan; a directory failed only
+    after the whole probe had run. Both are refused first, as eval refuses its --predictions."""
+    run, csv = csv_run
     capsys.readouterr()
     before = csv.read_bytes()
     for out, words in [(csv, "is the --data file"), (tmp_path, "is a directory")]:
@@ -171,6 +178,22 @@ def test_probe_out_is_checked_before_the_probe(tmp_path, capsys) -> None:
         printed, err = capsys.readouterr()
         assert printed == "" and words in err and len(err.strip().splitlines()) == 1, err
     assert csv.read_bytes() == before
+
+
+def test_one_class_calibration_data_says_what_would_help(csv_run, tmp_path, capsys) -> None:
+    """Every row of a --data file of one class is already in the sample: the line said to give more --rows."""
+    run, csv = csv_run
+    ones = tmp_path / "ones.csv"
+    lines = csv.read_text().splitlines()
+    ones.write_text("\n".join([lines[0], *(r for r in lines[1:] if r.startswith("1,"))]) + "\n")
+    capsys.readouterr()
+    assert main(["precision", "probe", str(run), "--data", str(ones), "--formats", "mxfp4"]) == 2
+    err = capsys.readouterr().err
+    assert "the 32 calibration rows hold one class only; calibrate on a --data file holding both" in err, err
+    assert (
+        main(["precision", "probe", str(run), "--data", str(ones), "--rows", "8", "--formats", "mxfp4"]) == 2
+    )
+    assert "the 8 calibration rows hold one class only; give more --rows" in capsys.readouterr().err
 
 
 def test_probe_calibrates_on_a_directory_where_the_format_reads_one(tmp_path, capsys, shared_data) -> None:

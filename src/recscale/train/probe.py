@@ -166,9 +166,9 @@ def probe(
     batches = calibration_sample(run_dir, cfg, pre, data_path, rows)
     labels = torch.cat([b.labels for b in batches])
     if not 0 < labels.mean().item() < 1:
-        raise RecscaleError(
-            f"precision probe: the {len(labels)} calibration rows hold one class only; give more --rows"
-        )
+        # Fewer rows than asked for: the sample is the whole split or file, and more --rows add none.
+        fix = "give more --rows" if len(labels) == rows else "calibrate on a --data file holding both classes"
+        raise RecscaleError(f"precision probe: the {len(labels)} calibration rows hold one class only; {fix}")
     z0 = logits(built.module, batches, precision)
     baseline = _metrics(z0, labels)
 
