@@ -220,3 +220,28 @@ def test_probe_calibrates_on_a_directory_where_the_format_reads_one(tmp_path, ca
     ]
     assert main(argv) == 0, capsys.readouterr().err
     assert _strict_json(out)["rows"] == 2000
+
+
+def test_probe_calibrates_on_the_valid_split_of_data_prepared(csv_run, tmp_path, capsys) -> None:
+    """A run trained on data.prepared has no data/ of its own: its valid split is in the prepared directory,
+    where the probe did not look (it said the run had none)."""
+    _, csv = csv_run
+    config = Path(__file__).resolve().parents[1] / "configs" / "frappe.yaml"
+    data = [f"data.train={csv}", f"data.valid={csv}"]
+    assert main(["data", "prepare", str(config), *data, "--out", str(tmp_path / "prep")]) == 0
+    run = tmp_path / "run"
+    assert main(["train", str(config), "--out", str(run), *data, f"data.prepared={tmp_path / 'prep'}",
+                 "model.name=lr", "train.max_steps=2", "train.progress=false"]) == 0  # fmt: skip
+    out = tmp_path / "plan.json"
+    capsys.readouterr()
+    argv = ["precision", "probe", str(run), "--formats", "mxfp4", "--out", str(out)]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert _strict_json(out)["rows"] == 64
+    # prepared again from other data: its ids are not the run's
+    other = tmp_path / "other.csv"
+    other.write_text(csv.read_text().replace(",1,2,3,4,5,6,7,8\n", ",9,2,3,4,5,6,7,8\n"))
+    assert main(["data", "prepare", str(config), f"data.train={other}", f"data.valid={other}", "--out",
+                 str(tmp_path / "prep")]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert "not the preparation this run was trained on" in capsys.readouterr().err

@@ -58,17 +58,26 @@ def calibration_sample(
 ) -> list[Batch]:
     """``rows`` rows (a seeded random subset, in file order) of the run's valid split (only its selection
     rows when the run holds some out with ``data.report_fraction``: the plan is a selection decision),
-    else its test split, or of ``data_path`` prepared as ``recscale eval`` prepares it; batches of
-    ``CHUNK`` rows."""
+    else its test split (in ``data.prepared`` for a run trained on one), or of ``data_path`` prepared as
+    ``recscale eval`` prepares it; batches of ``CHUNK`` rows."""
     if data_path is None:
+        root = run_dir
+        if cfg.data.prepared is not None:  # the run read its splits there and wrote none of its own
+            root = Path(cfg.data.prepared)
+            prepared = root / "preprocess.json"
+            if not prepared.is_file() or Preprocessor.load(prepared).digest() != pre.digest():
+                raise RecscaleError(
+                    f"data.prepared {root}: not the preparation this run was trained on (gone, or prepared "
+                    "again); calibrate on a file with --data"
+                )
         for split in ("valid", "test"):
-            if (run_dir / "data" / split / "meta.json").is_file():
-                ds = ArrayDataset(run_dir / "data" / split)
+            if (root / "data" / split / "meta.json").is_file():
+                ds = ArrayDataset(root / "data" / split)
                 if split == "valid" and cfg.data.report_fraction is not None:
                     ds, _ = ds.hold_out(cfg.data.report_fraction)
                 return _sample(ds, rows)
         raise RecscaleError(
-            f"{run_dir}: the run has no materialised valid split (data/valid); calibrate on a file with --data"
+            f"{root}: the run has no materialised valid split (data/valid); calibrate on a file with --data"
         )
     # A file, or a directory where the format reads one (MovieLens), as ``recscale eval`` takes it.
     if not Path(data_path).exists():
