@@ -245,3 +245,15 @@ def test_probe_calibrates_on_the_valid_split_of_data_prepared(csv_run, tmp_path,
     capsys.readouterr()
     assert main(argv) == 2
     assert "not the preparation this run was trained on" in capsys.readouterr().err
+
+
+def test_a_synthetic_run_without_valid_rows_is_not_sent_to_data(tmp_path, capsys) -> None:
+    """A synthetic run trained without valid or test rows has nothing to calibrate on, and --data, which the
+    line told it to give, is refused for synthetic runs: the line names what does help."""
+    run = tmp_path / "run"
+    assert main(["train", str(DEMO), "--out", str(run), "data.synthetic.rows={train: 500}", "train.max_steps=2",
+                 "train.progress=false"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["precision", "probe", str(run), "--formats", "mxfp4"]) == 2
+    err = capsys.readouterr().err
+    assert "train a run with valid rows in data.synthetic.rows" in err and "--data" not in err, err

@@ -76,9 +76,13 @@ def calibration_sample(
                 if split == "valid" and cfg.data.report_fraction is not None:
                     ds, _ = ds.hold_out(cfg.data.report_fraction)
                 return _sample(ds, rows)
-        raise RecscaleError(
-            f"{root}: the run has no materialised valid split (data/valid); calibrate on a file with --data"
+        # Synthetic data has no file to give --data (refused below): only a run with valid rows has some.
+        fix = (
+            "train a run with valid rows in data.synthetic.rows"
+            if cfg.data.format == "synthetic"
+            else "calibrate on a file with --data"
         )
+        raise RecscaleError(f"{root}: the run has no materialised valid split (data/valid); {fix}")
     # A file, or a directory where the format reads one (MovieLens), as ``recscale eval`` takes it.
     if not Path(data_path).exists():
         raise DataError(f"--data {data_path}: no such file; give the file to calibrate on")
