@@ -223,8 +223,8 @@ def test_probe_calibrates_on_a_directory_where_the_format_reads_one(tmp_path, ca
 
 
 def test_probe_calibrates_on_the_valid_split_of_data_prepared(csv_run, tmp_path, capsys) -> None:
-    """A run trained on data.prepared has no data/ of its own: its valid split is in the prepared directory,
-    where the probe did not look (it said the run had none)."""
+    """A run trained on data.prepared has no data/ of its own: its splits are in the prepared directory,
+    where the probe and dmt partition did not look (they said the run had none)."""
     _, csv = csv_run
     config = Path(__file__).resolve().parents[1] / "configs" / "frappe.yaml"
     data = [f"data.train={csv}", f"data.valid={csv}"]
@@ -237,6 +237,9 @@ def test_probe_calibrates_on_the_valid_split_of_data_prepared(csv_run, tmp_path,
     argv = ["precision", "probe", str(run), "--formats", "mxfp4", "--out", str(out)]
     assert main(argv) == 0, capsys.readouterr().err
     assert _strict_json(out)["rows"] == 64
+    # dmt partition reads its training sample there too (it said the run's training split was gone)
+    partition = ["dmt", "partition", str(run), "--towers", "2", "--out", str(tmp_path / "towers.yaml")]
+    assert main(partition) == 0, capsys.readouterr().err
     # prepared again from other data: its ids are not the run's
     other = tmp_path / "other.csv"
     other.write_text(csv.read_text().replace(",1,2,3,4,5,6,7,8\n", ",9,2,3,4,5,6,7,8\n"))
@@ -244,6 +247,8 @@ def test_probe_calibrates_on_the_valid_split_of_data_prepared(csv_run, tmp_path,
                  str(tmp_path / "prep")]) == 0  # fmt: skip
     capsys.readouterr()
     assert main(argv) == 2
+    assert "not the preparation this run was trained on" in capsys.readouterr().err
+    assert main(partition) == 2
     assert "not the preparation this run was trained on" in capsys.readouterr().err
 
 

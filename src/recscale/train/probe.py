@@ -47,7 +47,7 @@ from recscale.models.quant import (
 from recscale.train.data import prepare_split
 from recscale.train.metrics import ctr_metrics
 from recscale.train.precision import Precision, autocast
-from recscale.train.runs import load_trained, run_config
+from recscale.train.runs import load_trained, run_config, splits_dir
 
 DEFAULT_FORMATS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp4", "mxint8")
 CHUNK = 8192  # rows per forward pass
@@ -61,18 +61,10 @@ def calibration_sample(
     else its test split (in ``data.prepared`` for a run trained on one), or of ``data_path`` prepared as
     ``recscale eval`` prepares it; batches of ``CHUNK`` rows."""
     if data_path is None:
-        root = run_dir
-        if cfg.data.prepared is not None:  # the run read its splits there and wrote none of its own
-            root = Path(cfg.data.prepared)
-            prepared = root / "preprocess.json"
-            if not prepared.is_file() or Preprocessor.load(prepared).digest() != pre.digest():
-                raise RecscaleError(
-                    f"data.prepared {root}: not the preparation this run was trained on (gone, or prepared "
-                    "again); calibrate on a file with --data"
-                )
+        root = splits_dir(run_dir, cfg, pre, "calibrate on a file with --data")
         for split in ("valid", "test"):
-            if (root / "data" / split / "meta.json").is_file():
-                ds = ArrayDataset(root / "data" / split)
+            if (root / split / "meta.json").is_file():
+                ds = ArrayDataset(root / split)
                 if split == "valid" and cfg.data.report_fraction is not None:
                     ds, _ = ds.hold_out(cfg.data.report_fraction)
                 return _sample(ds, rows)
@@ -82,7 +74,7 @@ def calibration_sample(
             if cfg.data.format == "synthetic"
             else "calibrate on a file with --data"
         )
-        raise RecscaleError(f"{root}: the run has no materialised valid split (data/valid); {fix}")
+        raise RecscaleError(f"{root.parent}: the run has no materialised valid split (data/valid); {fix}")
     # A file, or a directory where the format reads one (MovieLens), as ``recscale eval`` takes it.
     if not Path(data_path).exists():
         raise DataError(f"--data {data_path}: no such file; give the file to calibrate on")

@@ -240,13 +240,28 @@ def load_flat(
     return cfg, pre, flat.eval()
 
 
+def splits_dir(run_dir: Path, cfg: RunConfig, pre: Preprocessor, fix: str) -> Path:
+    """The directory of a run's materialised splits: its own ``data/``, or that of ``data.prepared`` for a run
+    trained on a preparation (it wrote none of its own), refused with ``fix`` where that preparation is
+    gone or was prepared again since (its vocabularies are no longer the run's)."""
+    if cfg.data.prepared is None:
+        return run_dir / "data"
+    root = Path(cfg.data.prepared)
+    prepared = root / "preprocess.json"
+    if not prepared.is_file() or Preprocessor.load(prepared).digest() != pre.digest():
+        raise RecscaleError(
+            f"data.prepared {root}: not the preparation this run was trained on (gone, or prepared again); {fix}"
+        )
+    return root / "data"
+
+
 def load_training_sample(
     run_dir: Path, rows: int, purpose: str
 ) -> tuple[EmbeddingLayer, Batch, Preprocessor]:
     """A trained run's flat model's embedding layer (``load_flat``: a DMT run with identity tower modules
     too), its first ``rows`` training rows and its preprocessing (``purpose`` as for ``load_trained``)."""
-    _, pre, model = load_flat(run_dir, purpose, "partition a flat run, or one with identity tower modules")
-    split = Path(run_dir) / "data" / "train"
+    cfg, pre, model = load_flat(run_dir, purpose, "partition a flat run, or one with identity tower modules")
+    split = splits_dir(Path(run_dir), cfg, pre, "retrain the run") / "train"
     if not (split / "meta.json").is_file():
         raise RecscaleError(
             f"{split}: the run's materialised training split is gone; retrain or resume the run"
