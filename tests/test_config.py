@@ -156,6 +156,10 @@ def base() -> dict:
             {"distributed": {"learned": {"memory_cap_mb": 1}}},
             ["distributed", "learned.memory_cap_mb applies to sharding: learned", "table_wise"],
         ),
+        (  # found by the dense wrapper once the ranks had started
+            {"distributed": {"dense": "fsdp", "qcomms": {"dense": "fp16"}}},
+            ["distributed: ", "qcomms.dense compresses DDP's all-reduce", "leave qcomms.dense fp32"],
+        ),
     ],
 )
 def test_config_errors_name_the_key(patch, words):

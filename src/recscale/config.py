@@ -294,6 +294,16 @@ class DistributedConfig(Settings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _dense_qcomms_need_ddp(self) -> DistributedConfig:
+        # Found by the config, before any rank starts (the wrapper found it after the launch).
+        if self.dense == "fsdp" and self.qcomms.dense != "fp32":
+            raise ValueError(
+                "qcomms.dense compresses DDP's all-reduce, which FSDP (dense: fsdp) does not run; "
+                "leave qcomms.dense fp32 or set dense: ddp"
+            )
+        return self
+
     def check_world_size(self, world_size: int) -> None:
         """What needs more than one rank. Not a validator: the number of ranks is known only at launch."""
         # One process sends nothing between ranks: TorchRec skips the embedding codecs in a group of one

@@ -113,11 +113,7 @@ def dense_wrapper(
     """``counted``: DDP's all-reduces go through ``torch.distributed`` where ``comms`` counts them;
     ``compress``: DDP's gradients travel in that precision (counted either way); ``param_dtype``: what
     FSDP2 gathers and computes the dense parameters in (DDP computes under the trainer's autocast)."""
-    if kind == "fsdp":
-        if compress != "fp32":
-            raise ConfigError(
-                "distributed.qcomms.dense compresses DDP's all-reduce; with dense: fsdp leave it fp32"
-            )
+    if kind == "fsdp":  # qcomms.dense stays fp32 there (DistributedConfig checks)
         return FSDP2Wrapper(param_dtype)
     if compress != "fp32":
         return HookedDDPWrapper(fp16_compress_hook if compress == "fp16" else bf16_allreduce_hook)
