@@ -172,12 +172,14 @@ def test_probe_out_is_checked_before_the_probe(csv_run, tmp_path, capsys) -> Non
     run, csv = csv_run
     capsys.readouterr()
     before = csv.read_bytes()
-    for out, words in [(csv, "is the --data file"), (tmp_path, "is a directory")]:
+    config = (run / "config.yaml").read_bytes()
+    for out, words in [(csv, "is the --data file"), (tmp_path, "is a directory"),
+                       (run / "config.yaml", "is the run's own config.yaml")]:  # fmt: skip
         argv = ["precision", "probe", str(run), "--data", str(csv), "--formats", "mxfp4", "--out", str(out)]
         assert main(argv) == 2
         printed, err = capsys.readouterr()
         assert printed == "" and words in err and len(err.strip().splitlines()) == 1, err
-    assert csv.read_bytes() == before
+    assert csv.read_bytes() == before and (run / "config.yaml").read_bytes() == config
 
 
 def test_one_class_calibration_data_says_what_would_help(csv_run, tmp_path, capsys) -> None:

@@ -449,15 +449,11 @@ def cmd_precision_probe(args: argparse.Namespace) -> None:
 
     from recscale.io import atomic_write_text, strict_json
     from recscale.train.probe import DEFAULT_FORMATS, probe, table
+    from recscale.train.runs import check_output
 
     formats = args.formats or DEFAULT_FORMATS
     out = Path(args.out) if args.out else Path(args.run_dir) / "precision_plan.json"
-    # Checked before the probe's minutes of work, as eval checks --predictions: the plan must not
-    # replace the file it calibrates on.
-    if out.is_dir():
-        raise RecscaleError(f"--out {out} is a directory; name the plan file to write")
-    if args.data is not None and out.exists() and Path(args.data).exists() and out.samefile(args.data):
-        raise RecscaleError(f"--out {out} is the --data file; name another file for the plan")
+    check_output(out, "--out", Path(args.run_dir), args.data)  # before the probe's minutes of work
     plan = probe(Path(args.run_dir), args.data, args.rows, formats, args.target, args.tolerance)
     atomic_write_text(out, strict_json(plan, indent=2))
     print(table(plan))

@@ -240,6 +240,29 @@ def load_flat(
     return cfg, pre, flat.eval()
 
 
+# What a run directory holds of its own (``recscale train`` writes them): no command's output may replace them.
+_RUN_OWN = ("config.yaml", "preprocess.json", "report.json", "metrics.jsonl", "best", "ckpt", "data", "tb")
+
+
+def check_output(out: Path, flag: str, run_dir: Path, data_path: str | None) -> None:
+    """A RecscaleError unless ``out`` (given as ``flag``) may be written by a command reading ``run_dir`` and
+    ``data_path``: not a directory, not the --data file or inside a --data directory (MovieLens), not one of
+    the run's own files. Checked before the command's work, not after it."""
+    if out.is_dir():
+        raise RecscaleError(f"{flag} {out} is a directory; name the file to write")
+    where = out.resolve()
+    if data_path is not None and Path(data_path).exists():
+        data = Path(data_path).resolve()
+        if where == data or data in where.parents:
+            what = "the --data file" if where == data else f"inside the --data directory {data_path}"
+            raise RecscaleError(f"{flag} {out} is {what}; name another file to write")
+    run = Path(run_dir).resolve()
+    if run in where.parents and where.relative_to(run).parts[0] in _RUN_OWN:
+        raise RecscaleError(
+            f"{flag} {out} is the run's own {where.relative_to(run)}; name another file to write"
+        )
+
+
 def splits_dir(run_dir: Path, cfg: RunConfig, pre: Preprocessor, fix: str) -> Path:
     """The directory of a run's materialised splits: its own ``data/``, or that of ``data.prepared`` for a run
     trained on a preparation (it wrote none of its own), refused with ``fix`` where that preparation is
@@ -326,15 +349,8 @@ def eval_run(
     # A file, or a directory where the format reads one (MovieLens); the readers name a wrong kind of path.
     if data_path is not None and not Path(data_path).exists():
         raise DataError(f"--data {data_path}: no such file; give the file to score")
-    if predictions is not None and predictions.is_dir():
-        raise RecscaleError(f"--predictions {predictions} is a directory; name the file to write")
-    if (
-        predictions is not None
-        and data_path is not None
-        and predictions.exists()
-        and predictions.samefile(data_path)
-    ):
-        raise RecscaleError(f"--predictions {predictions} is the --data file; name another file to write")
+    if predictions is not None:
+        check_output(predictions, "--predictions", run_dir, data_path)
     cfg, pre, built = load_trained(run_dir)
     if group_by is not None:
         check_group_by(pre.schema, group_by, f"--group-by {group_by}", str(run_dir))
