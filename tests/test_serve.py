@@ -783,3 +783,23 @@ def test_a_model_a_kill_set_aside_while_replacing_it_still_serves(trained, tmp_p
     assert read_artifact(out).manifest == read_artifact(tmp_path / ".model.old").manifest
     assert main(["export", str(trained["run"]), "--out", str(out)]) == 0
     assert out.is_dir() and not (tmp_path / ".model.old").exists()
+
+
+def test_score_file_reads_a_movielens_directory_as_eval_does(tmp_path, shared_data):
+    """A MovieLens model's options name the split training read (train): score_file scored those 80,000
+    training ratings where eval scores the test split's."""
+    from recscale.serve.scorer import Scorer
+    from recscale.train.metrics import ctr_metrics
+    from recscale.train.runs import eval_run
+
+    ml = shared_data / "movielens-100k"
+    config = Path(__file__).resolve().parents[1] / "configs" / "movielens.yaml"
+    run, out = tmp_path / "run", tmp_path / "model"
+    assert main(["train", str(config), "--out", str(run), f"data.train={ml}", "model.name=lr",
+                 "train.max_steps=2", "train.progress=false"]) == 0  # fmt: skip
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    logits, labels = Scorer(out).score_file(ml)
+    m = eval_run(run, str(ml))
+    assert len(logits) == m["rows"] < 80_000
+    got = ctr_metrics(torch.from_numpy(logits).double(), torch.from_numpy(labels).double())
+    assert got["auc"] == pytest.approx(m["auc"], abs=1e-6)

@@ -10,8 +10,8 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.data.preprocess import encode
-from recscale.data.readers import read_batches
 from recscale.data.schema import LABEL
+from recscale.data.sources import open_split
 from recscale.serve.artifact import WEIGHTS, read_artifact
 from recscale.serve.export import inference_model, load_weights
 from recscale.serve.rows import RowParser
@@ -51,10 +51,12 @@ class Scorer:
         return torch.sigmoid(self.logits(batch)).numpy()
 
     def score_file(self, path: Path, chunk_rows: int = 8192) -> tuple[np.ndarray, np.ndarray]:
-        """(logits (N,), labels (N,)) of a data file in the run's format, read by the run's reader."""
+        """(logits (N,), labels (N,)) of a data file in the run's format, read by the run's reader as
+        ``recscale eval`` reads it (MovieLens: its test split, not the training split its options name)."""
         data = self.config.data
         logits, labels = [], []
-        for batch in read_batches(path, data.format, self.pre.schema, data.options, chunk_rows):
+        batches = open_split(data.format, str(path), "test", self.pre.schema, data.options or {}, chunk_rows=chunk_rows)
+        for batch in batches:
             logits.append(self.logits(batch).numpy())
             labels.append(batch.column(LABEL).to_numpy(zero_copy_only=False))
         return np.concatenate(logits), np.concatenate(labels)
