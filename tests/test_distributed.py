@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow.csv as pacsv
 import pytest
 import torch
 
@@ -209,6 +210,12 @@ def test_eval_on_two_ranks_scores_a_4_rank_run_like_its_report(runs, capfd):
     assert m["rows"] == report["test"]["rows"] == 256 == len(scores.read_text().splitlines()) - 1
     assert m["auc"] == pytest.approx(report["test"]["auc"], abs=1e-6)
     assert m["logloss"] == pytest.approx(report["test"]["logloss"], rel=1e-5)
+    # predict: the same scores, without labels (a synthetic run: its own test split, no file positions)
+    predicted = runs / "comm_4_predicted.csv"
+    assert main(["predict", str(runs / "comm_4"), "--out", str(predicted), "--nproc", "2"]) == 0
+    assert capfd.readouterr().out.strip().endswith(f"scored 256 rows: {predicted}")
+    got, want = (pacsv.read_csv(f) for f in (predicted, scores))
+    assert got.column_names == ["score"] and got["score"].to_pylist() == want["score"].to_pylist()
 
 
 @dist_mark

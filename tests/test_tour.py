@@ -39,3 +39,5 @@ def test_readme_tour_runs_as_written(tmp_path, shared_data):
     scores = [json.loads(x) for x in r.stdout.splitlines() if x.startswith('{"auc"')]
     assert len(scores) == 1 and scores[0]["rows"] == 57722 and scores[0]["auc"] > 0.8
     assert "usage: recscale train" in r.stdout
+    assert "scored 57,722 rows: runs/frappe-scores.csv" in r.stdout
+    assert len((clone / "runs" / "frappe-scores.csv").read_text().splitlines()) == 57723

@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pytest
 import torch
@@ -865,6 +867,57 @@ def test_negative_downsampling_trains_on_fewer_negatives_and_predicts_calibrated
     assert abs(report["valid"]["calibration"] - 1) < 0.15
     with pytest.raises(ConfigError, match="negative_sampling_rate"):
         load_config(CONFIGS / "demo.yaml", [*common, "data.negative_sampling_rate=0"])
+
+
+@pytest.mark.parametrize("source", ["csv", "parquet"])
+def test_predict_scores_new_rows_without_a_label_column(tmp_path, source, capsys):
+    """`recscale predict RUN --data NEW --out SCORES`: new rows have no label; each row's score (eval's, for the
+    same rows) and its position in the file, in file order, bad rows --on-bad-row skip drops left out."""
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(3)
+    rows = [(int(rng.random() < 0.3), i % 7, i % 11) for i in range(200)]
+    (tmp_path / "train.csv").write_text("label,user,item\n" + "".join(f"{y},{u},{i}\n" for y, u, i in rows))
+    (tmp_path / "run.yaml").write_text(
+        f"data: {{format: csv, train: {tmp_path / 'train.csv'}, num_workers: 0, "
+        "schema: {label: label, sparse: [{name: user}, {name: item}]}}\n"
+        "model: {name: fm}\ntrain: {batch_size: 32, max_steps: 10, progress: false}\n"
+    )
+    Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()
+    new = [f"{u},{i}" for _, u, i in rows[:50]]
+    new.insert(10, "1,2,3")  # a bad row: three cells under a two-column header
+    if source == "csv":
+        data = tmp_path / "new.csv"
+        data.write_text("user,item\n" + "\n".join(new) + "\n")
+    else:
+        data = tmp_path / "new.parquet"
+        users = [str(u) for _, u, _ in rows[:50]]
+        users.insert(10, None)  # a missing id is valid (OOV): no bad row in Parquet
+        items = [str(i) for _, _, i in rows[:50]]
+        items.insert(10, "3")
+        pq.write_table(pa.table({"item": items, "user": users}), data)
+    out = tmp_path / "scores.csv"
+    argv = ["predict", str(tmp_path / "r"), "--data", str(data), "--out", str(out), "--on-bad-row", "skip",
+            "--format", source]  # fmt: skip
+    assert main(argv) == 0
+    table = pacsv.read_csv(out)
+    if source == "csv":
+        assert capsys.readouterr().out == f"scored 50 rows (1 bad rows dropped): {out}\n"
+        assert table.column_names == ["score", "line"]
+        assert table["line"].to_pylist() == [*range(2, 12), *range(13, 53)]
+    else:
+        assert capsys.readouterr().out == f"scored 51 rows: {out}\n"
+        assert table.column_names == ["score", "row"] and table["row"].to_pylist() == list(range(1, 52))
+        table = table.filter(pc.not_equal(table["row"], 11))
+    # eval scores the same rows alike (their labels from the training file; other batches: float rounding)
+    labelled = tmp_path / "labelled.csv"
+    labelled.write_text("label,user,item\n" + "".join(f"{y},{u},{i}\n" for y, u, i in rows[:50]))
+    eval_run(tmp_path / "r", str(labelled), predictions=tmp_path / "eval.csv")
+    np.testing.assert_allclose(
+        table["score"].to_numpy(), pacsv.read_csv(tmp_path / "eval.csv")["score"].to_numpy()
+    )
+    with pytest.raises(ConfigError, match="data.schema.label"):  # a config's label names a column
+        load_config(tmp_path / "run.yaml", ["data.schema.label=''"])
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".parquet"])

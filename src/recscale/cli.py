@@ -184,17 +184,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from recscale.distributed.env import shutdown
     from recscale.io import strict_json
     from recscale.train.metrics import undefined_note
-    from recscale.train.runs import eval_run, run_config
+    from recscale.train.runs import eval_run
 
     if args.nproc is not None:
-        if "RANK" in os.environ:
-            raise RecscaleError("eval: --nproc starts its own processes; under torchrun leave it out")
-        if run_config(Path(args.run_dir)).dmt is not None:  # before the launch, not by every rank after it
-            raise RecscaleError(
-                f"{args.run_dir} is a DMT run, which is scored in one process (its towers all load there); "
-                "leave out --nproc"
-            )
-        _launch_eval(args)
+        _launch_scoring(args)
         return
     metrics = eval_run(
         Path(args.run_dir),
@@ -227,22 +220,41 @@ def cmd_eval(args: argparse.Namespace) -> None:
         )
 
 
-def _launch_eval(args: argparse.Namespace) -> None:
-    """``eval`` as --nproc local ranks, each holding its share of the tables (see recscale.distributed.launch)."""
+def _launch_scoring(args: argparse.Namespace) -> None:
+    """``eval`` or ``predict`` as --nproc local ranks, each holding its share of the tables (see
+    recscale.distributed.launch)."""
     from recscale.distributed.launch import launch
+    from recscale.train.runs import run_config
 
-    worker = [
-        "-m",
-        "recscale.cli",
-        *(["--debug"] if args.debug else []),
-        "eval",
-        args.run_dir,
-        *args.overrides,
-    ]
-    for flag, value in (("--data", args.data), ("--format", args.format), ("--on-bad-row", args.on_bad_row),
-                        ("--group-by", args.group_by), ("--predictions", args.predictions)):  # fmt: skip
+    if "RANK" in os.environ:
+        raise RecscaleError(f"{args.command}: --nproc starts its own processes; under torchrun leave it out")
+    if run_config(Path(args.run_dir)).dmt is not None:  # before the launch, not by every rank after it
+        raise RecscaleError(
+            f"{args.run_dir} is a DMT run, which is scored in one process (its towers all load there); "
+            "leave out --nproc"
+        )
+    worker = ["-m", "recscale.cli", *(["--debug"] if args.debug else []), args.command, args.run_dir]
+    for flag in ("--data", "--format", "--on-bad-row", "--group-by", "--predictions", "--out"):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
         worker += [flag, value] if value is not None else []
-    launch(worker, args.nproc, None, 0)
+    launch([*worker, *args.overrides], args.nproc, None, 0)
+
+
+def cmd_predict(args: argparse.Namespace) -> None:
+    from recscale.distributed.env import shutdown
+    from recscale.train.runs import predict_run
+
+    if args.nproc is not None:
+        _launch_scoring(args)
+        return
+    done = predict_run(
+        Path(args.run_dir), args.data, Path(args.out), args.format, args.on_bad_row, args.overrides
+    )
+    shutdown()
+    if int(os.environ.get("RANK", 0)) != 0:  # each rank of --nproc or torchrun scored alike: rank 0 says it
+        return
+    skipped = f" ({done['skipped_rows']:,} bad rows dropped)" if done.get("skipped_rows") else ""
+    print(f"scored {done['rows']:,} row{'s' * (done['rows'] != 1)}{skipped}: {args.out}")
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -566,6 +578,39 @@ def build_parser() -> argparse.ArgumentParser:
         "tables do not fit one process (DMT runs: one process)",
     )
     e.set_defaults(fn=cmd_eval)
+
+    pr = sub.add_parser(
+        "predict",
+        help="score new rows with a trained run: each row's probability, written to a file",
+        description="Each row's predicted click probability (score) and its position in the file (line of a "
+        "text file, header = line 1; row of a Parquet file), in file order. CSV and Parquet files need no label "
+        "column; other formats are read as training read them.",
+    )
+    pr.add_argument("run_dir")
+    pr.add_argument(
+        "overrides",
+        nargs="*",
+        help="reader options as train takes them, e.g. \"data.options={delimiter: ','}\"",
+    )
+    pr.add_argument(
+        "--data", help="file to score, with the run's feature columns (a synthetic run: its own test split)"
+    )
+    pr.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="where to write: Parquet if FILE ends in .parquet, else CSV",
+    )
+    pr.add_argument("--format", help="the file's format (default: the run's)")
+    pr.add_argument(
+        "--on-bad-row",
+        choices=["error", "skip"],
+        help="stop at a bad row, or drop them (their positions are then missing from the output)",
+    )
+    pr.add_argument(
+        "--nproc", type=_int_in(1), help="score with N local processes (ranks) sharing the tables"
+    )
+    pr.set_defaults(fn=cmd_predict)  # fmt: skip
 
     x = sub.add_parser("export", help="write a trained run as a self-contained model directory for serving",
                        description="Export the run's best (else latest) model: config, vocabularies and weights "

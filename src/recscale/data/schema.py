@@ -80,7 +80,7 @@ class Schema(Settings):
     """The fields of a dataset, in model order."""
 
     # Name of the label column in the source file; readers always output it as ``label``.
-    label: str = "label"
+    label: str = Field("label", min_length=1)
     dense: list[DenseFeature] = []
     sparse: list[SparseFeature] = []
 

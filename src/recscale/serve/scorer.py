@@ -55,7 +55,9 @@ class Scorer:
         ``recscale eval`` reads it (MovieLens: its test split, not the training split its options name)."""
         data = self.config.data
         logits, labels = [], []
-        batches = open_split(data.format, str(path), "test", self.pre.schema, data.options or {}, chunk_rows=chunk_rows)
+        batches = open_split(
+            data.format, str(path), "test", self.pre.schema, data.options or {}, chunk_rows=chunk_rows
+        )
         for batch in batches:
             logits.append(self.logits(batch).numpy())
             labels.append(batch.column(LABEL).to_numpy(zero_copy_only=False))

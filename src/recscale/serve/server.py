@@ -379,5 +379,5 @@ def serve(
             signal.signal(sig, handler)
     # Once its workers are stopped, the signal that stopped it acts as on one server (uvicorn's Server raises
     # it again): Ctrl-C is "interrupted" and 130, SIGTERM ends the process by SIGTERM, whatever --workers.
-    for sig in reversed(supervisor.stopped_by):
-        signal.raise_signal(sig)
+    for stopped_by in reversed(supervisor.stopped_by):
+        signal.raise_signal(stopped_by)

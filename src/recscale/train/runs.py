@@ -7,6 +7,9 @@ reader) and validated; a bad one is a one-line ``CheckpointError`` naming it.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -17,12 +20,12 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
-from recscale.config import DistributedConfig, RunConfig, load_config, validate_config
+from recscale.config import DataConfig, DistributedConfig, RunConfig, load_config, validate_config
 from recscale.config_files import apply_overrides, read_yaml_mapping
 from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
-from recscale.data.readers.base import SKIP_HINT, OnBadRow, position_unit
+from recscale.data.readers.base import SKIP_HINT, OnBadRow, ReadStats, position_unit
 from recscale.data.schema import Schema
 from recscale.distributed.dmt.transform import LocalDMT, local_key
 from recscale.distributed.env import init_distributed
@@ -293,15 +296,9 @@ def load_training_sample(
     return model.embedding, ds.gather(np.arange(min(rows, len(ds)))), pre
 
 
-def write_predictions(
-    path: Path, labels: np.ndarray, scores: np.ndarray, positions: tuple[str, np.ndarray] | None = None
-) -> None:
-    """Rows of (label, score) to ``path``, and each row's position in the file read where given as
-    (unit, positions): Parquet where its name ends in .parquet or .pq, else CSV; the file appears whole
-    or not at all."""
-    columns = {"label": labels.astype(np.int8), "score": scores}  # float64: no two logits merged
-    if positions is not None:
-        columns[positions[0]] = positions[1].astype(np.int64)
+def write_columns(path: Path, columns: dict[str, np.ndarray]) -> None:
+    """``columns`` (name -> (N,)) to ``path``: Parquet where its name ends in .parquet or .pq, else CSV; the
+    file appears whole or not at all."""
     table = pa.table(columns)
     sink = pa.BufferOutputStream()
     if path.suffix in (".parquet", ".pq"):
@@ -338,23 +335,99 @@ def eval_run(
     or ``data.options={delimiter: ','}``). ``group_by``: a single-id feature;
     adds the group AUC over its ids (``evaluate``). ``predictions``: a file (.parquet, else CSV) to write
     each row's label and predicted probability (``score``) to, in the order read."""
+    if group_by is not None:  # before the model loads and the file is read
+        check_group_by(load_run(run_dir)[1].schema, group_by, f"--group-by {group_by}", str(run_dir))
+    out = (predictions, "--predictions") if predictions is not None else None
+    with _scored(run_dir, data_path, fmt, split, on_bad_row, overrides, out, labelled=True) as s:
+        group_by = group_by or s.cfg.train.group_by  # the run's own grouping, unless told another
+        m: dict[str, Any] = scored(s.logits, s.ds, group_by)
+        if predictions is not None:
+            s.write(predictions, {"label": s.ds.labels().astype(np.int8)})
+        # A field whose vocabulary is empty (min_count above every id's count) is OOV in training too.
+        unknown = [f for f in s.ds.unknown_fields() if s.pre.num_embeddings(f) > 1]
+    if group_by is not None:
+        m["gauc_by"] = group_by
+    if s.stats.skipped:
+        m["skipped_rows"] = s.stats.skipped
+    if unknown:
+        m["unknown_id_fields"] = unknown
+    return m
+
+
+def predict_run(
+    run_dir: Path,
+    data_path: str | None,
+    out: Path,
+    fmt: str | None = None,
+    on_bad_row: OnBadRow | None = None,
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
+    """Score new rows: each row's predicted probability (``score``) and position in the file, in file
+    order, written to ``out`` (.parquet, else CSV) for the file ``data_path`` read as ``eval_run`` reads
+    it, except that CSV and Parquet files need no label column (one there is not read). Returns rows,
+    and skipped_rows if any."""
+    with _scored(run_dir, data_path, fmt, "test", on_bad_row, overrides, (out, "--out"), labelled=False) as s:
+        s.write(out, {})
+    summary: dict[str, Any] = {"rows": len(s.ds)}
+    if s.stats.skipped:
+        summary["skipped_rows"] = s.stats.skipped
+    return summary
+
+
+@dataclass
+class _Scores:
+    """What ``_scored`` yields: the run, the data it read and its model's logits (N,) on every row."""
+
+    cfg: RunConfig
+    pre: Preprocessor
+    data: DataConfig
+    ds: ArrayDataset
+    stats: ReadStats
+    logits: torch.Tensor
+
+    def write(self, path: Path, columns: dict[str, np.ndarray]) -> None:
+        """``columns`` and each row's score and position to ``path`` (rank 0: every rank holds every score).
+        Rows a skip dropped leave gaps in the position column (a file's line or Parquet row), which joins
+        the scores back to the file."""
+        if dist.get_rank() != 0:
+            return
+        probability = torch.sigmoid(self.logits.double()).numpy()  # float64: no two logits merged
+        at = (
+            {position_unit(self.data.format): np.concatenate(self.stats.positions)}
+            if self.stats.positions
+            else {}
+        )
+        write_columns(path, columns | {"score": probability} | at)
+
+
+@contextmanager
+def _scored(
+    run_dir: Path,
+    data_path: str | None,
+    fmt: str | None,
+    split: str,
+    on_bad_row: OnBadRow | None,
+    overrides: list[str] | None,
+    out: tuple[Path, str] | None,
+    labelled: bool,
+) -> Iterator[_Scores]:
+    """The run's model's scores of a file (or a synthetic run's ``split``), as ``eval_run`` reads it; the
+    split lives while the block runs. ``out``: the file the command writes and its flag, checked first."""
     run_config(run_dir)  # a directory that is not a run is named first
+    command = "eval" if labelled else "predict"
     for item in overrides or []:  # checked before the model loads
         key = item.partition("=")[0]
         if key != "data.options" and not key.startswith("data.options."):
             raise ConfigError(
-                f"eval: override '{item}': eval takes overrides of the reader's options only, "
+                f"{command}: override '{item}': {command} takes overrides of the reader's options only, "
                 "e.g. \"data.options={delimiter: ','}\" (bad rows: --on-bad-row; the format: --format)"
             )
     # A file, or a directory where the format reads one (MovieLens); the readers name a wrong kind of path.
     if data_path is not None and not Path(data_path).exists():
         raise DataError(f"--data {data_path}: no such file; give the file to score")
-    if predictions is not None:
-        check_output(predictions, "--predictions", run_dir, data_path)
+    if out is not None:
+        check_output(out[0], out[1], run_dir, data_path)
     cfg, pre, built = load_trained(run_dir)
-    if group_by is not None:
-        check_group_by(pre.schema, group_by, f"--group-by {group_by}", str(run_dir))
-    group_by = group_by or cfg.train.group_by  # the run's own grouping, unless told another
     if fmt == "synthetic" and cfg.data.format != "synthetic":
         raise RecscaleError(
             f"{run_dir} was trained on {cfg.data.format} data; --format synthetic scores only a run trained "
@@ -379,7 +452,7 @@ def eval_run(
     options = dict({} if other else cfg.data.options or {})
     options = apply_overrides({"data": {"options": options}}, list(overrides or []))["data"]["options"]
     if not isinstance(options, dict):
-        raise ConfigError(f"eval: data.options must be a mapping of reader options, got {options!r}")
+        raise ConfigError(f"{command}: data.options must be a mapping of reader options, got {options!r}")
     data = cfg.data.model_copy(
         update={
             "format": fmt or cfg.data.format,
@@ -387,32 +460,16 @@ def eval_run(
             "options": options,
         }
     )
-    with tempfile.TemporaryDirectory(prefix="recscale-eval-") as tmp:
+    # Other formats place (criteo, libsvm) or derive (movielens) the label: their files always have one.
+    unlabelled = not labelled and data.format in ("csv", "parquet")
+    with tempfile.TemporaryDirectory(prefix=f"recscale-{command}-") as tmp:
         try:
             ds, stats = prepare_split(
-                data,
-                pre,
-                split,
-                data_path,
-                Path(tmp) / "eval",
-                progress=False,
-                positions=predictions is not None,
-            )
+                data, pre, split, data_path, Path(tmp) / "split", progress=False,
+                positions=out is not None, labelled=not unlabelled,
+            )  # fmt: skip
         except DataError as e:  # the readers' hint names a config key, which eval takes no overrides for
             raise DataError(str(e).replace(SKIP_HINT, "(pass --on-bad-row skip to drop such rows)")) from None
         # The batches the run's own evaluations used: an fp8 activation's scale is its batch's.
         logits = predict(built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision)
-        m: dict[str, Any] = scored(logits, ds, group_by)
-        if predictions is not None and dist.get_rank() == 0:  # every rank holds every row's score
-            # Rows a skip dropped leave gaps: the position column (a file's line or Parquet row) joins them back.
-            at = (position_unit(data.format), np.concatenate(stats.positions)) if stats.positions else None
-            write_predictions(predictions, ds.labels(), torch.sigmoid(logits.double()).numpy(), at)
-        # A field whose vocabulary is empty (min_count above every id's count) is OOV in training too.
-        unknown = [f for f in ds.unknown_fields() if pre.num_embeddings(f) > 1]
-    if group_by is not None:
-        m["gauc_by"] = group_by
-    if stats.skipped:
-        m["skipped_rows"] = stats.skipped
-    if unknown:
-        m["unknown_id_fields"] = unknown
-    return m
+        yield _Scores(cfg, pre, data, ds, stats, logits)

@@ -497,13 +497,27 @@ def truncate_sequences(batch: pa.RecordBatch, schema: Schema, stats: ReadStats) 
     return batch
 
 
+# Schema.label of a read without labels (``unlabelled``); a config's label names a column (never empty).
+NO_LABEL = ""
+
+
+def unlabelled(schema: Schema) -> Schema:
+    """``schema`` for files without its label column (``recscale predict`` of new rows): the readers look
+    for no label and give every row label 0. CSV and Parquet only: other formats place or derive it."""
+    return schema.model_copy(update={"label": NO_LABEL})
+
+
 def convert(column: Callable[[str], pa.Array], schema: Schema) -> tuple[list[pa.Array], list[Problem | None]]:
     """Source columns (fetched by name) -> raw-layout arrays in ``schema.column_names()`` order.
 
     Multi-id features come as list columns (weights in ``{name}__w``) or as text cells split by
-    the feature's ``sep``.
+    the feature's ``sep``. An ``unlabelled`` schema reads label 0 for every row.
     """
-    label, problem = to_label(column(schema.label))
+    if schema.label == NO_LABEL:
+        rows = len(column((schema.dense_names + schema.sparse_names)[0]))
+        label, problem = pa.array(np.zeros(rows, dtype=np.float32)), None
+    else:
+        label, problem = to_label(column(schema.label))
     arrays, problems = [label], [problem]
     for d in schema.dense:
         values, problem = to_dense(column(d.name), d.name)

@@ -17,6 +17,7 @@ import pyarrow as pa
 from pydantic import Field
 
 from recscale.data.readers.base import (
+    NO_LABEL,
     BadRows,
     check_file,
     make_batch,
@@ -38,8 +39,8 @@ class Options(Settings):
 
 
 def source_columns(schema: Schema) -> list[str]:
-    """The file columns a schema reads: its label column, then its features."""
-    return [schema.label, *schema.dense_names, *schema.sparse_names]
+    """The file columns a schema reads: its label column (none for ``unlabelled``), then its features."""
+    return [*([schema.label] if schema.label != NO_LABEL else []), *schema.dense_names, *schema.sparse_names]
 
 
 def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator[pa.RecordBatch]:

@@ -255,7 +255,7 @@ def iter_converted(
     text does, without building string columns first); a chunk holding any bad row is parsed again
     as text, which finds and words its problems exactly as before."""
     text = _convert_options(include)
-    numbers = _convert_options(include, [schema.label, *schema.dense_names])
+    numbers = _convert_options(include, [n for n in (schema.label, *schema.dense_names) if n in include])
 
     def then(
         parse: Callable[[pacsv.ConvertOptions], TextChunk],
