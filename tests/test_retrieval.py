@@ -246,3 +246,29 @@ def test_recscale_serve_answers_a_retrieval_model(tmp_path: Path, shared_data: P
         ):
             r = c.post("/retrieve", content=body)
             assert r.status_code == status and words in r.json()["error"], (body, r.text)
+
+
+def test_a_retrieval_model_a_kill_set_aside_while_replacing_it_still_serves(tmp_path: Path) -> None:
+    """A kill between atomic_dir's two renames (a build into an existing --out) left no model at --out, the
+    old one as .OUT.old: `retrieval query OUT` said 'not a retrieval model (no manifest.json)' and `serve OUT`
+    read the set-aside copy as an exported scoring model. Both read it now; the next save supersedes it."""
+    from recscale.serve.retrieval_artifact import Catalog, load_retriever, recommend
+    from recscale.serve.server import ServeOptions, build_app
+
+    spec = RetrievalSpec(
+        user_vocab=[4], emb_dim=4, hidden=[8], dim=4, n_items=20, index="exact", ranker_dim=4,
+        ranker_hidden=[8], candidates=5, k=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = RetrieveRank(
+        Tower(spec.user_vocab, 4, [8], 4), ExactIndex(torch.randn(20, 4)), Ranker(20, 4, 4, [8]), 5, 3, None
+    ).eval()
+    catalog = Catalog(["a", "b", "c"], [f"i{j}" for j in range(20)], [torch.arange(1, 4)[:, None]])
+    out = tmp_path / "m"
+    save_retrieval(out, model, spec, catalog)
+    want = recommend(*load_retriever(out), ["a", "c"])
+    out.rename(tmp_path / ".m.old")
+    assert recommend(*load_retriever(out), ["a", "c"]) == want
+    assert build_app(out, 8, ServeOptions())[1] == "a retrieval model (3 users, 20 items)"
+    save_retrieval(out, model, spec, catalog)
+    assert out.is_dir() and not (tmp_path / ".m.old").exists()

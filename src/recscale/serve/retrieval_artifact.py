@@ -26,7 +26,7 @@ from safetensors.torch import save as save_safetensors
 
 from recscale.config import format_validation_error
 from recscale.errors import CheckpointError, DataError
-from recscale.io import atomic_dir
+from recscale.io import atomic_dir, committed
 from recscale.retrieval.pipeline import RetrievalSpec, RetrieveRank, build
 from recscale.serve.artifact import MANIFEST, WEIGHTS, FileEntry, check_out, manifest_format, verified_bytes
 from recscale.train.dcp_safety import one_line, read_regular_file
@@ -99,7 +99,7 @@ def save_retrieval(
 
 def is_retrieval_dir(model_dir: Path) -> bool:
     """Whether ``model_dir``'s manifest names the retrieval format (anything unreadable: False)."""
-    return manifest_format(Path(model_dir) / MANIFEST) == "recscale-retrieval"
+    return manifest_format(committed(Path(model_dir)) / MANIFEST) == "recscale-retrieval"
 
 
 def load_retrieval(model_dir: Path) -> RetrieveRank:
@@ -119,6 +119,9 @@ def load_retriever(model_dir: Path) -> tuple[RetrieveRank, Catalog]:
 
 
 def _load(model_dir: Path) -> tuple[RetrieveRank, Catalog | None]:
+    # A kill between atomic_dir's two renames (a rebuild into the same --out) left the complete old
+    # model set aside as .NAME.old and nothing at NAME: read that, as read_artifact does.
+    model_dir = committed(model_dir)
     path = model_dir / MANIFEST
     if not os.path.lexists(path):
         raise CheckpointError(
