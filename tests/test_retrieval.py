@@ -272,3 +272,22 @@ def test_a_retrieval_model_a_kill_set_aside_while_replacing_it_still_serves(tmp_
     assert build_app(out, 8, ServeOptions())[1] == "a retrieval model (3 users, 20 items)"
     save_retrieval(out, model, spec, catalog)
     assert out.is_dir() and not (tmp_path / ".m.old").exists()
+
+
+def test_an_ivf_build_of_a_catalog_of_fewer_items_than_nprobe(tmp_path: Path) -> None:
+    """nlist was cut to the catalog's size but nprobe (4) was not: `retrieval build --index ivf` of 3 items
+    failed after the training with an internal error ('IVF needs 1 <= nprobe <= nlist <= items')."""
+    from recscale.retrieval.movielens import Interactions
+    from recscale.retrieval.recipe import build_pipeline
+
+    n_users = 120  # 360 positives: more than one batch of the towers
+    users = torch.arange(n_users).repeat_interleave(3)
+    train = torch.stack([users, torch.arange(3).repeat(n_users), torch.ones_like(users)], dim=1)
+    data = Interactions(
+        [torch.arange(1, n_users + 1)[:, None]], [torch.arange(1, 4)[:, None]], {"train": train},
+        [str(u) for u in range(n_users)], ["a", "b", "c"],
+    )  # fmt: skip
+    pipe, spec = build_pipeline(data, "ivf", epochs=1, candidates=3, k=3)
+    assert (spec.nlist, spec.nprobe) == (3, 3)
+    _, ids = pipe([torch.tensor([[1]])], torch.tensor([0]))
+    assert (ids == -1).all()  # user 0 rated all three well: the Bloom filter leaves nothing

@@ -77,6 +77,7 @@ def build_pipeline(
     seen = seen_filter(data)
     ranker, _ = fit_ranker_on(data, towers.user, epochs, seed)
     nlist = min(nlist, items.shape[0])
+    nprobe = min(nprobe, nlist)  # a catalog of fewer items than nprobe has fewer lists to probe
     pipe = RetrieveRank(
         towers.user, make_index(index, items, nlist, nprobe), ranker, candidates, k, seen
     ).eval()
