@@ -291,3 +291,21 @@ def test_an_ivf_build_of_a_catalog_of_fewer_items_than_nprobe(tmp_path: Path) ->
     assert (spec.nlist, spec.nprobe) == (3, 3)
     _, ids = pipe([torch.tensor([[1]])], torch.tensor([0]))
     assert (ids == -1).all()  # user 0 rated all three well: the Bloom filter leaves nothing
+
+
+def test_retrieval_build_refuses_fewer_train_positives_than_a_tower_batch() -> None:
+    """The towers train on whole batches of 256 positives only: with fewer they stayed untrained without a
+    word, and with none the build failed with an internal error (the Bloom filter's capacity >= 1)."""
+    from recscale.errors import DataError
+    from recscale.retrieval.movielens import Interactions
+    from recscale.retrieval.recipe import build_pipeline
+
+    for n_users in (0, 85):  # 0 and 255 positives
+        users = torch.arange(n_users).repeat_interleave(3)
+        train = torch.stack([users, torch.arange(3).repeat(n_users), torch.ones_like(users)], dim=1)
+        data = Interactions(
+            [torch.arange(1, n_users + 2)[:, None]], [torch.arange(1, 4)[:, None]], {"train": train},
+            [str(u) for u in range(n_users + 1)], ["a", "b", "c"],
+        )  # fmt: skip
+        with pytest.raises(DataError, match=rf"has {3 * n_users} positive ratings .* fewer than one batch"):
+            build_pipeline(data, "exact", epochs=1, candidates=3, k=3)

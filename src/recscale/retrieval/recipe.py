@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recscale.errors import DataError
 from recscale.retrieval.bloom import BloomFilter
 from recscale.retrieval.movielens import Interactions
 from recscale.retrieval.pipeline import IndexKind, Ranker, RetrievalSpec, RetrieveRank, fit_ranker, make_index
@@ -19,6 +20,7 @@ from recscale.retrieval.two_tower import Tower, TwoTower, embed, fit
 
 EMB_DIM, HIDDEN, DIM = 16, [64], 32  # the towers: feature embedding dim, MLP widths, output dim
 RANKER_DIM, RANKER_HIDDEN = 16, [64]
+TOWER_BATCH = 256
 
 
 @dataclass
@@ -29,13 +31,18 @@ class Towers:
 
 
 def fit_towers(data: Interactions, epochs: int, seed: int = 0) -> Towers:
-    """Both towers, trained on the train positives (batch 256, Adam 3e-3, temperature 0.05)."""
+    """Both towers, trained on the train positives (batch TOWER_BATCH, Adam 3e-3, temperature 0.05)."""
+    pairs = data.positives("train")
+    # fit takes whole batches only: with fewer the towers stayed untrained (with none, a crash later).
+    if len(pairs) < TOWER_BATCH:
+        raise DataError(
+            f"retrieval build: the train split has {len(pairs)} positive ratings (rating >= 4), fewer than "
+            f"one batch of the two towers' training ({TOWER_BATCH}); give data with more positive ratings"
+        )
     torch.manual_seed(seed)
     user = Tower([int(t.max()) + 1 for t in data.users], EMB_DIM, HIDDEN, DIM)
     item = Tower([int(t.max()) + 1 for t in data.items], EMB_DIM, HIDDEN, DIM)
-    losses = fit(
-        TwoTower(user, item, 0.05), data.users, data.items, data.positives("train"), epochs, 256, 0.003, seed
-    )
+    losses = fit(TwoTower(user, item, 0.05), data.users, data.items, pairs, epochs, TOWER_BATCH, 0.003, seed)
     return Towers(user, item, losses)
 
 
