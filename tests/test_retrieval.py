@@ -139,6 +139,10 @@ def test_retrieve_rank_saved_and_reloaded(tmp_path: Path, kind: IndexKind) -> No
         manifest.write_text(re.sub(rf'"{key}": \d+', f'"{key}": {value}', good))
         with pytest.raises(CheckpointError, match="not a recscale retrieval manifest"):
             load_retrieval(tmp_path / "m")
+    # A vocabulary of 0 rows (no room for the padding id 0) was an internal IndexError, not one line.
+    manifest.write_text(re.sub(r'"user_vocab": \[\s*\d+', '"user_vocab": [0', good))
+    with pytest.raises(CheckpointError, match=r"spec.user_vocab.0: Input should be greater than 0"):
+        load_retrieval(tmp_path / "m")
 
 
 def test_retrieval_build_and_query_from_the_command_line(tmp_path: Path, shared_data: Path, capsys) -> None:

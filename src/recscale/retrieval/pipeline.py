@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 from torch import Tensor, nn
 
 from recscale.models.blocks.mlp import MLP
@@ -60,7 +60,8 @@ class RetrievalSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    user_vocab: list[int] = Field(min_length=1)  # one vocabulary size per user feature (id 0 = padding)
+    # One vocabulary size per user feature (id 0 = padding, so at least 1).
+    user_vocab: list[PositiveInt] = Field(min_length=1)
     emb_dim: int = Field(ge=1)
     hidden: list[int]
     dim: int = Field(ge=1)
