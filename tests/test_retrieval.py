@@ -219,6 +219,15 @@ def test_retrieval_build_refuses_an_out_that_is_no_retrieval_model(
     assert main([*argv, "--out", str(scoring)]) == 2
     assert "exists and is not a retrieval model" in capsys.readouterr().err
     assert (scoring / "manifest.json").is_file()
+    # Inside the data directory: a model named x.inter made the next build find two .inter files.
+    data = tmp_path / "ml"
+    data.mkdir()
+    (data / "ml.inter").write_text("user_id:token\titem_id:token\trating:float\ttimestamp:float\n")
+    assert main(["retrieval", "build", str(data), "--out", str(data / "x.inter")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {data / 'x.inter'} is inside the data directory {data}; name a directory outside it\n"
+    )
+    assert sorted(p.name for p in data.iterdir()) == ["ml.inter"]
 
 
 def test_recscale_serve_answers_a_retrieval_model(tmp_path: Path, shared_data: Path) -> None:

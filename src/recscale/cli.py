@@ -306,6 +306,11 @@ def cmd_retrieval_build(args: argparse.Namespace) -> None:
     from recscale.serve.retrieval_artifact import Catalog, check_retrieval_out, save_retrieval
 
     check_retrieval_out(Path(args.out))  # before the training, not after it
+    # A model directory inside the data directory is read as data next time (e.g. one named x.inter).
+    if Path(args.data).is_dir() and Path(args.data).resolve() in Path(args.out).resolve().parents:
+        raise RecscaleError(
+            f"--out {args.out} is inside the data directory {args.data}; name a directory outside it"
+        )
     if args.k > args.candidates:
         raise RecscaleError(
             f"retrieval build: --k {args.k} is more than --candidates {args.candidates}, the items the "
