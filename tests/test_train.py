@@ -177,6 +177,34 @@ def test_a_kill_between_an_evaluations_two_writes_leaves_a_best_the_resume_knows
     assert Trainer(cfg, run, resume=True).fit()["best_step"] == 4
 
 
+def test_tensorboard_hides_what_a_killed_attempt_logged_after_its_checkpoint(tmp_path, monkeypatch):
+    """Killed while writing step 8's checkpoint, the attempt had logged steps 6-8; the resume from step 5
+    drops them from metrics.jsonl, but TensorBoard showed them beside the resumed run's own."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import recscale.train.loop as loop
+
+    real_save = loop.save_checkpoint
+
+    def save(path, state, rank=0):
+        if path.name == "step_00000008":
+            raise _Killed
+        real_save(path, state, rank)
+
+    monkeypatch.setattr(loop, "save_checkpoint", save)
+    common = [*SMALL_SYNTH, "train.max_steps=8", "train.eval_every=5", "train.early_stopping=null"]
+    run = tmp_path / "r"
+    with pytest.raises(_Killed):
+        Trainer(load_config(CONFIGS / "demo.yaml", common), run).fit()
+    monkeypatch.setattr(loop, "save_checkpoint", real_save)
+    Trainer(load_config(CONFIGS / "demo.yaml", [*common, "train.log_every=2"]), run, resume=True).fit()
+    tb = EventAccumulator(str(run / "tb"))
+    tb.Reload()
+    shown = {e.step: e.value for e in tb.Scalars("train/loss")}
+    assert list(shown) == [1, 2, 3, 4, 5, 6, 8]
+    assert shown == pytest.approx(losses(run))
+
+
 def test_a_resume_removes_a_split_a_kill_left_half_written(tmp_path):
     """A kill while a data split was written left RUN/data/.valid.XXXX.tmp behind for good."""
     cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=2"])

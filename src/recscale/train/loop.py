@@ -230,7 +230,7 @@ class Trainer:
             text, cfg_path = cfg.to_yaml(), self.dir / "config.yaml"
             if not cfg_path.is_file() or cfg_path.read_text() != text:
                 atomic_write_text(cfg_path, text)
-        self.log = RunLog(self.dir, self.main)
+        self.log = RunLog(self.dir, self.main, self.progress.step if resume else None)
         if resume:
             self.log.truncate(self.progress.step)
 

@@ -85,11 +85,14 @@ def set_rng_state(s: dict[str, str]) -> None:
 class RunLog:
     """metrics.jsonl and TensorBoard, written by rank 0 only."""
 
-    def __init__(self, run_dir: Path, main: bool) -> None:
+    def __init__(self, run_dir: Path, main: bool, resumed_at: int | None = None) -> None:
+        """``resumed_at``: the step a resumed run continues from; TensorBoard then hides what a killed
+        attempt logged after it (as ``truncate`` drops it from metrics.jsonl)."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.path = run_dir / "metrics.jsonl"
-        self.tb = SummaryWriter(str(run_dir / "tb")) if main else None
+        purge = None if resumed_at is None else resumed_at + 1
+        self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge) if main else None
 
     def __call__(self, record: dict[str, Any]) -> None:
         if self.tb is None:
