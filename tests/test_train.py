@@ -365,6 +365,19 @@ def test_learning_rates_drop_on_plateau(tmp_path):
     assert sparse == pytest.approx(cfg.train.sparse_optimizer.lr * 0.5)
 
 
+def test_a_steps_table_update_uses_that_steps_learning_rate(tmp_path):
+    """fbgemm's CPU kernel takes the tables' lr at the forward; handed to it after the forward, a step updated
+    the tables with the previous step's lr: a resumed run's first step with the configured lr, not the one
+    early stopping had cut it to (its losses then left the uninterrupted run's). Cut to 0, nothing moves."""
+    cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=2"])
+    with Trainer(cfg, tmp_path / "r") as tr:
+        tr.progress.lr_scale = 0.0
+        before = [w.clone() for w in tr.built.table_shards()]
+        batch, size = next(iter(tr._epoch()))
+        tr.train_step(batch.to(tr.env.device), size)
+        assert all(torch.equal(a, b) for a, b in zip(before, tr.built.table_shards(), strict=True))
+
+
 def test_a_warmup_longer_than_the_run_warns(tmp_path):
     cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=10", "train.warmup_steps=11"])
     with pytest.warns(UserWarning, match="warmup_steps=11 is longer than the run's 10 steps"):

@@ -389,9 +389,12 @@ class Trainer:
         f = lr_factor(t, p.step, self.total_steps) * p.lr_scale
         for g, lr in zip(self.built.dense.param_groups, self.base_lrs, strict=True):
             g["lr"] = lr * f
-        # The fused optimizer hands its lr to fbgemm in zero_grad(), before this backward.
+        # The fused optimizer hands its lr to fbgemm in zero_grad(), and fbgemm's CPU kernel takes it at the
+        # forward, not the backward: zeroed after the forward, a step updated the tables with the previous
+        # step's lr (after a resume, the configured lr, not the reduced one the run was at).
         for g, lr in zip(self.built.tables.param_groups, self.sparse_base_lrs, strict=True):
             g["lr"] = lr * p.lr_scale
+        self.opt.zero_grad()
         with self._recording():
             with autocast(t.precision, self.env.device):
                 logits = self.module(batch.dense, batch.sparse).float()
@@ -405,7 +408,6 @@ class Trainer:
                 bce = nn.functional.binary_cross_entropy_with_logits
                 loss = bce(logits, batch.labels, reduction="sum") / per_rank
             objective = loss if self.l2 is None else loss + self.l2(per_rank)
-            self.opt.zero_grad()
             objective.backward()
             if t.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.dense_params, t.grad_clip)
