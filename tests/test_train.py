@@ -96,6 +96,28 @@ def test_a_log_windows_rate_leaves_out_evaluation(tmp_path, monkeypatch):
     assert len(rates) == 2 and min(rates) > 256 * 4 / 100  # 4 steps of 256 in under 100 s
 
 
+def test_a_log_windows_rate_counts_the_rows_of_a_training_split_under_one_batch(tmp_path, monkeypatch):
+    """A 64-row training split under a batch of 256 trains 64 examples a step; its windows' examples/s
+    counted 256. The clock here jumps 1000 s per step: 64 examples per 1000 s."""
+    import recscale.train.loop as loop
+
+    clock = {"offset": 0.0}
+    real_clock, real_step = loop.time.perf_counter, Trainer.train_step
+
+    def slow_step(self: Trainer, *args: object) -> torch.Tensor:
+        clock["offset"] += 1000.0
+        return real_step(self, *args)
+
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: real_clock() + clock["offset"])
+    monkeypatch.setattr(Trainer, "train_step", slow_step)
+    rows = "data.synthetic.rows={train: 64, valid: 100}"
+    common = [*SMALL_SYNTH, rows, "train.log_every=2", "train.max_steps=4", "train.epochs=4"]
+    Trainer(load_config(CONFIGS / "demo.yaml", common), tmp_path / "run").fit()
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["examples_per_s"] for r in records if r["split"] == "train"]
+    assert len(rates) == 2 and rates == pytest.approx([64 / 1000] * 2, rel=0.01)
+
+
 def test_aborted_run_leaves_nothing_to_trust(tmp_path, monkeypatch):
     import recscale.train.checkpoint as ck
 

@@ -512,9 +512,10 @@ class Trainer:
         self.comm.reset()
         steps = p.window_steps
         mean_loss = local[0].item() / (steps * self.env.world_size)
+        per_step = min(self.cfg.train.batch_size, len(self.train_ds))  # a training split under one batch
         record = {"split": "train", "step": p.step, "epoch": p.epoch, "loss": mean_loss,
                   "lr": self.built.dense.param_groups[0]["lr"],
-                  "examples_per_s": steps * self.cfg.train.batch_size / p.window_seconds}  # fmt: skip
+                  "examples_per_s": steps * per_step / p.window_seconds}  # fmt: skip
         if self.cfg.distributed.count_bytes:
             record |= comms.summarize(local[1:].view(-1, 2), counted)
         self.log(record)
