@@ -646,7 +646,10 @@ class Trainer:
             report["test"] = self._evaluate(self.test_ds)
         if self.cfg.data.format == "synthetic" and self.cfg.data.synthetic is not None:
             split = "valid" if self.valid_ds is not None else "train"
-            report |= bayes_floor(self.cfg.data.synthetic, split, self.valid_ds or self.train_ds)
+            # Its NE on the whole split its LogLoss is over: not valid's selection half, nor the rows
+            # negative sampling kept (whose CTR is higher).
+            whole = ArrayDataset((self.valid_ds or self.train_ds).dir)
+            report |= bayes_floor(self.cfg.data.synthetic, split, whole)
         if self.main:
             atomic_write_text(self.dir / "report.json", strict_json(report, indent=2))
         self.log.close()
