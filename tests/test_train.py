@@ -149,6 +149,15 @@ def test_a_new_run_over_an_attempt_without_a_checkpoint_starts_clean_logs(tmp_pa
     assert not (run / "tb" / "stale.tfevents").exists()
 
 
+@pytest.mark.parametrize("setting", ["data.synthetic.rows={train: 2000}", "train.early_stopping=null"])
+def test_a_run_that_keeps_no_best_reports_its_last_step(tmp_path, setting):
+    """Without a valid split or early stopping the report scores the last step's model: best_step said 0."""
+    cfg = load_config(
+        CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=3", "train.eval_every=2", setting]
+    )
+    assert Trainer(cfg, tmp_path / "r").fit()["best_step"] == 3
+
+
 def test_eval_scores_the_best_model_that_a_kill_left_set_aside(tmp_path):
     """A run killed while best/ was replaced (between atomic_dir's two renames) has .best.old and no best/:
     eval and export scored the latest training checkpoint instead of the kept model; a resume put it back."""

@@ -618,7 +618,9 @@ class Trainer:
             "steps": p.step,
             "examples": p.examples,
             "epochs_completed": p.epoch,
-            "best_step": p.best_step,
+            # The step of the model the report scores: the last one where no best is kept (no valid split, or
+            # no early stopping), not the 0 the progress starts from.
+            "best_step": p.best_step if kept else p.step,
             "stopped_early": p.stopped_early,
             "train_seconds": round(p.train_seconds, 2),
             "examples_per_s": round(p.examples / p.train_seconds, 1) if p.train_seconds else None,
