@@ -117,6 +117,20 @@ def test_undefined_note_says_why_a_metric_is_null(logits, labels, note):
     assert got == note if note is None else got.startswith(note)
 
 
+def test_undefined_note_covers_the_group_auc():
+    """A training run's summary printed `gauc nan` without a word (eval alone had a note): the note now says
+    why for both, beside the one-class note where both are null."""
+    m = ctr_metrics(torch.tensor([0.0, 1.0]), torch.tensor([0.0, 1.0])) | {"gauc": math.nan, "gauc_rows": 0}
+    assert undefined_note(m) == (
+        "gauc is null: no group (train.group_by) the run knows holds both classes here (rows of ids it never "
+        "saw belong to no group)"
+    )
+    one = ctr_metrics(torch.tensor([0.0]), torch.tensor([1.0])) | {"gauc": math.nan, "gauc_by": "user"}
+    note = undefined_note(one)
+    assert note is not None and note.startswith("auc, ne are null: all 1 rows are positive")
+    assert "; gauc is null: no user id the run knows" in note
+
+
 def test_group_auc_by_hand():
     """Group a: logits ranked right in 2 of its 2 pairs -> 1.0 over 3 rows; group b: a tie -> 0.5 over 2
     rows; group c holds only positives and is left out: (3 x 1.0 + 2 x 0.5) / 5 = 0.8."""

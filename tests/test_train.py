@@ -876,7 +876,7 @@ def test_eval_group_by_scores_the_group_auc_of_known_ids(tmp_path, capsys):
     (tmp_path / "one.csv").write_text(f"{header}\n{rows[0]}\n")  # one row: its user holds one class
     assert main(["eval", str(tmp_path / "r"), "--data", str(tmp_path / "one.csv"), "--group-by", "user"]) == 0
     out, err = capsys.readouterr()
-    assert json.loads(out)["gauc"] is None and "note: gauc is null: no user the run knows holds both" in err
+    assert json.loads(out)["gauc"] is None and "gauc is null: no user id the run knows holds both" in err
     for field in ("tags", "nope"):
         assert (
             main(["eval", str(tmp_path / "r"), "--data", str(tmp_path / "valid.csv"), "--group-by", field])

@@ -204,14 +204,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(strict_json(metrics))
     if (note := undefined_note(metrics)) is not None:  # beside the JSON, which stays one line
         print(f"note: {note}", file=sys.stderr)
-    if "gauc" in metrics and not math.isfinite(metrics["gauc"]):
-        print(
-            f"note: gauc is null: no {metrics['gauc_by']} the run knows holds both classes in this file (rows of ids "
-            "the run never saw belong to no group)"
-            if metrics["gauc_rows"] == 0
-            else "note: gauc is null: the model scored NaN (a diverged model)",
-            file=sys.stderr,
-        )
     if unknown := metrics.get("unknown_id_fields"):
         print(
             f"note: no id of {', '.join(unknown)} is in the run's vocabularies (every row OOV or missing); "

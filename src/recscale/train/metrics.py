@@ -92,18 +92,24 @@ def group_auc(logits: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor) 
 
 
 def undefined_note(m: dict[str, float]) -> str | None:
-    """Why ``ctr_metrics``' result ``m`` holds a non-finite value (JSON writes it as null), or None: a
-    one-class split or a diverged model must not read as a metric that was merely left out."""
+    """Why ``ctr_metrics``' result ``m`` (with ``evaluate``'s gauc, if any) holds a non-finite value (JSON writes
+    it as null), or None: a one-class split or a diverged model must not read as a metric merely left out."""
+    notes = []
     bad = [k for k in ("auc", "logloss", "ne", "calibration") if not math.isfinite(m[k])]
-    if not bad:
-        return None
-    rows = m["rows"]
-    if math.isnan(m["logloss"]):
-        why = "the model scored NaN (a diverged model)"
-    elif math.isinf(m["logloss"]):
-        why = "the model scored an infinite logit on a row of the other class (a diverged model)"
-    elif math.isnan(m["calibration"]):
-        why = f"none of the {rows:,} rows is positive (AUC and NE need both classes, calibration a positive)"
-    else:
-        why = f"all {rows:,} rows are positive (AUC and NE need both classes)"
-    return f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} null: {why}"
+    if bad:
+        rows = m["rows"]
+        if math.isnan(m["logloss"]):
+            why = "the model scored NaN (a diverged model)"
+        elif math.isinf(m["logloss"]):
+            why = "the model scored an infinite logit on a row of the other class (a diverged model)"
+        elif math.isnan(m["calibration"]):
+            why = f"none of the {rows:,} rows is positive (AUC and NE need both classes, calibration a positive)"
+        else:
+            why = f"all {rows:,} rows are positive (AUC and NE need both classes)"
+        notes.append(f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} null: {why}")
+    if "gauc" in m and not math.isfinite(m["gauc"]) and math.isfinite(m["logloss"]):
+        who = f"{m['gauc_by']} id" if "gauc_by" in m else "group (train.group_by)"
+        notes.append(  # a group AUC needs a group holding both classes
+            f"gauc is null: no {who} the run knows holds both classes here (rows of ids it never saw belong to no group)"
+        )
+    return "; ".join(notes) or None
