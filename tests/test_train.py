@@ -809,6 +809,24 @@ def test_a_resume_below_the_runs_step_is_refused(tmp_path):
     assert (tmp_path / "r" / "config.yaml").read_text() == before
 
 
+def test_a_resume_refuses_a_valid_file_changed_since_the_run_read_it(tmp_path):
+    """The resume read the changed file anew and went on comparing its evaluations with a best measured on the
+    old one (restore_best could go back to weights chosen on other data)."""
+    lines = ["label,user,item", *(f"{i % 3 == 0:d},{i % 7},{i % 11}" for i in range(300))]
+    (tmp_path / "train.csv").write_text("\n".join(lines) + "\n")
+    (tmp_path / "valid.csv").write_text("\n".join(lines[:101]) + "\n")
+    data = f"data: {{format: csv, train: {tmp_path / 'train.csv'}, valid: {tmp_path / 'valid.csv'}, num_workers: 0, "
+    (tmp_path / "run.yaml").write_text(
+        data + "schema: {label: label, sparse: [{name: user}, {name: item}]}}\n"
+        "model: {name: fm}\ntrain: {batch_size: 32, max_steps: 4, eval_every: 2, progress: false}\n"
+    )
+    Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()
+    more = load_config(tmp_path / "run.yaml", ["train.max_steps=6"])
+    (tmp_path / "valid.csv").write_text("\n".join(lines[:51]) + "\n")
+    with pytest.raises(RecscaleError, match="data.valid .*: the file changed since this run read it"):
+        Trainer(more, tmp_path / "r", resume=True)
+
+
 def test_trainer_errors_name_the_trainers_arguments_and_the_clis_options(tmp_path):
     """From Python they said "pass --resume" and "another --out", options only the CLI has."""
     cfg = load_config(CONFIGS / "demo.yaml", SMALL_SYNTH)

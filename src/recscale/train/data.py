@@ -159,6 +159,8 @@ def prepare_run_data(
     if fitted:
         pre, splits["train"], stats["train"] = fit_train_split(data, run_dir / "data" / "train", progress)
     for split, path in _splits(data):
+        if resume and split == "valid":
+            _check_valid_unchanged(data, pre, path, run_dir / "data" / split)
         if split not in splits:
             splits[split], stats[split] = prepare_split(
                 data, pre, split, path, run_dir / "data" / split, progress
@@ -166,6 +168,17 @@ def prepare_run_data(
     if fitted and main:
         pre.save(pre_path, fingerprint=fingerprint)
     return pre, _run_splits(data, splits), stats
+
+
+def _check_valid_unchanged(data: DataConfig, pre: Preprocessor, path: str | None, split_dir: Path) -> None:
+    """A resumed run compares each evaluation with its best so far, measured on the valid split it started with:
+    a file changed since (same path, other bytes) would be read anew and the comparisons mixed."""
+    meta = read_meta(split_dir)
+    if meta is not None and meta.get("fingerprint") != split_fingerprint(data, pre, "valid", path):
+        raise RecscaleError(
+            f"data.valid {path}: the file changed since this run read it (its best so far was measured on the old "
+            f"one); resume with the file it started with, or start a new run with another {RUN_DIR}"
+        )
 
 
 def _run_splits(data: DataConfig, splits: dict[str, ArrayDataset]) -> dict[str, ArrayDataset]:
