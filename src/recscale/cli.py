@@ -470,6 +470,35 @@ def cmd_precision_probe(args: argparse.Namespace) -> None:
     print(f"plan: {out}  (train with it: {shlex.quote(f'model.quant.layers={layers}')})")
 
 
+def _scoring_options(p: argparse.ArgumentParser) -> None:
+    """The options eval and predict share: the run, the file and how to read it, the ranks."""
+    p.add_argument("run_dir")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help="reader options as train takes them, e.g. \"data.options={delimiter: ','}\" (default: the run's data.options)",
+    )
+    p.add_argument(
+        "--data",
+        help="file in the same format as the run's training data (a synthetic run: its own test split)",
+    )
+    p.add_argument(
+        "--format",
+        help="override the data format (default: the run's; another format reads with its default data.options)",
+    )
+    p.add_argument(
+        "--on-bad-row",
+        choices=["error", "skip"],
+        help="stop at a bad row, or drop and count them (skipped_rows); default: the run's data.on_bad_row",
+    )
+    p.add_argument(
+        "--nproc",
+        type=_int_in(1),
+        help="score with N local processes (ranks), each holding its share of the tables, for a run whose "
+        "tables do not fit one process (DMT runs: one process)",
+    )
+
+
 def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
     """An argparse type: an integer from ``lo`` to ``hi`` (no upper bound when None)."""
 
@@ -537,25 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=cmd_train)
 
     e = sub.add_parser("eval", help="score a trained run on a data file; prints one JSON line")
-    e.add_argument("run_dir")
-    e.add_argument(
-        "overrides",
-        nargs="*",
-        help="reader options as train takes them, e.g. \"data.options={delimiter: ','}\" (default: the run's data.options)",
-    )
-    e.add_argument(
-        "--data",
-        help="file in the same format as the run's training data (a synthetic run: its own test split)",
-    )
-    e.add_argument(
-        "--format",
-        help="override the data format (default: the run's; another format reads with its default data.options)",
-    )
-    e.add_argument(
-        "--on-bad-row",
-        choices=["error", "skip"],
-        help="stop at a bad row, or drop and count them (skipped_rows); default: the run's data.on_bad_row",
-    )
+    _scoring_options(e)
     e.add_argument(
         "--group-by",
         metavar="FIELD",
@@ -568,12 +579,6 @@ def build_parser() -> argparse.ArgumentParser:
         "row (Parquet) in the file, one row per row read, in file order (bad rows --on-bad-row skip drops left "
         "out); Parquet if FILE ends in .parquet, else CSV",
     )
-    e.add_argument(
-        "--nproc",
-        type=_int_in(1),
-        help="score with N local processes (ranks), each holding its share of the tables, for a run whose "
-        "tables do not fit one process (DMT runs: one process)",
-    )
     e.set_defaults(fn=cmd_eval)
 
     pr = sub.add_parser(
@@ -583,31 +588,14 @@ def build_parser() -> argparse.ArgumentParser:
         "text file, header = line 1; row of a Parquet file), in file order. CSV and Parquet files need no label "
         "column; other formats are read as training read them.",
     )
-    pr.add_argument("run_dir")
-    pr.add_argument(
-        "overrides",
-        nargs="*",
-        help="reader options as train takes them, e.g. \"data.options={delimiter: ','}\"",
-    )
-    pr.add_argument(
-        "--data", help="file to score, with the run's feature columns (a synthetic run: its own test split)"
-    )
+    _scoring_options(pr)
     pr.add_argument(
         "--out",
         required=True,
         metavar="FILE",
         help="where to write: Parquet if FILE ends in .parquet, else CSV",
     )
-    pr.add_argument("--format", help="the file's format (default: the run's)")
-    pr.add_argument(
-        "--on-bad-row",
-        choices=["error", "skip"],
-        help="stop at a bad row, or drop them (their positions are then missing from the output)",
-    )
-    pr.add_argument(
-        "--nproc", type=_int_in(1), help="score with N local processes (ranks) sharing the tables"
-    )
-    pr.set_defaults(fn=cmd_predict)  # fmt: skip
+    pr.set_defaults(fn=cmd_predict)
 
     x = sub.add_parser("export", help="write a trained run as a self-contained model directory for serving",
                        description="Export the run's best (else latest) model: config, vocabularies and weights "
