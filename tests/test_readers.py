@@ -187,6 +187,21 @@ def test_criteo_tsv(tmp_path):
     assert len(t) == 40
 
 
+def test_criteo_without_labels_reads_the_test_files_layout(tmp_path):
+    """`recscale predict` reads without labels (every row's label 0): a Criteo test file's 39 fields a line
+    (no label field), and a labelled file's 40 alike, the label not read."""
+    from recscale.data.readers.base import unlabelled
+
+    ints = ["-1", ""] + [str(i) for i in range(11)]
+    cats = ["68fd1e64", ""] + [f"{i:08x}" for i in range(24)]
+    lines = [criteo_line("1", ints, cats), criteo_line()]
+    test = write(tmp_path / "test.txt", [line.split("\t", 1)[1] for line in lines])
+    labelled = write(tmp_path / "train.txt", lines)
+    got = [read_all(p, "criteo", unlabelled(CRITEO_SCHEMA)).to_pydict() for p in (test, labelled)]
+    assert got[0] == got[1] and got[0]["label"] == [0.0, 0.0]
+    assert got[0]["I1"] == [-1.0, 0.0] and got[0]["C1"] == ["68fd1e64", "00000000"]
+
+
 def test_criteo_subset_of_columns(tmp_path):
     path = write(tmp_path / "t.txt", [criteo_line()] * 5)
     t = read_all(path, "criteo", make_schema(dense=["I3"], sparse=["C26"]), chunk_rows=2)

@@ -585,8 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
         "predict",
         help="score new rows with a trained run: each row's probability, written to a file",
         description="Each row's predicted click probability (score) and its position in the file (line of a "
-        "text file, header = line 1; row of a Parquet file), in file order. CSV and Parquet files need no label "
-        "column; other formats are read as training read them.",
+        "text file, header = line 1; row of a Parquet file), in file order. CSV, Parquet and Criteo files need no "
+        "label column (Criteo: the test files' 39 fields); libsvm and MovieLens are read as training read them.",
     )
     _scoring_options(pr)
     pr.add_argument(

@@ -460,8 +460,8 @@ def _scored(
             "options": options,
         }
     )
-    # Other formats place (criteo, libsvm) or derive (movielens) the label: their files always have one.
-    unlabelled = not labelled and data.format in ("csv", "parquet")
+    # libsvm places the label first in every line and MovieLens derives it: their files always have one.
+    unlabelled = not labelled and data.format in ("csv", "parquet", "criteo")
     with tempfile.TemporaryDirectory(prefix=f"recscale-{command}-") as tmp:
         try:
             ds, stats = prepare_split(

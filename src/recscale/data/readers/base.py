@@ -503,7 +503,8 @@ NO_LABEL = ""
 
 def unlabelled(schema: Schema) -> Schema:
     """``schema`` for files without its label column (``recscale predict`` of new rows): the readers look
-    for no label and give every row label 0. CSV and Parquet only: other formats place or derive it."""
+    for no label and give every row label 0. CSV, Parquet and Criteo (its test files' layout) only: libsvm
+    places the label in every line and MovieLens derives it."""
     return schema.model_copy(update={"label": NO_LABEL})
 
 
