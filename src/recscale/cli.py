@@ -216,15 +216,12 @@ def _launch_scoring(args: argparse.Namespace) -> None:
     """``eval`` or ``predict`` as --nproc local ranks, each holding its share of the tables (see
     recscale.distributed.launch)."""
     from recscale.distributed.launch import launch
-    from recscale.train.runs import run_config
+    from recscale.train.runs import check_scoring_ranks, run_config
 
     if "RANK" in os.environ:
         raise RecscaleError(f"{args.command}: --nproc starts its own processes; under torchrun leave it out")
-    if run_config(Path(args.run_dir)).dmt is not None:  # before the launch, not by every rank after it
-        raise RecscaleError(
-            f"{args.run_dir} is a DMT run, which is scored in one process (its towers all load there); "
-            "leave out --nproc"
-        )
+    # Before the launch, not by every rank after it.
+    check_scoring_ranks(run_config(Path(args.run_dir)), Path(args.run_dir), args.nproc)
     worker = ["-m", "recscale.cli", *(["--debug"] if args.debug else []), args.command, args.run_dir]
     for flag in ("--data", "--format", "--on-bad-row", "--group-by", "--predictions", "--out"):
         value = getattr(args, flag[2:].replace("-", "_"), None)

@@ -199,10 +199,11 @@ def shutdown() -> None:
 def exit_rank(code: int) -> NoReturn:
     """End a launched rank's process with ``code`` once its work is done, without interpreter finalization.
 
-    ``shutdown()`` destroys the process group, but a DistributedDataParallel built on it keeps the gloo
-    group (and its threads) alive in torch 2.13, even after the module is freed; exit-time destructors
-    then tear them down, and on rare runs that aborts the finished rank ("terminate called without an
-    active exception", SIGABRT: its launcher reports a failed job). Output is flushed and logging shut
+    ``shutdown()`` destroys the process group, but the gloo group (and its threads) stays alive in torch
+    2.13: importing ``torch._dynamo`` while a group exists keeps it (DDP's constructor does, lazily), and in
+    the full stack something else holds it too (not found); exit-time destructors then tear them down, and on rare runs that
+    aborts the finished rank ("terminate called without an active exception", SIGABRT: its launcher
+    reports a failed job). Output is flushed and logging shut
     down first; the kernel releases the rest (files, locks, the group's sockets)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

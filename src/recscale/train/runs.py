@@ -158,6 +158,15 @@ def check_dmt_topology(ckpt: Path, topology: Topology) -> None:
         )
 
 
+def check_scoring_ranks(cfg: RunConfig, run_dir: Path, ranks: int) -> None:
+    """A DMT run is scored in one process: every rank would build all its towers unsharded anyway."""
+    if cfg.dmt is not None and ranks > 1:
+        raise RecscaleError(
+            f"{run_dir} is a DMT run, which is scored in one process (its towers all load there); "
+            "leave out --nproc"
+        )
+
+
 def load_trained(
     run_dir: Path, purpose: str = "to evaluate", flat_only: bool = False
 ) -> tuple[RunConfig, Preprocessor, Built]:
@@ -177,11 +186,7 @@ def load_trained(
     if source is None:
         raise CheckpointError(f"{run_dir}: no complete checkpoint {purpose}; train the run first")
     env = init_distributed()
-    if cfg.dmt is not None and env.world_size > 1:
-        raise RecscaleError(
-            f"{run_dir} is a DMT run, which is scored in one process (its towers all load there); "
-            "leave out --nproc"
-        )
+    check_scoring_ranks(cfg, run_dir, env.world_size)
     # Scores do not depend on the sharding, and a multi-rank run's placements may name ranks this
     # job does not have: the checkpoint loads into the default plan at any world size (replicated
     # tables stay replicated: their optimizer may have no fused kernel), each rank allocating only its
@@ -335,10 +340,8 @@ def eval_run(
     or ``data.options={delimiter: ','}``). ``group_by``: a single-id feature;
     adds the group AUC over its ids (``evaluate``). ``predictions``: a file (.parquet, else CSV) to write
     each row's label and predicted probability (``score``) to, in the order read."""
-    if group_by is not None:  # before the model loads and the file is read
-        check_group_by(load_run(run_dir)[1].schema, group_by, f"--group-by {group_by}", str(run_dir))
     out = (predictions, "--predictions") if predictions is not None else None
-    with _scored(run_dir, data_path, fmt, split, on_bad_row, overrides, out, labelled=True) as s:
+    with _scored(run_dir, data_path, fmt, split, on_bad_row, overrides, out, group_by=group_by) as s:
         group_by = group_by or s.cfg.train.group_by  # the run's own grouping, unless told another
         m: dict[str, Any] = scored(s.logits, s.ds, group_by)
         if predictions is not None:
@@ -409,10 +412,12 @@ def _scored(
     on_bad_row: OnBadRow | None,
     overrides: list[str] | None,
     out: tuple[Path, str] | None,
-    labelled: bool,
+    labelled: bool = True,
+    group_by: str | None = None,
 ) -> Iterator[_Scores]:
     """The run's model's scores of a file (or a synthetic run's ``split``), as ``eval_run`` reads it; the
-    split lives while the block runs. ``out``: the file the command writes and its flag, checked first."""
+    split lives while the block runs. ``out``: the file the command writes and its flag, checked first;
+    ``group_by``: a field eval groups by, checked before the file is read."""
     run_config(run_dir)  # a directory that is not a run is named first
     command = "eval" if labelled else "predict"
     for item in overrides or []:  # checked before the model loads
@@ -428,6 +433,8 @@ def _scored(
     if out is not None:
         check_output(out[0], out[1], run_dir, data_path)
     cfg, pre, built = load_trained(run_dir)
+    if group_by is not None:
+        check_group_by(pre.schema, group_by, f"--group-by {group_by}", str(run_dir))
     if fmt == "synthetic" and cfg.data.format != "synthetic":
         raise RecscaleError(
             f"{run_dir} was trained on {cfg.data.format} data; --format synthetic scores only a run trained "
