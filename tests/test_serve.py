@@ -543,11 +543,13 @@ def _loaded(pid: int, library: bytes) -> bool:
         return False
 
 
-def test_one_ctrl_c_stops_workers_that_are_still_starting(trained):
+@pytest.mark.parametrize("restarted", [False, True])
+def test_one_ctrl_c_stops_workers_that_are_still_starting(trained, restarted):
     """Ctrl-C reaches the whole process group: `serve --workers 2` stopped while its workers were still
     importing torch printed a KeyboardInterrupt traceback per worker, and the supervisor restarted the dead
     ones (the server then served on for tens of seconds). Now the workers ignore SIGINT until uvicorn handles
-    it: one Ctrl-C stops the server, quietly, through the supervisor."""
+    it: one Ctrl-C stops the server, quietly, through the supervisor. ``restarted``: also a worker the
+    supervisor started in place of one that died (it did not ignore SIGINT)."""
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     argv = ["serve", str(_export(trained)), "--port", "0", "--workers", "2"]
     proc = subprocess.Popen([sys.executable, "-m", "recscale.cli", *argv], env=env, stdout=subprocess.PIPE,
@@ -561,6 +563,13 @@ def test_one_ctrl_c_stops_workers_that_are_still_starting(trained):
             assert proc.poll() is None and time.time() < deadline, "no 2 workers importing torch within 60 s"
             time.sleep(0.05)
             workers = _workers_of(proc.pid)
+        if restarted:
+            os.kill(workers[0], signal.SIGKILL)
+            deadline, first = time.time() + 60, workers
+            while not [w for w in workers if w not in first and _loaded(w, b"fbgemm_gpu_py")]:
+                assert proc.poll() is None and time.time() < deadline, "no worker restarted within 60 s"
+                time.sleep(0.05)
+                workers = _workers_of(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 130 and err.strip().endswith("interrupted"), err[-3000:]  # as with 1 worker

@@ -42,6 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic_core import from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.supervisors import multiprocess
 
 from recscale.errors import DataError
 from recscale.quiet import quiet_upstream
@@ -315,6 +316,15 @@ def _sigint_ignored() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
+class _QuietStart(multiprocess.Process):
+    """uvicorn's server worker, started ignoring SIGINT (``_sigint_ignored``). At module level: the spawned
+    process unpickles it by name."""
+
+    def start(self) -> None:
+        with _sigint_ignored():
+            super().start()
+
+
 WORKER_HEALTHCHECK_S = 60
 
 
@@ -353,10 +363,6 @@ def serve(
             super().__init__(*args, **kwargs)
             self.stopped_by: list[int] = []
 
-        def init_processes(self) -> None:  # starts the workers, at once: they ignore SIGINT (_sigint_ignored)
-            with _sigint_ignored():
-                super().init_processes()
-
         def handle_int(self) -> None:
             self.stopped_by.append(signal.SIGINT)
             super().handle_int()
@@ -372,9 +378,14 @@ def serve(
     cfg = config(worker, factory=True, workers=opts.workers, timeout_worker_healthcheck=WORKER_HEALTHCHECK_S)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     supervisor = Supervisor(cfg, sockets=[sock])  # takes both signals over
+    # Every worker starts ignoring SIGINT (_sigint_ignored): the first ones, and those the supervisor starts
+    # later in place of one that died (uvicorn makes each through its module's ``Process``).
+    process = multiprocess.Process
+    setattr(multiprocess, "Process", _QuietStart)  # noqa: B010 (mypy refuses assigning to a class name)
     try:
         supervisor.run()
     finally:
+        setattr(multiprocess, "Process", process)  # noqa: B010
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     # Once its workers are stopped, the signal that stopped it acts as on one server (uvicorn's Server raises
