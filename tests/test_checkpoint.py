@@ -1,6 +1,8 @@
 import errno
 import os
 import pickle
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,6 +177,37 @@ def test_interrupted_write_leaves_no_checkpoint(tmp_path):
         raise Boom
     assert list_checkpoints(tmp_path / "ckpt") == []
     assert not any((tmp_path / "ckpt").iterdir())
+
+
+def test_a_write_removes_what_killed_writes_to_its_path_left(tmp_path):
+    """SIGKILL inside atomic_dir (no ``except`` runs) left its temporary, a whole export's copy, beside --out
+    for good. The next write to that path removes those no live writer holds, and leaves the rest."""
+    import fcntl
+
+    def leave(name: str) -> Path:
+        p = tmp_path / name
+        p.mkdir()
+        (p / "weights").write_bytes(b"x" * 100)
+        os.utime(p, (time.time() - 3600,) * 2)
+        return p
+
+    killed, live, other = (
+        leave(".model.abc_1234.tmp"),
+        leave(".model.livewrtr.tmp"),
+        leave(".model.x.abcd1234.tmp"),
+    )
+    young = tmp_path / ".model.youngone.tmp"
+    young.mkdir()  # its writer may not have taken its lock yet
+    # A writer at work holds its temporary's lock (flock: per open file, so this process's own fd counts).
+    held = os.open(live, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        with atomic_dir(tmp_path / "model") as tmp:
+            (tmp / "manifest.json").write_text("{}")
+    finally:
+        os.close(held)
+    assert not killed.exists() and live.exists() and other.exists() and young.exists()
+    assert (tmp_path / "model" / "manifest.json").exists()
 
 
 def test_prune_keeps_the_newest(tmp_path):

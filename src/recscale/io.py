@@ -8,8 +8,10 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -122,7 +124,12 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     _make_parent(path, is_dir=True)
     with naming(path, always=True):
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    # Held while this process lives: a later write to ``path`` takes a temporary whose lock it can get for
+    # one a killed writer left (SIGKILL: no ``except`` ran), and removes it.
+    held = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
     try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        _remove_abandoned(path, tmp)
         with naming(path):
             os.chmod(tmp, DIR_MODE)
             yield tmp
@@ -145,6 +152,34 @@ def atomic_dir(path: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        os.close(held)
+
+
+ABANDONED_AFTER_S = 60  # younger temporaries are left alone: their writer may not hold its lock yet
+
+
+def _remove_abandoned(path: Path, own: Path) -> None:
+    """Remove the temporaries of earlier writes to ``path`` (``atomic_dir``'s ``.NAME.XXXXXXXX.tmp``) whose
+    writer is gone: no process holds their lock. Exports into one --out left a copy of the model each time
+    one was killed."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.tmp")
+    for p in path.parent.iterdir():
+        if p == own or not pattern.fullmatch(p.name):
+            continue
+        try:
+            if time.time() - p.stat().st_mtime < ABANDONED_AFTER_S:
+                continue
+            fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:  # gone meanwhile, or not a directory
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(p, ignore_errors=True)
+        except BlockingIOError:  # its writer is still at work
+            pass
+        finally:
+            os.close(fd)
 
 
 def remove_partial_writes(parent: Path) -> None:
