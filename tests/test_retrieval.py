@@ -105,7 +105,9 @@ def test_two_tower_trains_and_finds_true_top_items() -> None:
 
 
 @pytest.mark.parametrize("kind", ["exact", "int8", "ivf", "ivf-int8"])
-def test_retrieve_rank_saved_and_reloaded(tmp_path: Path, kind: IndexKind) -> None:
+def test_retrieve_rank_saved_and_reloaded(tmp_path: Path, kind: IndexKind, monkeypatch) -> None:
+    from recscale.serve import retrieval_artifact
+
     torch.manual_seed(0)
     n_users, n_items = 40, 500
     spec = RetrievalSpec(
@@ -129,7 +131,8 @@ def test_retrieve_rank_saved_and_reloaded(tmp_path: Path, kind: IndexKind) -> No
     logits2, ids2 = load_retrieval(tmp_path / "m")(features, users)
     assert torch.equal(ids2, ids) and torch.equal(logits2, logits)
     weights = tmp_path / "m" / WEIGHTS
-    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    good_weights = weights.read_bytes()
+    weights.write_bytes(good_weights[:-1] + b"\0")
     with pytest.raises(CheckpointError, match="sha256 does not match"):
         load_retrieval(tmp_path / "m")
     # A hand-edited manifest's true or "8" for a size was read as 1 and 8.
@@ -143,6 +146,15 @@ def test_retrieve_rank_saved_and_reloaded(tmp_path: Path, kind: IndexKind) -> No
     manifest.write_text(re.sub(r'"user_vocab": \[\s*\d+', '"user_vocab": [0', good))
     with pytest.raises(CheckpointError, match=r"spec.user_vocab.0: Input should be greater than 0"):
         load_retrieval(tmp_path / "m")
+    # A spec asking more than the weights hold (n_items 10^12) is refused before anything is allocated for it.
+    weights.write_bytes(good_weights)
+    manifest.write_text(re.sub(r'"n_items": \d+', '"n_items": 1000000000000', good))
+    with monkeypatch.context() as m:
+        m.setattr(retrieval_artifact, "build", lambda spec: pytest.fail("built before the check"))
+        with pytest.raises(
+            CheckpointError, match=r"gives 16,000,000,00.* weights, more than weights.safetensors holds"
+        ):
+            load_retrieval(tmp_path / "m")
 
 
 def test_retrieval_build_and_query_from_the_command_line(tmp_path: Path, shared_data: Path, capsys) -> None:

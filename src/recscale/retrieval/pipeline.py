@@ -9,6 +9,7 @@ rebuild it (``build``) with no pickled code.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Literal
 
@@ -75,6 +76,20 @@ class RetrievalSpec(BaseModel):
     ranker_hidden: list[int]
     candidates: int = Field(ge=1)
     k: int = Field(ge=1)
+
+    def elements(self) -> int:
+        """Elements of the tensors ``build`` makes (a saved model stores each in at least a byte; the
+        Bloom filter's bits packed 8 to one): what its weights file must back before they are allocated."""
+
+        def mlp(widths: Sequence[int]) -> int:
+            return sum((a + 1) * b for a, b in itertools.pairwise(widths))
+
+        user_mlp = mlp([len(self.user_vocab) * self.emb_dim, *self.hidden, self.dim])
+        ranker_mlp = mlp([self.dim + self.ranker_dim, *self.ranker_hidden, 1])
+        return (
+            self.emb_dim * sum(self.user_vocab) + user_mlp + self.n_items * (self.dim + self.ranker_dim)
+            + ranker_mlp + (self.nlist * self.dim if self.index.startswith("ivf") else 0) + (self.bloom_bits or 0) // 8
+        )  # fmt: skip
 
 
 def make_index(kind: IndexKind, items: Tensor, nlist: int, nprobe: int, iters: int = 10) -> ItemIndex:

@@ -171,12 +171,12 @@ def verified_bytes(path: Path, entry: FileEntry, cap: int, kind: str, fix: str) 
     if st is not None and stat.S_ISREG(st.st_mode) and st.st_size != entry.bytes:
         raise CheckpointError(
             f"{path}: {st.st_size:,} bytes where {MANIFEST} gives {entry.bytes:,}: the file was changed or "
-            f"damaged after export; {fix}"
+            f"damaged after it was saved; {fix}"
         )
     data = read_regular_file(path, entry.bytes, kind)  # the size the manifest gives: a longer file is refused
     if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
         raise CheckpointError(
-            f"{path}: its sha256 does not match {MANIFEST}: the file was changed or damaged after export; {fix}"
+            f"{path}: its sha256 does not match {MANIFEST}: the file was changed or damaged after it was saved; {fix}"
         )
     return data
 

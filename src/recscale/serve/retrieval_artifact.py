@@ -147,6 +147,11 @@ def _load(model_dir: Path) -> tuple[RetrieveRank, Catalog | None]:
         raise CheckpointError(
             f"{path.parent / WEIGHTS}: is not a safetensors file ({one_line(e)}); {FIX}"
         ) from None
+    if manifest.spec.elements() > len(data):  # checked before build() allocates what the spec asks
+        raise CheckpointError(
+            f"{path}: its spec gives {manifest.spec.elements():,} weights, more than {WEIGHTS} holds "
+            f"({len(data):,} bytes); {FIX}"
+        )
     users = [
         tensors.pop(f"{_USERS}{i}") for i in range(len(manifest.spec.user_vocab)) if f"{_USERS}{i}" in tensors
     ]
