@@ -323,6 +323,19 @@ def test_shard_plan_cli_writes_a_readable_plan(tmp_path, capsys):
     assert not (tmp_path / "x.json").exists()
 
 
+def test_shard_plan_of_torchrecs_planner_plans_the_sequence_tables(tmp_path):
+    """`shard plan` ran TorchRec's planner with the pooled tables' sharder alone, so its plan left out the
+    sequence tables (an EmbeddingCollection) that training's planner shards."""
+    out = tmp_path / "plan.json"
+    small = ["data.synthetic.rows.train=512", "data.synthetic.rows.valid=64", "data.synthetic.rows.test=64",
+             "data.synthetic.num_sparse=2", "data.synthetic.num_multi=0", "data.synthetic.num_history=1",
+             "data.synthetic.history_max_len=8", "data.num_workers=0", "distributed.sharding=planner"]  # fmt: skip
+    assert main(["shard", "plan", str(CONFIGS / "demo.yaml"), *small, "--nproc", "2", "--out", str(out)]) == 0
+    tables = json.loads(out.read_text())["tables"]
+    assert sorted(tables) == ["t_h0", "t_s0", "t_s1"]
+    assert all(t["kernel"] == "fused" and t["shards"] for t in tables.values())
+
+
 def covers_each_column_once(shards: list[Shard], tables: list[TableFeatures]) -> bool:
     cols = {(s.table, c) for s in shards for c in range(s.offset, s.offset + s.width)}
     return cols == {(t, c) for t, f in enumerate(tables) for c in range(f.dim)} and len(cols) == sum(

@@ -34,7 +34,11 @@ from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_
 from torchrec.distributed.model_parallel import get_unwrapped_module
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner import Topology as PlannerTopology
-from torchrec.distributed.sharding_plan import calculate_shard_sizes_and_offsets, placement
+from torchrec.distributed.sharding_plan import (
+    calculate_shard_sizes_and_offsets,
+    get_default_sharders,
+    placement,
+)
 from torchrec.distributed.types import (
     Awaitable,
     CommOp,
@@ -257,9 +261,11 @@ def _planner_plan(model: nn.Module, env: DistEnv, pg: dist.ProcessGroup | None) 
         world_size=env.world_size, compute_device=env.device.type, local_world_size=env.local_world_size
     )
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+    # The same sharders with and without a job: ``shard plan`` must plan the sequence tables (an EC) too.
+    sharders = get_default_sharders()
     if not dist.is_initialized():  # planning without a job (``recscale shard plan``)
-        return planner.plan(model, [cast(ModuleSharder[nn.Module], EmbeddingBagCollectionSharder())])
-    return planner.collective_plan(model, pg=pg or dist.GroupMember.WORLD)
+        return planner.plan(model, sharders)
+    return planner.collective_plan(model, sharders, pg=pg or dist.GroupMember.WORLD)
 
 
 class _ExplicitPlanner:
