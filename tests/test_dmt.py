@@ -410,6 +410,14 @@ def test_settings_dmt_cannot_take_are_refused_by_the_config():
     assert str(e.value) == (
         "invalid config: config: dmt: not supported together with distributed.qcomms; drop it or dmt"
     )
+    # Each host shards its tower by dmt.sharding, from the whole model: these trained as table_wise and
+    # materialize: full without a word.
+    with pytest.raises(ConfigError) as e:
+        load_config(demo, ["dmt={}", "distributed.sharding=learned", "distributed.materialize=shards"])
+    assert str(e.value) == (
+        "invalid config: config: dmt: not supported together with distributed.sharding (a host's tables "
+        "follow dmt.sharding), distributed.materialize=shards; drop them or dmt"
+    )
 
 
 # The two kinds of run a scorer loads differently: identity tower modules (the flat model, order restored)

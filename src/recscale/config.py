@@ -413,6 +413,11 @@ class RunConfig(Settings):
             "model.quant": self.model.quant is not None,
             "distributed.dense=fsdp": self.distributed.dense == "fsdp",
             "distributed.tables (a host's tables follow dmt.sharding)": bool(self.distributed.tables),
+            # DMT shards each tower by dmt.sharding, from a whole model every rank builds: both were dropped.
+            "distributed.sharding (a host's tables follow dmt.sharding)": (
+                self.distributed.sharding != "table_wise"
+            ),
+            "distributed.materialize=shards": self.distributed.materialize == "shards",
             # DMT's towers and top are sharded and wrapped without the codecs or the compression hook.
             "distributed.qcomms": self.distributed.qcomms != QComms(),
         }
