@@ -336,6 +336,18 @@ def test_shard_plan_of_torchrecs_planner_plans_the_sequence_tables(tmp_path):
     assert all(t["kernel"] == "fused" and t["shards"] for t in tables.values())
 
 
+def test_shard_plan_refuses_a_dmt_config(tmp_path, capsys):
+    """A DMT run shards each host's tower by dmt.sharding: shard plan wrote a flat plan of
+    distributed.sharding over all ranks, which is not the plan it trains with."""
+    out = tmp_path / "plan.json"
+    args = [str(CONFIGS / "demo.yaml"), "dmt={sharding: row_wise}", "--nproc", "4", "--local-world-size", "2"]
+    assert main(["shard", "plan", *args, "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: shard plan: the config trains DMT (dmt:), where each host"
+    )
+    assert not out.exists()
+
+
 def covers_each_column_once(shards: list[Shard], tables: list[TableFeatures]) -> bool:
     cols = {(s.table, c) for s in shards for c in range(s.offset, s.offset + s.width)}
     return cols == {(t, c) for t, f in enumerate(tables) for c in range(f.dim)} and len(cols) == sum(

@@ -16,6 +16,7 @@ import torch
 from recscale.config import RunConfig
 from recscale.distributed.env import DistEnv
 from recscale.distributed.sharding import Prediction, predicted_plan
+from recscale.errors import ConfigError
 from recscale.io import atomic_write_text
 from recscale.models.registry import build_model
 from recscale.train.build import feature_set, planner_sample
@@ -24,6 +25,11 @@ from recscale.train.data import prepare_run_data
 
 def shard_plan(cfg: RunConfig, world: int, local_world: int, out: Path) -> dict[str, Any]:
     """Plan CONFIG's tables over ``world`` ranks (``local_world`` per host), write the plan to ``out``."""
+    if cfg.dmt is not None:  # a flat plan of distributed.sharding would not be the plan it trains with
+        raise ConfigError(
+            "shard plan: the config trains DMT (dmt:), where each host shards its tower's tables by "
+            f"dmt.sharding ({cfg.dmt.sharding}) over its own ranks; shard plan plans flat runs: drop dmt"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         pre, splits, _ = prepare_run_data(cfg.data, Path(tmp), resume=False, main=True, progress=False)
         torch.manual_seed(cfg.seed)
