@@ -161,6 +161,18 @@ def test_tables_that_fit_only_split_by_rows_are_row_wise(models):
         LearnedPlanner(models, 4, 20 * 2**20).plan(tables)
 
 
+def test_the_row_blocks_of_every_row_split_table_count_against_the_cap(models):
+    """Each table was checked alone: two tables whose row blocks fit a rank's cap one at a time, not
+    together, were both planned row_wise over the cap, with no error."""
+    g = np.random.default_rng(1)
+    tables = [synthetic_table(f"big{i}", 2_000_000, 4, 2.0, 1.0, g)[0] for i in range(2)]  # 38 MB each
+    cap = 15 * 2**20  # above one table's quarter of rows (9.5 MB), below two (19 MB)
+    with pytest.raises(ConfigError, match=r"all tables \(76\.3 MB .*\) do not fit under the cap of 15 MB"):
+        LearnedPlanner(models, 4, cap).plan(tables)
+    plan = LearnedPlanner(models, 4, 20 * 2**20).plan(tables)  # both fit: both split by rows
+    assert plan.row_split(0) and plan.row_split(1) and max(plan.memory) <= 20 * 2**20
+
+
 def test_a_table_that_fits_only_split_by_columns_is_split(models):
     tables = task(3)  # 8.2 MB in all
     tables.append(synthetic_table("wide", 100_000, 128, 2.0, 1.0, np.random.default_rng(1))[0])  # 49 MB

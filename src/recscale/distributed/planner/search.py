@@ -308,13 +308,18 @@ class LearnedPlanner:
     def _row_split_tables(self) -> frozenset[int]:
         """The tables that fit the memory cap only split by rows (even their narrowest column shards do
         not); a table that does not fit split by rows over every rank either is a one-line error."""
-        out = set()
+        out, blocks = set(), 0  # bytes of the row-split tables' blocks on each rank so far
         for t, f in enumerate(self.tables):
             if self._column_splits_that_fit(f) is not None:
                 continue
             assert self.cap is not None  # without a cap every table fits whole
-            if f.row_block(self.world).memory() > self.cap - int(self.reserved.max()):  # a block on each rank
+            block = f.row_block(self.world).memory()
+            if block > self.cap - int(self.reserved.max()):  # a block on each rank
                 self._too_big(f)
+            # Every rank holds a block of each: the greedy places only the other tables against the cap.
+            if blocks + block > self.cap - int(self.reserved.max()):
+                self._too_big(f, beside_others=True)
+            blocks += block
             out.add(t)
         return frozenset(out)
 
