@@ -500,6 +500,22 @@ def test_a_dmt_run_with_identity_towers_exports_as_the_flat_model_it_computes(dm
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
+def test_dmt_partition_refuses_an_out_over_the_runs_own_files(tmp_path, capsys):
+    """--out RUN/config.yaml wrote the towers' JSON over the run's config (the run then loaded no more);
+    --out a directory failed only after the partition's work. Both are refused before it now."""
+    from recscale.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("seed: 0\n")
+    for out, says in [(run / "config.yaml", "is the run's own config.yaml"), (tmp_path, "is a directory")]:
+        assert main(["dmt", "partition", str(run), "--towers", "2", "--out", str(out)]) == 2
+        assert capsys.readouterr().err.strip() == f"error: --out {out} {says}; name " + (
+            "another file to write" if out != tmp_path else "the file to write"
+        )
+    assert (run / "config.yaml").read_text() == "seed: 0\n"
+
+
 @pytest.mark.dist
 def test_dmt_partition_takes_a_run_with_identity_towers_as_its_flat_model(dmt_run, capsys):
     """`dmt partition` refused every DMT run, though one with identity tower modules is the flat model

@@ -437,14 +437,15 @@ def cmd_scaling_fit(args: argparse.Namespace) -> None:
 def cmd_dmt_partition(args: argparse.Namespace) -> None:
     from recscale.distributed.dmt.partitioner import feature_stats, partition_report, summary
     from recscale.io import atomic_write_text
-    from recscale.train.runs import load_training_sample
+    from recscale.train.runs import check_output, load_training_sample
 
+    out = Path(args.out) if args.out else Path(args.run_dir) / f"dmt_towers_{args.towers}.json"
+    check_output(out, "--out", Path(args.run_dir), None)  # not over the run's own files, before the work
     embedding, batch, pre = load_training_sample(
         Path(args.run_dir), args.rows, "to partition into DMT towers"
     )
     stats = feature_stats(embedding, batch, pre.num_embeddings)
     report = partition_report(stats, args.towers, args.tolerance)
-    out = Path(args.out) if args.out else Path(args.run_dir) / f"dmt_towers_{args.towers}.json"
     atomic_write_text(out, json.dumps(report, indent=2))
     print(summary(report))
     print(f"assignment: {out}  (use it as dmt.assignment={out})")
