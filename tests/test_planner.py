@@ -348,6 +348,19 @@ def test_shard_plan_of_torchrecs_planner_plans_the_sequence_tables(tmp_path):
     assert all(t["kernel"] == "fused" and t["shards"] for t in tables.values())
 
 
+def test_shard_plan_refuses_an_out_over_its_config_before_planning(tmp_path, capsys):
+    """--out CONFIG replaced the config with the plan's JSON; --out a directory failed after the planning."""
+    config = tmp_path / "run.yaml"
+    config.write_text((CONFIGS / "demo.yaml").read_text())
+    for out, says in [
+        (config, "is the config being planned; name another"),
+        (tmp_path, "is a directory; name the"),
+    ]:
+        assert main(["shard", "plan", str(config), "--out", str(out)]) == 2
+        assert capsys.readouterr().err == f"error: --out {out} {says} file to write\n"
+    assert config.read_text() == (CONFIGS / "demo.yaml").read_text()
+
+
 def test_shard_plan_refuses_a_dmt_config(tmp_path, capsys):
     """A DMT run shards each host's tower by dmt.sharding: shard plan wrote a flat plan of
     distributed.sharding over all ranks, which is not the plan it trains with."""

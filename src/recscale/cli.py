@@ -340,7 +340,13 @@ def cmd_shard_plan(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.overrides)
     _, local = host_split(args.nproc, args.local_world_size)
     check_world_size(cfg, args.nproc)  # a plan for a run that training would refuse is no plan
-    doc = shard_plan(cfg, args.nproc, local, Path(args.out))
+    out = Path(args.out)
+    # Before the planning: the plan's JSON would have replaced the config it was planned from.
+    if out.is_dir():
+        raise RecscaleError(f"--out {out} is a directory; name the file to write")
+    if out.resolve() == Path(args.config).resolve():
+        raise RecscaleError(f"--out {out} is the config being planned; name another file to write")
+    doc = shard_plan(cfg, args.nproc, local, out)
     pred = doc["predicted"]
     cost = f"; predicted max-rank cost {pred['cost_ms']} ms" if pred else ""
     tables = len(doc["tables"])
