@@ -304,6 +304,13 @@ def test_assignments_are_balanced_and_checked():
         assert sorted(len(t) for t in towers) == [2, 2, 3] and sorted(sum(towers, [])) == names
     with pytest.raises(ConfigError, match="have no tower"):
         resolve_assignment({"f0": 0}, names, 2, 0)
+    # a partition of another run's features named none missing as "features [] have no tower", and no fix
+    with pytest.raises(ConfigError) as e:
+        resolve_assignment({"f0": 0, "f1": 1, "x": 1}, names[:2], 2, 0)
+    assert str(e.value) == (
+        "dmt.assignment: ['x'] are not features of this run (['f0', 'f1']); give every feature one tower "
+        "(partition this run's features: `recscale dmt partition RUN_DIR --towers 2`)"
+    )
     with pytest.raises(
         ConfigError, match=r"towers \[0\], but DMT runs one tower per host and this job has 2"
     ):

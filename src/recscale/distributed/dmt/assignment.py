@@ -35,8 +35,14 @@ def resolve_assignment(
         mapping = assignment
     where = f"dmt.assignment {assignment}" if isinstance(assignment, str) else "dmt.assignment"
     missing, unknown = sorted(set(features) - set(mapping)), sorted(set(mapping) - set(features))
-    if missing or unknown:
-        raise ConfigError(f"{where}: features {missing} have no tower; {unknown} are not features")
+    if missing or unknown:  # e.g. a partition file of another run's features: say only what is wrong
+        what = [f"features {missing} have no tower"] * bool(missing) + [
+            f"{unknown} are not features of this run ({features})"
+        ] * bool(unknown)
+        raise ConfigError(
+            f"{where}: {'; '.join(what)}; give every feature one tower (partition this run's features: "
+            f"`recscale dmt partition RUN_DIR --towers {towers}`)"
+        )
     out = [[f for f in features if mapping[f] == t] for t in range(towers)]
     used = sorted(set(mapping.values()))
     if used != list(range(towers)):
