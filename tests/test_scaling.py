@@ -296,6 +296,18 @@ def test_scaling_fit_cli_reports_and_plots(tmp_path, capsys):
     assert main(["scaling", "fit", str(tmp_path / "nope.csv")]) == 2
 
 
+def test_scaling_fit_refuses_an_out_over_its_results(tmp_path, capsys):
+    """--out RESULTS wrote the PNG over the results file just fitted; --out a directory failed after the fit."""
+    rows = [{"family": "wukong", "train_flops": 1e9, "valid_logloss": 0.5, "bayes_logloss": 0.39}]
+    results = write_results(tmp_path / "results.csv", rows)
+    before = results.read_bytes()
+    for out, says in [(results, "is a results file being fitted; name another file to write"),
+                      (tmp_path, "is a directory; name the PNG to write")]:  # fmt: skip
+        assert main(["scaling", "fit", str(results), "--out", str(out)]) == 2
+        assert capsys.readouterr().err == f"error: --out {out} {says}\n"
+    assert results.read_bytes() == before
+
+
 def test_every_family_of_a_plot_has_its_own_style(tmp_path, monkeypatch):
     """The plot coloured family i with C{i}, which matplotlib wraps after 10: the 11th and 12th families
     looked like the 1st and 2nd. Colour and marker together tell 12 apart, on both panels."""

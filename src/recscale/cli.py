@@ -433,6 +433,13 @@ def cmd_scaling_fit(args: argparse.Namespace) -> None:
                 raise RecscaleError(
                     f"--merge: family {name!r} is merged into both {merge[name]!r} and {new!r}; merge it into one"
                 )
+    if args.out:  # before the fit: the PNG would have replaced a results file it was fitted from
+        if Path(args.out).is_dir():
+            raise RecscaleError(f"--out {args.out} is a directory; name the PNG to write")
+        if any(Path(args.out).resolve() == Path(r).resolve() for r in args.results):
+            raise RecscaleError(
+                f"--out {args.out} is a results file being fitted; name another file to write"
+            )
     families = load_results(args.results, merge, args.drop)
     text, fits = report(families, pin_floor=args.pin_floor, left_out=families.left_out)
     print(text)
