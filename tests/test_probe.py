@@ -173,7 +173,7 @@ def test_probe_out_is_checked_before_the_probe(csv_run, tmp_path, capsys) -> Non
     capsys.readouterr()
     before = csv.read_bytes()
     config = (run / "config.yaml").read_bytes()
-    for out, words in [(csv, "is the --data file"), (tmp_path, "is a directory"),
+    for out, words in [(csv, "is the --data file;"), (tmp_path, "is a directory"),
                        (run / "config.yaml", "is the run's own config.yaml")]:  # fmt: skip
         argv = ["precision", "probe", str(run), "--data", str(csv), "--formats", "mxfp4", "--out", str(out)]
         assert main(argv) == 2

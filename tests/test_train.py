@@ -17,7 +17,7 @@ from recscale.config import load_config
 from recscale.errors import ConfigError, RecscaleError
 from recscale.train.checkpoint import load_checkpoint, remove_partial_checkpoints
 from recscale.train.loop import Trainer
-from recscale.train.runs import check_output, eval_run
+from recscale.train.runs import check_run_output, eval_run
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SMALL_SYNTH = [
@@ -1069,14 +1069,16 @@ def test_eval_writes_each_rows_prediction(tmp_path, suffix):
     assert table["line"].to_pylist() == [*range(2, 6), *range(7, 11), *range(12, 304)]
     np.testing.assert_array_equal(table["label"].to_numpy(), labels)
     for bad, why in (
-        (tmp_path / "train.csv", "is the --data file"),
+        (tmp_path / "train.csv", "is the --data file;"),
         (tmp_path, "is a directory"),
         (tmp_path / "r" / "report.json", "is the run's own report.json"),
         (tmp_path / "r" / "ckpt" / "x.csv", "is the run's own ckpt/x.csv"),
+        # A file where a directory goes: refused before the scoring, not after it.
+        (tmp_path / "train.csv" / "x.csv", "train.csv is a file, not a directory"),
     ):
         with pytest.raises(RecscaleError, match=why):
             eval_run(tmp_path / "r", str(tmp_path / "train.csv"), predictions=bad)
     ml = tmp_path / "ml"  # a format that reads a directory (MovieLens): no output inside it
     ml.mkdir()
-    with pytest.raises(RecscaleError, match="inside the --data directory"):
-        check_output(ml / "u.data", "--predictions", tmp_path / "r", str(ml))
+    with pytest.raises(RecscaleError, match="is inside the --data directory"):
+        check_run_output(ml / "u.data", "--predictions", tmp_path / "r", str(ml))

@@ -334,6 +334,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 def cmd_shard_plan(args: argparse.Namespace) -> None:
     from recscale.config import load_config
     from recscale.distributed.launch import host_split
+    from recscale.io import check_output
     from recscale.train.loop import check_world_size
     from recscale.train.shard_plan import shard_plan
 
@@ -341,11 +342,7 @@ def cmd_shard_plan(args: argparse.Namespace) -> None:
     _, local = host_split(args.nproc, args.local_world_size)
     check_world_size(cfg, args.nproc)  # a plan for a run that training would refuse is no plan
     out = Path(args.out)
-    # Before the planning: the plan's JSON would have replaced the config it was planned from.
-    if out.is_dir():
-        raise RecscaleError(f"--out {out} is a directory; name the file to write")
-    if out.resolve() == Path(args.config).resolve():
-        raise RecscaleError(f"--out {out} is the config being planned; name another file to write")
+    check_output(out, "--out", [("the config being planned", args.config)])
     doc = shard_plan(cfg, args.nproc, local, out)
     pred = doc["predicted"]
     cost = f"; predicted max-rank cost {pred['cost_ms']} ms" if pred else ""
@@ -418,6 +415,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 
 def cmd_scaling_fit(args: argparse.Namespace) -> None:
+    from recscale.io import check_output
     from recscale.scaling.fit import load_results, report
     from recscale.scaling.plot import plot_scaling
 
@@ -433,13 +431,10 @@ def cmd_scaling_fit(args: argparse.Namespace) -> None:
                 raise RecscaleError(
                     f"--merge: family {name!r} is merged into both {merge[name]!r} and {new!r}; merge it into one"
                 )
-    if args.out:  # before the fit: the PNG would have replaced a results file it was fitted from
-        if Path(args.out).is_dir():
-            raise RecscaleError(f"--out {args.out} is a directory; name the PNG to write")
-        if any(Path(args.out).resolve() == Path(r).resolve() for r in args.results):
-            raise RecscaleError(
-                f"--out {args.out} is a results file being fitted; name another file to write"
-            )
+    if args.out:
+        check_output(
+            Path(args.out), "--out", [("a results file being fitted", r) for r in args.results], "PNG"
+        )
     families = load_results(args.results, merge, args.drop)
     text, fits = report(families, pin_floor=args.pin_floor, left_out=families.left_out)
     print(text)
@@ -450,10 +445,10 @@ def cmd_scaling_fit(args: argparse.Namespace) -> None:
 def cmd_dmt_partition(args: argparse.Namespace) -> None:
     from recscale.distributed.dmt.partitioner import feature_stats, partition_report, summary
     from recscale.io import atomic_write_text
-    from recscale.train.runs import check_output, load_training_sample
+    from recscale.train.runs import check_run_output, load_training_sample
 
     out = Path(args.out) if args.out else Path(args.run_dir) / f"dmt_towers_{args.towers}.json"
-    check_output(out, "--out", Path(args.run_dir), None)  # not over the run's own files, before the work
+    check_run_output(out, "--out", Path(args.run_dir), None)  # not over the run's own files, before the work
     embedding, batch, pre = load_training_sample(
         Path(args.run_dir), args.rows, "to partition into DMT towers"
     )
@@ -469,11 +464,11 @@ def cmd_precision_probe(args: argparse.Namespace) -> None:
 
     from recscale.io import atomic_write_text, strict_json
     from recscale.train.probe import DEFAULT_FORMATS, probe, table
-    from recscale.train.runs import check_output
+    from recscale.train.runs import check_run_output
 
     formats = args.formats or DEFAULT_FORMATS
     out = Path(args.out) if args.out else Path(args.run_dir) / "precision_plan.json"
-    check_output(out, "--out", Path(args.run_dir), args.data)  # before the probe's minutes of work
+    check_run_output(out, "--out", Path(args.run_dir), args.data)  # before the probe's minutes of work
     plan = probe(Path(args.run_dir), args.data, args.rows, formats, args.target, args.tolerance)
     atomic_write_text(out, strict_json(plan, indent=2))
     print(table(plan))

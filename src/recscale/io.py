@@ -13,10 +13,12 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from recscale.errors import RecscaleError
 
 
 def _umask() -> int:
@@ -274,3 +276,25 @@ def removed_on_failure(path: Path, enabled: bool = True) -> Iterator[None]:
         if created and not isinstance(e, InUse):
             shutil.rmtree(path, ignore_errors=True)
         raise
+
+
+def check_output(
+    out: Path, flag: str, inputs: Iterable[tuple[str, str | Path | None]], what: str = "file"
+) -> None:
+    """A one-line ``RecscaleError`` unless a command may write ``out`` (given as ``flag``): not a directory, not
+    one of the command's ``inputs`` ((role, path) pairs, e.g. ("the --data", its path)) nor inside one that is a
+    directory. Checked before the command's work, which the write would otherwise have thrown away (or the
+    input it replaced)."""
+    if out.is_dir():
+        raise RecscaleError(f"{flag} {out} is a directory; name the {what} to write")
+    where = out.resolve()
+    above = next(p for p in where.parents if p.exists())  # the directories to make start below it
+    if not above.is_dir():
+        raise RecscaleError(f"{flag} {out}: {above} is a file, not a directory; name the {what} to write")
+    for role, path in inputs:
+        if path is None or not Path(path).exists():
+            continue
+        src = Path(path).resolve()
+        if where == src or (src.is_dir() and src in where.parents):
+            what = role if where == src else f"inside {role} {path}"
+            raise RecscaleError(f"{flag} {out} is {what}; name another file to write")

@@ -31,7 +31,7 @@ from recscale.distributed.dmt.transform import LocalDMT, local_key
 from recscale.distributed.env import init_distributed
 from recscale.distributed.topology import Topology
 from recscale.errors import RESUME, RUN_DIR, CheckpointError, ConfigError, DataError, RecscaleError
-from recscale.io import atomic_write_bytes, committed
+from recscale.io import atomic_write_bytes, check_output, committed
 from recscale.models.base import RecModel
 from recscale.models.embedding import EmbeddingLayer
 from recscale.models.registry import build_model
@@ -252,19 +252,12 @@ def load_flat(
 _RUN_OWN = ("config.yaml", "preprocess.json", "report.json", "metrics.jsonl", "best", "ckpt", "data", "tb")
 
 
-def check_output(out: Path, flag: str, run_dir: Path, data_path: str | None) -> None:
-    """A RecscaleError unless ``out`` (given as ``flag``) may be written by a command reading ``run_dir`` and
-    ``data_path``: not a directory, not the --data file or inside a --data directory (MovieLens), not one of
-    the run's own files. Checked before the command's work, not after it."""
-    if out.is_dir():
-        raise RecscaleError(f"{flag} {out} is a directory; name the file to write")
-    where = out.resolve()
-    if data_path is not None and Path(data_path).exists():
-        data = Path(data_path).resolve()
-        if where == data or data in where.parents:
-            what = "the --data file" if where == data else f"inside the --data directory {data_path}"
-            raise RecscaleError(f"{flag} {out} is {what}; name another file to write")
-    run = Path(run_dir).resolve()
+def check_run_output(out: Path, flag: str, run_dir: Path, data_path: str | None) -> None:
+    """``recscale.io.check_output`` for a command reading ``run_dir`` and ``data_path`` (a file, or a MovieLens
+    directory), and not one of the run's own files either."""
+    kind = "directory" if data_path is not None and Path(data_path).is_dir() else "file"
+    check_output(out, flag, [(f"the --data {kind}", data_path)])
+    where, run = out.resolve(), Path(run_dir).resolve()
     if run in where.parents and where.relative_to(run).parts[0] in _RUN_OWN:
         raise RecscaleError(
             f"{flag} {out} is the run's own {where.relative_to(run)}; name another file to write"
@@ -431,7 +424,7 @@ def _scored(
     if data_path is not None and not Path(data_path).exists():
         raise DataError(f"--data {data_path}: no such file; give the file to score")
     if out is not None:
-        check_output(out[0], out[1], run_dir, data_path)
+        check_run_output(out[0], out[1], run_dir, data_path)
     cfg, pre, built = load_trained(run_dir)
     if group_by is not None:
         check_group_by(pre.schema, group_by, f"--group-by {group_by}", str(run_dir))
