@@ -484,3 +484,45 @@ def test_a_crash_outside_python_says_what_the_other_threads_did(tmp_path):
     )
     assert dist_env.crash_site(tmp_path, 12).endswith("with no Python code running: the process was ending")
     assert dist_env.crash_site(tmp_path, 13) is None  # no dump: killed from outside
+
+
+def test_sigterm_stops_predict_and_removes_its_copy_of_the_file(tmp_path, monkeypatch):
+    """SIGTERM ended `recscale predict` (and eval) with no word (rc -15), leaving the materialised copy of the
+    file it scored behind in a temporary directory, as large as the file's split; it stops as Ctrl-C does:
+    one line, exit 143, no copy left and no output written."""
+    from recscale.config import load_config
+    from recscale.train.loop import Trainer
+
+    lines = "".join(f"{i % 2},{i % 7},{i % 11}\n" for i in range(300))
+    (tmp_path / "train.csv").write_text("label,user,item\n" + lines)
+    (tmp_path / "run.yaml").write_text(
+        f"data: {{format: csv, train: {tmp_path / 'train.csv'}, num_workers: 0, "
+        "schema: {label: label, sparse: [{name: user}, {name: item}]}}\n"
+        "model: {name: fm}\ntrain: {batch_size: 32, max_steps: 2, progress: false}\n"
+    )
+    Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()
+    (tmp_path / "new.csv").write_text("user,item\n" + "3,5\n" * 3_000_000)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))  # where the command materialises the file
+    out = tmp_path / "scores.csv"
+    cmd = ["predict", str(tmp_path / "r"), "--data", str(tmp_path / "new.csv"), "--out", str(out)]
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "recscale.cli", *cmd], stdout=subprocess.DEVNULL,
+                                stderr=stderr, cwd=REPO)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not any(tmp.iterdir()):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    err = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert (
+        err.strip().splitlines()[-1] == "predict: stopped by SIGTERM before it finished; nothing was written"
+    )
+    assert list(tmp.iterdir()) == [] and not out.exists()

@@ -189,15 +189,16 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.nproc is not None:
         _launch_scoring(args)
         return
-    metrics = eval_run(
-        Path(args.run_dir),
-        args.data,
-        args.format,
-        on_bad_row=args.on_bad_row,
-        overrides=args.overrides,
-        group_by=args.group_by,
-        predictions=Path(args.predictions) if args.predictions else None,
-    )
+    with _scoring_stops(args.command):
+        metrics = eval_run(
+            Path(args.run_dir),
+            args.data,
+            args.format,
+            on_bad_row=args.on_bad_row,
+            overrides=args.overrides,
+            group_by=args.group_by,
+            predictions=Path(args.predictions) if args.predictions else None,
+        )
     shutdown()  # as train and export: gloo's threads joined now, not by exit-time destructors
     if int(os.environ.get("RANK", 0)) != 0:  # each rank of --nproc or torchrun scored alike: rank 0 says it
         return
@@ -210,6 +211,20 @@ def cmd_eval(args: argparse.Namespace) -> None:
             "check that the file writes ids as the training data did (e.g. not 007 for 7)",
             file=sys.stderr,
         )
+
+
+@contextmanager
+def _scoring_stops(command: str) -> Iterator[None]:
+    """SIGTERM stops ``eval`` or ``predict`` as Ctrl-C does: the file's materialised copy in a temporary
+    directory (as large as the split) is removed, not left behind by a process dead of the signal."""
+    from recscale.distributed.env import shutdown
+
+    try:
+        with _sigterm_raises():
+            yield
+    except Terminated:
+        shutdown()
+        raise Terminated(f"{command}: stopped by SIGTERM before it finished; nothing was written") from None
 
 
 def _launch_scoring(args: argparse.Namespace) -> None:
@@ -236,9 +251,10 @@ def cmd_predict(args: argparse.Namespace) -> None:
     if args.nproc is not None:
         _launch_scoring(args)
         return
-    done = predict_run(
-        Path(args.run_dir), args.data, Path(args.out), args.format, args.on_bad_row, args.overrides
-    )
+    with _scoring_stops(args.command):
+        done = predict_run(
+            Path(args.run_dir), args.data, Path(args.out), args.format, args.on_bad_row, args.overrides
+        )
     shutdown()
     if int(os.environ.get("RANK", 0)) != 0:  # each rank of --nproc or torchrun scored alike: rank 0 says it
         return
