@@ -149,6 +149,12 @@ def test_eval_names_the_fields_none_of_whose_ids_training_saw(tmp_path, capsys):
     )
     assert code == 0 and json.loads(out)["unknown_id_fields"] == ["user", "item"]
     assert err.startswith("note: no id of user, item is in the run's vocabularies") and err.count("\n") == 1
+    # predict said nothing of it, where new rows are the likelier to write their ids another way
+    scores = str(tmp_path / "scores.csv")
+    code, _, err = run(
+        capsys, "predict", str(tmp_path / "run"), "--data", str(tmp_path / "f.csv"), "--out", scores
+    )
+    assert code == 0 and err.startswith("note: no id of user, item is in the run's vocabularies"), err
     code, out, err = run(capsys, "eval", str(tmp_path / "run"), "--data", str(train))
     assert code == 0 and err == "" and "unknown_id_fields" not in json.loads(out)
     floats = [",".join([r[0], *(f"{c}.0" for c in r.split(",")[1:3]), *r.split(",")[3:]]) for r in GOOD]

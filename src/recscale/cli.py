@@ -205,7 +205,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(strict_json(metrics))
     if (note := undefined_note(metrics)) is not None:  # beside the JSON, which stays one line
         print(f"note: {note}", file=sys.stderr)
-    if unknown := metrics.get("unknown_id_fields"):
+    _note_unknown_ids(metrics.get("unknown_id_fields"))
+
+
+def _note_unknown_ids(unknown: list[str] | None) -> None:
+    """eval's and predict's note on the fields none of whose ids the run knows (their scores are OOV's)."""
+    if unknown:
         print(
             f"note: no id of {', '.join(unknown)} is in the run's vocabularies (every row OOV or missing); "
             "check that the file writes ids as the training data did (e.g. not 007 for 7)",
@@ -260,6 +265,7 @@ def cmd_predict(args: argparse.Namespace) -> None:
         return
     skipped = f" ({done['skipped_rows']:,} bad rows dropped)" if done.get("skipped_rows") else ""
     print(f"scored {done['rows']:,} row{'s' * (done['rows'] != 1)}{skipped}: {args.out}")
+    _note_unknown_ids(done.get("unknown_id_fields"))
 
 
 def cmd_export(args: argparse.Namespace) -> None:

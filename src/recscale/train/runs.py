@@ -339,8 +339,7 @@ def eval_run(
         m: dict[str, Any] = scored(s.logits, s.ds, group_by)
         if predictions is not None:
             s.write(predictions, {"label": s.ds.labels().astype(np.int8)})
-        # A field whose vocabulary is empty (min_count above every id's count) is OOV in training too.
-        unknown = [f for f in s.ds.unknown_fields() if s.pre.num_embeddings(f) > 1]
+        unknown = _unknown_fields(s)
     if group_by is not None:
         m["gauc_by"] = group_by
     if s.stats.skipped:
@@ -361,13 +360,22 @@ def predict_run(
     """Score new rows: each row's predicted probability (``score``) and position in the file, in file
     order, written to ``out`` (.parquet, else CSV) for the file ``data_path`` read as ``eval_run`` reads
     it, except that CSV and Parquet files need no label column (one there is not read). Returns rows,
-    and skipped_rows if any."""
+    and skipped_rows and unknown_id_fields (as ``eval_run``'s) if any."""
     with _scored(run_dir, data_path, fmt, "test", on_bad_row, overrides, (out, "--out"), labelled=False) as s:
         s.write(out, {})
+        unknown = _unknown_fields(s)
     summary: dict[str, Any] = {"rows": len(s.ds)}
     if s.stats.skipped:
         summary["skipped_rows"] = s.stats.skipped
+    if unknown:  # ids written otherwise than training's (007 for 7) all score as OOV: said, as eval says it
+        summary["unknown_id_fields"] = unknown
     return summary
+
+
+def _unknown_fields(s: _Scores) -> list[str]:
+    """The sparse fields none of whose ids in the scored file the run knows."""
+    # A field whose vocabulary is empty (min_count above every id's count) is OOV in training too.
+    return [f for f in s.ds.unknown_fields() if s.pre.num_embeddings(f) > 1]
 
 
 @dataclass
