@@ -827,6 +827,37 @@ def test_a_resume_refuses_a_valid_file_changed_since_the_run_read_it(tmp_path):
         Trainer(more, tmp_path / "r", resume=True)
 
 
+def test_a_resume_not_finding_its_data_says_what_to_do_rather_than_what_it_refuses(
+    tmp_path, monkeypatch, capsys
+):
+    """A run trained on relative data paths, resumed from another directory, was told "data.train: train.csv
+    does not exist; fix the path in the config or set data.train=PATH", and a resume with data.train=PATH was
+    refused (a resumed run keeps its data)."""
+    lines = ["label,user,item", *(f"{i % 3 == 0:d},{i % 7},{i % 11}" for i in range(300))]
+    (tmp_path / "train.csv").write_text("\n".join(lines) + "\n")
+    (tmp_path / "run.yaml").write_text(
+        "data: {format: csv, train: train.csv, num_workers: 0, schema: {label: label, sparse: [{name: user}]}}\n"
+        "model: {name: fm}\ntrain: {batch_size: 32, max_steps: 2, progress: false}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()
+    monkeypatch.chdir(tmp_path / "r")
+    assert main(["train", "--resume", "--out", str(tmp_path / "r"), "train.max_steps=4"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: resume=True (CLI: --resume): data.train train.csv is relative to the working directory and not "
+        f"found from {tmp_path / 'r'}; resume from the directory the run was started in\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.csv").rename(tmp_path / "moved.csv")
+    saved = tmp_path / "r" / "config.yaml"
+    saved.write_text(saved.read_text().replace("train: train.csv", f"train: {tmp_path / 'train.csv'}"))
+    assert main(["train", "--resume", "--out", str(tmp_path / "r"), "train.max_steps=4"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "is not found; a resumed run reads the data it trained on, unchanged, at the path its config.yaml "
+        "names: restore the file there\n"
+    )
+
+
 def test_trainer_errors_name_the_trainers_arguments_and_the_clis_options(tmp_path):
     """From Python they said "pass --resume" and "another --out", options only the CLI has."""
     cfg = load_config(CONFIGS / "demo.yaml", SMALL_SYNTH)

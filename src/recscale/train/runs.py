@@ -115,7 +115,27 @@ def resume_config(run_dir: Path, config: str | None, overrides: list[str]) -> Ru
     else:
         cfg = load_config(config, overrides)
     _refuse_changes(run_dir, saved, cfg)
+    _check_data_found(cfg.data)
     return cfg
+
+
+def _check_data_found(data: DataConfig) -> None:
+    """A resume reads its training and valid files again, at the paths it may not change: one not found is
+    restored (or the resume run from where a relative path is found), not given another path (the data
+    reader's hint, which the resume would refuse)."""
+    for split in ("train", "valid"):
+        path = getattr(data, split)
+        if path is None or Path(path).exists():
+            continue
+        if not Path(path).is_absolute():
+            raise RecscaleError(
+                f"{RESUME}: data.{split} {path} is relative to the working directory and not found from "
+                f"{Path.cwd()}; resume from the directory the run was started in"
+            )
+        raise RecscaleError(
+            f"{RESUME}: data.{split} {path} is not found; a resumed run reads the data it trained on, unchanged, "
+            "at the path its config.yaml names: restore the file there"
+        )
 
 
 def check_resume(run_dir: Path, cfg: RunConfig) -> None:
