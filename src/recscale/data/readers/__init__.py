@@ -103,5 +103,7 @@ def _counted(
         stats.rows += batch.num_rows
         yield as_trained(batch, schema, stats)
     if not rows:
-        dropped = f" ({stats.skipped} bad rows dropped)" if stats.skipped else ""
+        # Why they were bad, or the line says nothing of it (e.g. a Criteo test file's 39 fields read by eval).
+        first = f"; first at {stats.examples[0].removeprefix(f'{path} ')}" if stats.examples else ""
+        dropped = f" ({stats.skipped} bad rows dropped{first})" if stats.skipped else ""
         raise DataError(f"{path} has no data rows{dropped}")
