@@ -24,6 +24,9 @@ HEADER = ",".join(["label", *FRAPPE])
 ROWS = [f"{i % 2},{i % 7},{i % 11},1,2,3,4,5,6,7,8" for i in range(64)]
 
 
+PARQUET_BYTES = b"PAR1\x15\xf0\x8c\x01" + bytes(64)  # a Parquet file's start: its bytes are no UTF-8 text
+
+
 def config_text(train: str) -> str:
     sparse = ", ".join(f"{{name: {f}}}" for f in FRAPPE)
     return (
@@ -290,6 +293,11 @@ CASES = [
     Case("CSV read as parquet", lambda c: c.train("data.format=parquet"), ("parquet",)),
     Case("CSV read as Criteo TSV", lambda c: c.train("data.format=criteo"), ("good.csv",)),
     Case("CSV read as libsvm", lambda c: c.train("data.format=libsvm"), ("good.csv",)),
+    Case(
+        "Parquet read as CSV",
+        lambda c: c.train("data.train=" + c.csv("p.csv", PARQUET_BYTES)),
+        ("p.csv", "is a Parquet file", "data.format=parquet"),
+    ),
     Case("bad data.options", lambda c: c.train("data.options={delimter: ';'}"), ("delimter",)),
     # -------- eval
     Case(
@@ -349,6 +357,12 @@ CASES = [
         lambda c: ["eval", str(c.syn_run), "--data", str(c.good)],
         ("synthetic", "--format"),
         watch=lambda c: c.syn_run,
+    ),
+    Case(
+        "eval: a Parquet file to a CSV run",
+        lambda c: ["eval", str(c.run), "--data", c.csv("p.parquet", PARQUET_BYTES)],
+        ("p.parquet", "is a Parquet file", "--format parquet"),
+        watch=run_dir,
     ),
     Case(
         "eval: unknown --format",

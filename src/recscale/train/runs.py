@@ -496,8 +496,11 @@ def _scored(
                 data, pre, split, data_path, Path(tmp) / "split", progress=False,
                 positions=out is not None, labelled=not unlabelled,
             )  # fmt: skip
-        except DataError as e:  # the readers' hint names a config key, which eval takes no overrides for
-            raise DataError(str(e).replace(SKIP_HINT, "(pass --on-bad-row skip to drop such rows)")) from None
+        except DataError as e:  # the readers' hints name config keys, which eval takes no overrides for
+            line = str(e).replace(SKIP_HINT, "(pass --on-bad-row skip to drop such rows)")
+            raise DataError(
+                line.replace("data.format=", "--format ").replace("data.format", "--format")
+            ) from None
         # The batches the run's own evaluations used: an fp8 activation's scale is its batch's.
         logits = predict(built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision)
         yield _Scores(cfg, pre, data, ds, stats, logits)

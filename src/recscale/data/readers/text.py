@@ -25,6 +25,7 @@ BLOCK_BYTES = 8 << 20
 
 R = TypeVar("R")
 # pyarrow ends a row at a carriage return alone too, where recscale counts lines by their line feeds.
+PARQUET_MAGIC = b"PAR1"  # a Parquet file's first bytes
 _LINE_MAX = 16 << 20  # a header line longer than this is no header (first_line)
 BARE_CR = (
     "a carriage return (\\r) inside the line, which ends a row for the parser; remove it "
@@ -34,7 +35,11 @@ BARE_CR = (
 
 @contextmanager
 def _input_stream(path: Path) -> Iterator[pa.NativeFile]:
-    """``path`` opened for reading, decompressed as its name says; a damaged file named (``damage_named``)."""
+    """``path`` opened for reading, decompressed as its name says; a damaged file named (``damage_named``), a
+    Parquet file too (read as text, its bytes were called no UTF-8, to be saved as UTF-8)."""
+    with open(path, "rb") as f:
+        if f.read(len(PARQUET_MAGIC)) == PARQUET_MAGIC:
+            raise DataError(f"{path} is a Parquet file, not delimited text; read it with data.format=parquet")
     with damage_named(path), pa.input_stream(str(path), compression="detect") as stream:
         yield stream
 
