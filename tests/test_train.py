@@ -1109,6 +1109,9 @@ def test_eval_writes_each_rows_prediction(tmp_path, suffix):
     ):
         with pytest.raises(RecscaleError, match=why):
             eval_run(tmp_path / "r", str(tmp_path / "train.csv"), predictions=bad)
+    upper = tmp_path / "S.PARQUET"  # written as CSV under a Parquet name
+    eval_run(tmp_path / "r", str(tmp_path / "train.csv"), predictions=upper)
+    assert pq.read_table(upper).num_rows == 300
     ml = tmp_path / "ml"  # a format that reads a directory (MovieLens): no output inside it
     ml.mkdir()
     with pytest.raises(RecscaleError, match="is inside the --data directory"):

@@ -319,7 +319,7 @@ def write_columns(path: Path, columns: dict[str, np.ndarray]) -> None:
     file appears whole or not at all."""
     table = pa.table(columns)
     sink = pa.BufferOutputStream()
-    if path.suffix in (".parquet", ".pq"):
+    if path.suffix.lower() in (".parquet", ".pq"):  # SCORES.PARQUET too: not CSV under a Parquet name
         pq.write_table(table, sink)
     else:
         pacsv.write_csv(table, sink)
