@@ -1,5 +1,6 @@
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -1058,8 +1059,8 @@ def test_the_bayes_floors_ne_is_over_the_split_its_logloss_is_over(tmp_path):
         assert report["bayes_ne"] == pytest.approx(normalized_entropy(report["bayes_logloss"], ctr))
 
 
-@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
-def test_eval_writes_each_rows_prediction(tmp_path, suffix):
+@pytest.mark.parametrize("suffix", [".csv", ".parquet", ".csv.gz"])  # .gz: compressed, as the readers read it
+def test_eval_writes_each_rows_prediction(tmp_path, suffix, monkeypatch, capsys):
     """`recscale eval --predictions FILE`: one (label, score, line) row per row read, in file order, whose AUC
     and LogLoss are eval's; the input file itself, or a directory, is refused before anything is scored."""
     import pyarrow.parquet as pq
@@ -1109,6 +1110,19 @@ def test_eval_writes_each_rows_prediction(tmp_path, suffix):
     ):
         with pytest.raises(RecscaleError, match=why):
             eval_run(tmp_path / "r", str(tmp_path / "train.csv"), predictions=bad)
+    if suffix == ".csv":
+        # An empty path was taken as no --predictions at all; --nproc's checks came from every rank after the
+        # launch ("the other ranks were stopped").
+        monkeypatch.setattr("recscale.distributed.launch.launch", lambda *a: pytest.fail("launched"))
+        for argv, says in (
+            (["--data", str(tmp_path / "train.csv"), "--predictions", ""], "--predictions is an empty path"),
+            (["--data", str(tmp_path / "no.csv"), "--nproc", "2"], "--data .*no.csv: no such file"),
+            (["--data", str(tmp_path / "train.csv"), "--predictions", str(tmp_path), "--nproc", "2"], "is a directory"),
+        ):  # fmt: skip
+            capsys.readouterr()
+            assert main(["eval", str(tmp_path / "r"), *argv]) in (1, 2)
+            err = capsys.readouterr().err
+            assert re.search(says, err) and len(err.strip().splitlines()) == 1, err
     upper = tmp_path / "S.PARQUET"  # written as CSV under a Parquet name
     eval_run(tmp_path / "r", str(tmp_path / "train.csv"), predictions=upper)
     assert pq.read_table(upper).num_rows == 300

@@ -58,7 +58,7 @@ def print_report(report: dict) -> None:
             f"Bayes floor (synthetic teacher): logloss {report['bayes_logloss']:.4f}  ne {report['bayes_ne']:.4f}"
         )
     if report.get("skipped_rows"):
-        lines.append(f"skipped bad rows: {report['skipped_rows']}")
+        lines.append("skipped bad rows: " + ", ".join(f"{k} {v:,}" for k, v in report["skipped_rows"].items()))
     if report.get("truncated_sequences"):
         lines.append(f"sequences cut to max_len (rows): {report['truncated_sequences']}")
     lines.append(f"run directory: {report['run_dir']}")
@@ -236,12 +236,16 @@ def _launch_scoring(args: argparse.Namespace) -> None:
     """``eval`` or ``predict`` as --nproc local ranks, each holding its share of the tables (see
     recscale.distributed.launch)."""
     from recscale.distributed.launch import launch
-    from recscale.train.runs import check_scoring_ranks, run_config
+    from recscale.train.runs import check_scoring_args, check_scoring_ranks, run_config
 
     if "RANK" in os.environ:
         raise RecscaleError(f"{args.command}: --nproc starts its own processes; under torchrun leave it out")
-    # Before the launch, not by every rank after it.
-    check_scoring_ranks(run_config(Path(args.run_dir)), Path(args.run_dir), args.nproc)
+    # Before the launch, not by every rank after it (each said it, "the other ranks were stopped").
+    out = args.predictions if args.command == "eval" else args.out
+    flag = "--predictions" if args.command == "eval" else "--out"
+    run_dir = Path(args.run_dir)
+    check_scoring_args(run_dir, args.data, args.overrides, (Path(out), flag) if out else None, args.command)
+    check_scoring_ranks(run_config(run_dir), run_dir, args.nproc)
     worker = ["-m", "recscale.cli", *(["--debug"] if args.debug else []), args.command, args.run_dir]
     for flag in ("--data", "--format", "--on-bad-row", "--group-by", "--predictions", "--out"):
         value = getattr(args, flag[2:].replace("-", "_"), None)
@@ -830,15 +834,18 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may follow options (`train CFG --out D k=v`), which argparse leaves unparsed.
     try:
         args, extra = parser.parse_known_args(argv)
+        # Named by the command that got them (`recscale train: ...`, `see recscale train --help`), where its
+        # options are listed, not by `recscale`.
+        words = [parser.prog, args.command, getattr(args, f"{args.command}_command", None)]
+        usage = _Parser(prog=" ".join(w for w in words if w))
         if extra:
             if not hasattr(args, "overrides") or any(x.startswith("-") for x in extra):
-                # Named by the command that got them (`recscale train: ...`, `see recscale train --help`),
-                # where its options are listed, not by `recscale`.
-                words = [parser.prog, args.command, getattr(args, f"{args.command}_command", None)]
-                _Parser(prog=" ".join(w for w in words if w)).error(
-                    f"unrecognized arguments: {' '.join(extra)}"
-                )
+                usage.error(f"unrecognized arguments: {' '.join(extra)}")
             args.overrides += extra
+        # An empty path (`--predictions ""`, a shell variable unset) was taken as no option at all.
+        for name in ("out", "data", "predictions"):
+            if getattr(args, name, None) == "":
+                usage.error(f"--{name} is an empty path; name a file")
     except SystemExit as e:  # --help, or a usage error already printed as one line
         return int(e.code or 0)
     args.debug = debug  # the ranks of train --nproc show their tracebacks too

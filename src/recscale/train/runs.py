@@ -322,8 +322,36 @@ def write_columns(path: Path, columns: dict[str, np.ndarray]) -> None:
     if path.suffix.lower() in (".parquet", ".pq"):  # SCORES.PARQUET too: not CSV under a Parquet name
         pq.write_table(table, sink)
     else:
-        pacsv.write_csv(table, sink)
+        # Compressed as the name says (.gz, .bz2, .zst, .lz4), as the readers decompress it: plain CSV under
+        # a .gz name read back as a damaged gzip file.
+        try:
+            codec = pa.Codec.detect(str(path)).name
+        except (TypeError, ValueError):  # no compression's extension
+            pacsv.write_csv(table, sink)
+        else:
+            with pa.CompressedOutputStream(sink, codec) as stream:
+                pacsv.write_csv(table, stream)
     atomic_write_bytes(path, sink.getvalue().to_pybytes())
+
+
+def check_scoring_args(
+    run_dir: Path, data_path: str | None, overrides: list[str] | None, out: tuple[Path, str] | None, command: str
+) -> None:
+    """What ``eval`` or ``predict`` (``command``) is given, checked before the model loads (and before
+    --nproc's launch): a run, reader-option overrides only, a --data that exists, an output it may write."""
+    run_config(run_dir)  # a directory that is not a run is named first
+    for item in overrides or []:
+        key = item.partition("=")[0]
+        if key != "data.options" and not key.startswith("data.options."):
+            raise ConfigError(
+                f"{command}: override '{item}': {command} takes overrides of the reader's options only, "
+                "e.g. \"data.options={delimiter: ','}\" (bad rows: --on-bad-row; the format: --format)"
+            )
+    # A file, or a directory where the format reads one (MovieLens); the readers name a wrong kind of path.
+    if data_path is not None and not Path(data_path).exists():
+        raise DataError(f"--data {data_path}: no such file; give the file to score")
+    if out is not None:
+        check_run_output(out[0], out[1], run_dir, data_path)
 
 
 def check_group_by(schema: Schema, name: str, where: str, of: str) -> None:
@@ -439,20 +467,8 @@ def _scored(
     """The run's model's scores of a file (or a synthetic run's ``split``), as ``eval_run`` reads it; the
     split lives while the block runs. ``out``: the file the command writes and its flag, checked first;
     ``group_by``: a field eval groups by, checked before the file is read."""
-    run_config(run_dir)  # a directory that is not a run is named first
     command = "eval" if labelled else "predict"
-    for item in overrides or []:  # checked before the model loads
-        key = item.partition("=")[0]
-        if key != "data.options" and not key.startswith("data.options."):
-            raise ConfigError(
-                f"{command}: override '{item}': {command} takes overrides of the reader's options only, "
-                "e.g. \"data.options={delimiter: ','}\" (bad rows: --on-bad-row; the format: --format)"
-            )
-    # A file, or a directory where the format reads one (MovieLens); the readers name a wrong kind of path.
-    if data_path is not None and not Path(data_path).exists():
-        raise DataError(f"--data {data_path}: no such file; give the file to score")
-    if out is not None:
-        check_run_output(out[0], out[1], run_dir, data_path)
+    check_scoring_args(run_dir, data_path, overrides, out, command)
     cfg, pre, built = load_trained(run_dir)
     if group_by is not None:
         check_group_by(pre.schema, group_by, f"--group-by {group_by}", str(run_dir))
