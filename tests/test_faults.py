@@ -486,10 +486,12 @@ def test_a_crash_outside_python_says_what_the_other_threads_did(tmp_path):
     assert dist_env.crash_site(tmp_path, 13) is None  # no dump: killed from outside
 
 
-def test_sigterm_stops_predict_and_removes_its_copy_of_the_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("nproc", [[], ["--nproc", "2"]])
+def test_sigterm_stops_predict_and_removes_its_copy_of_the_file(tmp_path, monkeypatch, nproc):
     """SIGTERM ended `recscale predict` (and eval) with no word (rc -15), leaving the materialised copy of the
     file it scored behind in a temporary directory, as large as the file's split; it stops as Ctrl-C does:
-    one line, exit 143, no copy left and no output written."""
+    one line, exit 143, no copy left and no output written. With --nproc each rank removes its own copy
+    before it dies of the launcher's SIGTERM."""
     from recscale.config import load_config
     from recscale.train.loop import Trainer
 
@@ -506,13 +508,13 @@ def test_sigterm_stops_predict_and_removes_its_copy_of_the_file(tmp_path, monkey
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))  # where the command materialises the file
     out = tmp_path / "scores.csv"
-    cmd = ["predict", str(tmp_path / "r"), "--data", str(tmp_path / "new.csv"), "--out", str(out)]
+    cmd = ["predict", str(tmp_path / "r"), "--data", str(tmp_path / "new.csv"), "--out", str(out), *nproc]
     with open(tmp_path / "stderr.txt", "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "recscale.cli", *cmd], stdout=subprocess.DEVNULL,
                                 stderr=stderr, cwd=REPO)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while not any(tmp.iterdir()):
+        while len([p for p in tmp.iterdir() if p.name.startswith("recscale-predict-")]) < (2 if nproc else 1):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
@@ -522,7 +524,11 @@ def test_sigterm_stops_predict_and_removes_its_copy_of_the_file(tmp_path, monkey
         proc.wait()
     err = (tmp_path / "stderr.txt").read_text()
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
-    assert (
-        err.strip().splitlines()[-1] == "predict: stopped by SIGTERM before it finished; nothing was written"
-    )
-    assert list(tmp.iterdir()) == [] and not out.exists()
+    if not nproc:
+        assert (
+            err.strip().splitlines()[-1]
+            == "predict: stopped by SIGTERM before it finished; nothing was written"
+        )
+    assert [p for p in tmp.iterdir() if p.name.startswith("recscale-")] == [] and not out.exists(), err[
+        -2000:
+    ]

@@ -58,7 +58,9 @@ def print_report(report: dict) -> None:
             f"Bayes floor (synthetic teacher): logloss {report['bayes_logloss']:.4f}  ne {report['bayes_ne']:.4f}"
         )
     if report.get("skipped_rows"):
-        lines.append("skipped bad rows: " + ", ".join(f"{k} {v:,}" for k, v in report["skipped_rows"].items()))
+        lines.append(
+            "skipped bad rows: " + ", ".join(f"{k} {v:,}" for k, v in report["skipped_rows"].items())
+        )
     if report.get("truncated_sequences"):
         lines.append(f"sequences cut to max_len (rows): {report['truncated_sequences']}")
     lines.append(f"run directory: {report['run_dir']}")
@@ -224,6 +226,21 @@ def _scoring_stops(command: str) -> Iterator[None]:
     directory (as large as the split) is removed, not left behind by a process dead of the signal."""
     from recscale.distributed.env import shutdown
 
+    if "RANK" in os.environ:  # a rank of --nproc or torchrun: it dies of its launcher's SIGTERM, as the
+        # launcher expects (_sigterm_raises), once the blocks it is in have removed the copy
+
+        def unwind(signum: int, frame: FrameType | None) -> NoReturn:
+            raise Terminated
+
+        previous = signal.signal(signal.SIGTERM, unwind)
+        try:
+            yield
+        except Terminated:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        return
     try:
         with _sigterm_raises():
             yield
@@ -250,7 +267,10 @@ def _launch_scoring(args: argparse.Namespace) -> None:
     for flag in ("--data", "--format", "--on-bad-row", "--group-by", "--predictions", "--out"):
         value = getattr(args, flag[2:].replace("-", "_"), None)
         worker += [flag, value] if value is not None else []
-    launch([*worker, *args.overrides], args.nproc, None, 0)
+    with _scoring_stops(
+        args.command
+    ):  # SIGTERM: the ranks stopped, then one line and 143 as with one process
+        launch([*worker, *args.overrides], args.nproc, None, 0)
 
 
 def cmd_predict(args: argparse.Namespace) -> None:

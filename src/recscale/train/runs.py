@@ -335,7 +335,11 @@ def write_columns(path: Path, columns: dict[str, np.ndarray]) -> None:
 
 
 def check_scoring_args(
-    run_dir: Path, data_path: str | None, overrides: list[str] | None, out: tuple[Path, str] | None, command: str
+    run_dir: Path,
+    data_path: str | None,
+    overrides: list[str] | None,
+    out: tuple[Path, str] | None,
+    command: str,
 ) -> None:
     """What ``eval`` or ``predict`` (``command``) is given, checked before the model loads (and before
     --nproc's launch): a run, reader-option overrides only, a --data that exists, an output it may write."""
