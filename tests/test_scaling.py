@@ -138,6 +138,21 @@ def test_size_keys_set_list_items_and_bad_ones_are_one_line(tmp_path, capsys):
     )
 
 
+def test_two_families_naming_one_run_are_refused_as_such(tmp_path):
+    """Family dlrm-top_mlp64's size {} and dlrm's {top_mlp: [64]} are both run dlrm-top_mlp64: the error said
+    the first family listed its size twice."""
+    families = {
+        "dlrm-top_mlp64": {"model": {"name": "dlrm"}, "sizes": [{}]},
+        "dlrm": {"model": {"name": "dlrm"}, "sizes": [{"top_mlp": [64]}]},
+    }
+    with pytest.raises(
+        RecscaleError, match=r"family dlrm's size .* and family dlrm-top_mlp64's size \{\} would"
+    ):
+        load_sweep(write_sweep(tmp_path, families))
+    with pytest.raises(RecscaleError, match=r"family d lists the size \{\} twice"):
+        load_sweep(write_sweep(tmp_path, {"d": {"model": {"name": "dlrm"}, "sizes": [{}, {}]}}))
+
+
 def test_a_family_listed_twice_is_refused(tmp_path, capsys):
     """YAML's last key won: the first `wukong` family was dropped and its name trained the second's model."""
     path = tmp_path / "sweep.yaml"

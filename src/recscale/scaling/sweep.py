@@ -163,7 +163,8 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
     base = apply_overrides(load_raw(base_path), sweep.overrides)
     _one_epoch(path, "the overrides", sweep.overrides)
     set_key(base, "train.epochs", 1, "train.epochs")
-    runs, names = [], set()
+    runs: list[Run] = []
+    names: dict[str, tuple[str, dict[str, Any]]] = {}  # a size's run name -> the family and knobs naming it
     seeds: list[int | None] = [*sweep.seeds] or [None]
     for family, spec in sweep.families.items():
         for i, knobs in enumerate(spec.points()):
@@ -180,8 +181,15 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
                 raise ConfigError(f"{path}: family {family}, size {i + 1} {knobs}: {e}") from None
             size = _slug(family, knobs)
             if size in names:
-                raise ConfigError(f"{path}: family {family} lists the size {knobs} twice")
-            names.add(size)
+                first, first_knobs = names[size]
+                if first == family:
+                    raise ConfigError(f"{path}: family {family} lists the size {knobs} twice")
+                # Families dlrm-top_mlp64 (size {}) and dlrm (size {top_mlp: [64]}) name one run alike.
+                raise ConfigError(
+                    f"{path}: family {family}'s size {knobs} and family {first}'s size {first_knobs} would both "
+                    f"be run {size}; rename one of the families"
+                )
+            names[size] = (family, knobs)
             lengths: list[int | None] = [*spec.lengths] or [None]
             for length in lengths:
                 _check_length(path, family, length, cfg)
