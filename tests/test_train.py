@@ -1038,6 +1038,15 @@ def test_predict_scores_new_rows_without_a_label_column(tmp_path, source, capsys
     np.testing.assert_allclose(
         table["score"].to_numpy(), pacsv.read_csv(tmp_path / "eval.csv")["score"].to_numpy(), atol=1e-6
     )
+    # A file of no rows (a header alone) gets a file of no scores, not an error: a day without traffic.
+    if source == "csv":
+        data.write_text("user,item\n")
+    else:
+        pq.write_table(pa.table({"item": pa.array([], pa.string()), "user": pa.array([], pa.string())}), data)
+    capsys.readouterr()
+    assert main(argv) == 0 and capsys.readouterr().out == f"scored 0 rows: {out}\n"
+    empty = pacsv.read_csv(out)
+    assert empty.num_rows == 0 and empty.column_names == ["score", "line" if source == "csv" else "row"]
     with pytest.raises(ConfigError, match="data.schema.label"):  # a config's label names a column
         load_config(tmp_path / "run.yaml", ["data.schema.label=''"])
 

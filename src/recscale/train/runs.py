@@ -6,6 +6,7 @@ reader) and validated; a bad one is a one-line ``CheckpointError`` naming it.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from recscale.config_files import apply_overrides, read_yaml_mapping
 from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
+from recscale.data.readers import NoRows
 from recscale.data.readers.base import SKIP_HINT, OnBadRow, ReadStats, position_unit
 from recscale.data.schema import Schema
 from recscale.distributed.dmt.transform import LocalDMT, local_key
@@ -413,9 +415,17 @@ def predict_run(
     order, written to ``out`` (.parquet, else CSV) for the file ``data_path`` read as ``eval_run`` reads
     it, except that CSV and Parquet files need no label column (one there is not read). Returns rows,
     and skipped_rows and unknown_id_fields (as ``eval_run``'s) if any."""
-    with _scored(run_dir, data_path, fmt, "test", on_bad_row, overrides, (out, "--out"), labelled=False) as s:
-        s.write(out, {})
-        unknown = _unknown_fields(s)
+    try:
+        with _scored(
+            run_dir, data_path, fmt, "test", on_bad_row, overrides, (out, "--out"), labelled=False
+        ) as s:
+            s.write(out, {})
+            unknown = _unknown_fields(s)
+    except NoRows:  # a file of no rows (a day without traffic) is scored by a file of no scores, not an error
+        if int(os.environ.get("RANK", 0)) == 0:
+            unit = position_unit(fmt or run_config(run_dir).data.format)
+            write_columns(out, {"score": np.zeros(0), unit: np.zeros(0, dtype=np.int64)})
+        return {"rows": 0}
     summary: dict[str, Any] = {"rows": len(s.ds)}
     if s.stats.skipped:
         summary["skipped_rows"] = s.stats.skipped
@@ -518,7 +528,7 @@ def _scored(
             )  # fmt: skip
         except DataError as e:  # the readers' hints name config keys, which eval takes no overrides for
             line = str(e).replace(SKIP_HINT, "(pass --on-bad-row skip to drop such rows)")
-            raise DataError(
+            raise type(e)(  # NoRows stays NoRows: predict writes no scores for no rows
                 line.replace("data.format=", "--format ").replace("data.format", "--format")
             ) from None
         # The batches the run's own evaluations used: an fp8 activation's scale is its batch's.

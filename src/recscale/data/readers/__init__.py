@@ -94,6 +94,10 @@ def read_batches(
     return _counted(module.read(path, schema, opts, bad, *extra), path, schema, chunk_rows, stats)
 
 
+class NoRows(DataError):
+    """A file with no data rows at all (empty, or a header alone): none was bad."""
+
+
 def _counted(
     batches: Iterator[pa.RecordBatch], path: Path, schema: Schema, chunk_rows: int, stats: ReadStats
 ) -> Iterator[pa.RecordBatch]:
@@ -105,5 +109,6 @@ def _counted(
     if not rows:
         # Why they were bad, or the line says nothing of it (e.g. a Criteo test file's 39 fields read by eval).
         first = f"; first at {stats.examples[0].removeprefix(f'{path} ')}" if stats.examples else ""
-        dropped = f" ({stats.skipped} bad rows dropped{first})" if stats.skipped else ""
-        raise DataError(f"{path} has no data rows{dropped}")
+        if not stats.skipped:
+            raise NoRows(f"{path} has no data rows")
+        raise DataError(f"{path} has no data rows ({stats.skipped} bad rows dropped{first})")
