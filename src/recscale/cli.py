@@ -629,7 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="also write each row's predicted probability: columns label, score and the row's line (text) or "
         "row (Parquet) in the file, one row per row read, in file order (bad rows --on-bad-row skip drops left "
-        "out); Parquet if FILE ends in .parquet, else CSV",
+        "out); Parquet if FILE ends in .parquet, else CSV (gzip-compressed for .gz; also .bz2, .zst, .lz4)",
     )
     e.set_defaults(fn=cmd_eval)
 
@@ -645,7 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         required=True,
         metavar="FILE",
-        help="where to write: Parquet if FILE ends in .parquet, else CSV",
+        help="where to write: Parquet if FILE ends in .parquet, else CSV (gzip-compressed for .gz; also .bz2, .zst, .lz4)",
     )
     pr.set_defaults(fn=cmd_predict)
 
