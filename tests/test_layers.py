@@ -20,7 +20,8 @@ LAYERS: list[set[str]] = [
     {"config_files"},
     {"retrieval"},  # two-tower models and in-model item indexes, built from models' blocks
     {"data", "models"},  # siblings: data knows nothing of models, models nothing of data
-    {"errors", "io", "quiet", "settings"},  # the base of config sections
+    {"io", "quiet", "settings"},  # the base of config sections
+    {"errors"},  # what every part raises (io's checks of a command's paths too)
 ]
 
 
