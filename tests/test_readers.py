@@ -581,6 +581,21 @@ def test_movielens_options_are_validated(tmp_path):
         read_batches(root, "movielens", ML_SCHEMA, {"split": "dev"})
 
 
+def test_movielens_fingerprint_sees_a_user_file_rewritten_in_place(tmp_path):
+    """A split's fingerprint stat'ed only the directory (or the .inter file): its .user file rewritten in
+    place left it unchanged, and a run or data.prepared reused vocabularies of the old features."""
+    from recscale.data.sources import source_fingerprint
+
+    root = write_movielens(tmp_path / "ml", ["1\t10\t5\t1"])
+    before = {p: source_fingerprint("movielens", str(p), "train", {}) for p in (root, root / "ml.inter")}
+    dir_mtime = root.stat().st_mtime_ns
+    with open(root / "ml.user", "r+") as f:  # in place: the directory's entries stay as they were
+        f.write("user_id:token\tage:token\tgender:token\n1\t99\tM")
+    assert root.stat().st_mtime_ns == dir_mtime
+    for p, fingerprint in before.items():
+        assert source_fingerprint("movielens", str(p), "train", {}) != fingerprint, p
+
+
 # ---------------------------------------------------------------- real data
 
 

@@ -13,6 +13,7 @@ import pyarrow as pa
 
 from recscale.data.readers import ReadStats, read_batches
 from recscale.data.readers.base import OnBadRow
+from recscale.data.readers.movielens import files_of
 from recscale.data.schema import Schema
 from recscale.data.synthetic import SyntheticSpec, synthetic_batches
 from recscale.errors import DataError
@@ -51,4 +52,9 @@ def source_fingerprint(fmt: str, path: str | None, split: str, extra: dict[str, 
             )
         st = os.stat(p)
         info.update(path=str(p), size=st.st_size, mtime_ns=st.st_mtime_ns)
+        if fmt == "movielens":
+            # Its data is the .inter file and the .user/.item beside it: a directory's size and mtime do not
+            # change when a file in it is rewritten in place, nor the .inter file's when its .user file is.
+            stats = {str(f.path): os.stat(f.path) for f in files_of(p).values()}
+            info["files"] = {name: [st.st_size, st.st_mtime_ns] for name, st in stats.items()}
     return hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode()).hexdigest()
