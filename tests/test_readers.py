@@ -143,6 +143,21 @@ def test_libsvm_bag_mode(tmp_path):
     assert t == {"label": [0.0, 1.0, 1.0], "f": [["1", "7"], ["3"], []], "f__w": [[0.5, 2.0], [1.0], []]}
 
 
+def test_a_byte_order_mark_is_no_part_of_the_first_line(tmp_path):
+    """A UTF-8 BOM (Notepad's "UTF-8") made libsvm's line 1 bad, "label '\\ufeff1' is not -1, 0 or 1", where
+    CSV and Criteo, whose parser skips it, read the same file's first line."""
+    bom = "\ufeff"
+    path = write(tmp_path / "t.svm", [f"{bom}1 3:1 10:1", "0 4:1 11:1"])
+    t = read_all(path, "libsvm", make_schema(sparse=["u", "i"])).to_pydict()
+    assert t == {"label": [1.0, 0.0], "u": ["3", "4"], "i": ["10", "11"]}
+    path = write(tmp_path / "bag.svm.gz", [])
+    path.write_bytes(gzip.compress(f"{bom}1 3:2\n".encode()))
+    assert read_all(path, "libsvm", make_schema(weighted=["f"]), {"mode": "bag"}).to_pydict()["f"] == [["3"]]
+    criteo = "\t".join(["1", *["2"] * 13, *["a"] * 26])
+    path = write(tmp_path / "c.txt", [bom + criteo])
+    assert read_all(path, "criteo", make_schema(dense=["I1"], sparse=["C1"])).to_pydict()["label"] == [1.0]
+
+
 def test_libsvm_streams_in_chunks(tmp_path):
     path = write(tmp_path / "t.svm", [f"{2 * (i % 2) - 1} {i}:1" for i in range(25)])
     batches = list(read_batches(path, "libsvm", make_schema(sparse=["a"]), chunk_rows=10))

@@ -26,6 +26,7 @@ BLOCK_BYTES = 8 << 20
 R = TypeVar("R")
 # pyarrow ends a row at a carriage return alone too, where recscale counts lines by their line feeds.
 PARQUET_MAGIC = b"PAR1"  # a Parquet file's first bytes
+UTF8_BOM = b"\xef\xbb\xbf"  # what some editors write first in a UTF-8 file: no part of its first line
 _LINE_MAX = 16 << 20  # a header line longer than this is no header (first_line)
 BARE_CR = (
     "a carriage return (\\r) inside the line, which ends a row for the parser; remove it "
@@ -52,10 +53,11 @@ def iter_chunks(
     Yields (1-based line number of the chunk's first line, the chunk's bytes). Only line ends are
     counted, so line numbers are exact for any content. Each chunk is a buffer of its own that the
     stream reads into: the bytes are copied once (a partial last line is carried over to the next chunk).
+    A UTF-8 byte order mark at the file's start is dropped.
     A block with no line feed but a carriage return is an error at once (``_check_no_bare_cr``), not a
     file read whole into memory as one line. ``quote``: '"' quotes cells, which may hold a ``\r``.
     """
-    line, carry = 1, b""
+    line, carry, first_block = 1, b"", True
     with _input_stream(path) as stream:
         while True:
             chunk = bytearray(len(carry) + BLOCK_BYTES)
@@ -63,6 +65,10 @@ def iter_chunks(
             end = len(carry) + stream.readinto(memoryview(chunk)[len(carry) :])
             if end == len(carry):
                 break
+            if first_block and chunk.startswith(UTF8_BOM):  # as pyarrow's parser skips it in a CSV header
+                del chunk[: len(UTF8_BOM)]
+                end -= len(UTF8_BOM)
+            first_block = False
             cut = chunk.rfind(b"\n", 0, end) + 1
             if not cut:
                 _check_no_bare_cr(path, line, chunk, end, quote)
