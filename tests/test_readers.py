@@ -158,6 +158,15 @@ def test_a_byte_order_mark_is_no_part_of_the_first_line(tmp_path):
     assert read_all(path, "criteo", make_schema(dense=["I1"], sparse=["C1"])).to_pydict()["label"] == [1.0]
 
 
+def test_libsvm_ids_read_as_every_format_reads_them(tmp_path):
+    """An idx written 3.0 was id "3.0" in libsvm, where CSV and Parquet read it as id 3."""
+    path = write(tmp_path / "t.libfm", ["1 3.0:1 007:1", "0 3:1 -2.00:1"])
+    t = read_all(path, "libsvm", make_schema(sparse=["u", "i"])).to_pydict()
+    assert t == {"label": [1.0, 0.0], "u": ["3", "3"], "i": ["007", "-2"]}
+    t = read_all(path, "libsvm", make_schema(weighted=["f"]), {"mode": "bag"}).to_pydict()
+    assert t["f"] == [["3", "007"], ["3", "-2"]]
+
+
 def test_libsvm_streams_in_chunks(tmp_path):
     path = write(tmp_path / "t.svm", [f"{2 * (i % 2) - 1} {i}:1" for i in range(25)])
     batches = list(read_batches(path, "libsvm", make_schema(sparse=["a"]), chunk_rows=10))

@@ -9,6 +9,8 @@ Two modes (option ``mode``):
 - ``bag``: the schema has exactly one sparse feature, multi and weighted: a line's idx are its
   ids, its vals their weights.
 
+An ``idx`` is read as every reader reads a text id (``base.normal_ids``): ``3.0`` is id ``3``.
+
 The schema has no dense features in either mode. Errors and dropped rows name 1-based file lines.
 """
 
@@ -29,6 +31,7 @@ from recscale.data.readers.base import (
     Problem,
     check_file,
     make_batch,
+    normal_ids,
     to_dense,
     to_label,
 )
@@ -116,7 +119,7 @@ def _parse(lines: pa.Array, schema: Schema, options: Options) -> tuple[list[pa.A
         is_token = np.ones(len(flat), dtype=bool)
         is_token[starts] = False
         tokens = flat.filter(pa.array(is_token))
-        idx = tokens.take(pa.array(np.arange(0, len(tokens), 2)))
+        idx = normal_ids(tokens.take(pa.array(np.arange(0, len(tokens), 2))))
         weights, weight_problem = to_dense(tokens.take(pa.array(np.arange(1, len(tokens), 2))), "val")
         pair_offsets = pa.array(np.append((starts - np.arange(len(starts))) // 2, len(idx)).astype(np.int32))
         ids = pa.ListArray.from_arrays(pair_offsets, idx)
@@ -139,7 +142,7 @@ def _parse(lines: pa.Array, schema: Schema, options: Options) -> tuple[list[pa.A
     for k in range(n_fields):
         absent = n_tokens <= k
         take = pa.array(np.where(absent, 0, starts + 1 + 2 * k), mask=absent, type=pa.int64())
-        arrays.append(flat.take(take))
+        arrays.append(normal_ids(flat.take(take)))
     count = _problem(n_tokens != n_fields, lambda i: f"has {n_tokens[i]} idx:val tokens, expected {n_fields}")
     return arrays, [*problems, count]
 
