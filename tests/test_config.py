@@ -328,6 +328,18 @@ def test_an_error_in_a_schema_feature_names_the_feature():
     assert str(e.value).startswith("invalid config: data.schema.sparse.1.max_len ('item'): ")
 
 
+@pytest.mark.parametrize("fill", ["1e39", "-1e39"])
+def test_a_dense_fill_beyond_float32_is_refused(fill):
+    """fill: 1e39 passed as a finite number but is infinite in float32: training on rows without a missing
+    value went through, then the first missing value of valid, eval or a served request failed with
+    'dense features hold NaN or infinite values after preprocessing'."""
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "criteo.yaml", [f"data.schema.dense=[{{name: I1, fill: {fill}}}]"])
+    assert str(e.value).startswith("invalid config: data.schema.dense.0.fill ('I1'): "), e.value
+    assert "beyond float32's range" in str(e.value)
+    load_config(CONFIGS / "criteo.yaml", ["data.schema.dense=[{name: I1, fill: -3.4e38}]"])
+
+
 @pytest.mark.parametrize(
     "schema",
     [

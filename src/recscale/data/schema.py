@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from recscale.settings import Settings
 
 WEIGHT_SUFFIX = "__w"
 LABEL = "label"
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 
 
 class DenseFeature(Settings):
@@ -32,6 +33,16 @@ class DenseFeature(Settings):
     name: str
     transform: Literal["none", "log1p"] = "none"
     fill: float = 0.0
+
+    @field_validator("fill")
+    @classmethod
+    def _fill_fits_float32(cls, v: float) -> float:
+        # Dense values are float32: a larger fill is infinite there, and its rows' loss NaN.
+        if abs(v) > FLOAT32_MAX:
+            raise ValueError(
+                f"fill {v:g} is beyond float32's range (+-3.4e38), where dense values are kept; give a smaller one"
+            )
+        return v
 
 
 class SparseFeature(Settings):
