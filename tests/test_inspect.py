@@ -55,6 +55,26 @@ def test_a_delimiter_means_csv(tmp_path):
     assert (report["format"], report["rows"], columns(report)["user"]["cardinality"]) == ("csv", 2, 2)
 
 
+def test_a_tab_delimited_file_says_how_to_inspect_it(tmp_path, capsys):
+    """A .tsv was 'cannot tell its format' without a word of --delimiter; with --format csv it was one column
+    and schema null; and --delimiter '\\t', as a shell passes it, was 'at most 1 character'."""
+    from recscale.cli import main
+
+    path = write(tmp_path / "t.tsv", ["label\tuser", "1\tu", "0\tv"])
+    with pytest.raises(DataError, match=r"cannot tell its format; pass --format, .*pass --delimiter '\\t'"):
+        guess_format(path)
+    with pytest.raises(DataError, match=r"t.tsv line 1: the header is one column .* pass --delimiter"):
+        inspect_file(path, "csv")
+    for flag in ("\\t", "tab"):
+        assert main(["data", "inspect", str(path), "--delimiter", flag]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert (report["options"], report["rows"], report["schema"]) == (
+            {"delimiter": "\t"},
+            2,
+            {"sparse": [{"name": "user"}]},
+        )
+
+
 def test_inspect_csv_infers_types(tmp_path):
     path = write(
         tmp_path / "t.csv",

@@ -371,7 +371,9 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     from recscale.data.inspect import inspect_file
     from recscale.io import strict_json
 
-    options = {"delimiter": args.delimiter} if args.delimiter is not None else None
+    # A tab is hard to type: a shell passes '\t' as backslash and t.
+    delimiter = "\t" if args.delimiter in ("\\t", "tab") else args.delimiter
+    options = {"delimiter": delimiter} if delimiter is not None else None
 
     report = inspect_file(args.path, args.format, options, args.max_rows, args.tables, args.max_len)
     print(strict_json(report, indent=2))
@@ -726,7 +728,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--format", help="csv, libsvm, criteo, movielens or parquet (default: guessed)")
     i.add_argument(
         "--delimiter",
-        help="csv: the field separator, as data.options.delimiter (default ,; given, the format is csv)",
+        help="csv: the field separator, as data.options.delimiter (default ,; \\t or tab: a tab; given, the format is csv)",
     )
     i.add_argument("--max-rows", type=_int_in(1),
                    help="read only the file's first N rows, good or bad (movielens: its first N ratings by time)")  # fmt: skip

@@ -62,6 +62,7 @@ from recscale.data.readers.base import (
     to_label,
 )
 from recscale.data.readers.criteo import COLUMNS as CRITEO_COLUMNS
+from recscale.data.readers.csv import delimiter_hint
 from recscale.data.readers.movielens import KEYS, RATING, files_of
 from recscale.data.readers.parquet import holds_numbers, open_parquet
 from recscale.data.readers.text import (
@@ -115,7 +116,9 @@ def guess_format(path: str | Path) -> str:
         return "libsvm"
     if b"," in line:
         return "csv"
-    raise DataError(f"{path}: cannot tell its format; pass one of: {', '.join(FORMATS)}")
+    other = next((d for d in ("\t", ";", "|") if d.encode() in line), None)
+    hint = f"; if it is text delimited by {other!r}, pass --delimiter {other!r}" if other else ""
+    raise DataError(f"{path}: cannot tell its format; pass --format, one of: {', '.join(FORMATS)}{hint}")
 
 
 class _Distinct:
@@ -472,6 +475,9 @@ def inspect_file(
         check_file(path)
         delimiter = options.get("delimiter", ",")
         names = read_header(path, delimiter, quote=True)
+        if len(names) == 1 and (other := delimiter_hint(names[0], delimiter)) is not None:
+            # The file's columns read as one: no schema, no statistics worth reporting.
+            raise DataError(f"{path} line 1: {other} (data inspect: pass --delimiter)")
         columns = [_Column(n, LABEL if n == LABEL else None, tables) for n in names]
         chunks = _take(_csv_chunks(path, names, delimiter), max_rows)
         rows = _scan(chunks, columns, BadRows(path, "line", "skip", stats))
