@@ -328,6 +328,15 @@ def test_an_error_in_a_schema_feature_names_the_feature():
     assert str(e.value).startswith("invalid config: data.schema.sparse.1.max_len ('item'): ")
 
 
+@pytest.mark.parametrize("cap", ["min_count: 5", "max_vocab: 100"])
+def test_hash_buckets_with_a_vocabulary_cap_is_refused(cap):
+    """min_count and max_vocab beside hash_buckets were ignored without a word: every rare id kept a bucket."""
+    with pytest.raises(ConfigError, match=r"data.schema.sparse.0 .*'user': hash_buckets hashes every id"):
+        load_config(
+            CONFIGS / "frappe.yaml", [f"data.schema.sparse=[{{name: user, hash_buckets: 64, {cap}}}]"]
+        )
+
+
 @pytest.mark.parametrize("fill", ["1e39", "-1e39"])
 def test_a_dense_fill_beyond_float32_is_refused(fill):
     """fill: 1e39 passed as a finite number but is infinite in float32: training on rows without a missing

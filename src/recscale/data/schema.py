@@ -76,6 +76,12 @@ class SparseFeature(Settings):
             )
         if self.weighted and not self.multi:
             raise ValueError(f"sparse feature '{self.name}': weighted=true needs multi=true")
+        if self.hash_buckets is not None and (self.min_count != 1 or self.max_vocab is not None):
+            # Hashing builds no vocabulary: a rare id keeps its bucket, and there is nothing to cap.
+            raise ValueError(
+                f"sparse feature '{self.name}': hash_buckets hashes every id (no vocabulary), so min_count and "
+                "max_vocab would be ignored; drop them, or drop hash_buckets"
+            )
         if self.max_len is not None and (not self.multi or self.weighted):
             raise ValueError(
                 f"sparse feature '{self.name}': a sequence (max_len) needs multi=true and weighted=false"
