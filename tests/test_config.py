@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -335,6 +336,22 @@ def test_hash_buckets_with_a_vocabulary_cap_is_refused(cap):
         load_config(
             CONFIGS / "frappe.yaml", [f"data.schema.sparse=[{{name: user, hash_buckets: 64, {cap}}}]"]
         )
+
+
+@pytest.mark.parametrize(
+    ("feature", "says"),
+    [
+        ("{name: user, sep: ';'}", "sep splits a multi-id cell; set multi=true or drop sep"),  # was ignored
+        # 'a:0.5:b' split on ':' read ids and weights wrongly, without a word
+        (
+            "{name: user, multi: true, weighted: true, sep: ':'}",
+            "sep ':' holds ':', which separates a weighted id",
+        ),
+    ],
+)
+def test_a_sep_the_reader_would_misuse_or_ignore_is_refused(feature, says):
+    with pytest.raises(ConfigError, match=rf"data.schema.sparse.0 .*'user': {re.escape(says)}"):
+        load_config(CONFIGS / "frappe.yaml", [f"data.schema.sparse=[{feature}]"])
 
 
 @pytest.mark.parametrize("fill", ["1e39", "-1e39"])

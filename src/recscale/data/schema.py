@@ -76,6 +76,16 @@ class SparseFeature(Settings):
             )
         if self.weighted and not self.multi:
             raise ValueError(f"sparse feature '{self.name}': weighted=true needs multi=true")
+        # Another separator than the default (a run's config.yaml spells every default out) on one id a cell.
+        if self.sep != "|" and not self.multi:
+            raise ValueError(
+                f"sparse feature '{self.name}': sep splits a multi-id cell; set multi=true or drop sep"
+            )
+        if self.weighted and ":" in self.sep:  # a weighted entry is id:weight: 'a:0.5:b' would split wrongly
+            raise ValueError(
+                f"sparse feature '{self.name}': sep {self.sep!r} holds ':', which separates a weighted id from its "
+                "weight (id:weight); choose another sep, e.g. '|'"
+            )
         if self.hash_buckets is not None and (self.min_count != 1 or self.max_vocab is not None):
             # Hashing builds no vocabulary: a rare id keeps its bucket, and there is nothing to cap.
             raise ValueError(
