@@ -404,15 +404,18 @@ def test_inspect_gives_the_schema_that_trains_on_the_file(tmp_path):
     from recscale.config import load_config
     from recscale.train.loop import Trainer
 
+    # The first column a pandas index, whose empty name training refuses: left out of the schema (it was
+    # null), and named so.
     path = write(
         tmp_path / "t.csv",
-        ["label,price,user,tags"] + [f"{i % 2},{i / 4},{i % 5},a|{i % 3}" for i in range(64)],
+        [",label,price,user,tags"] + [f"{i},{i % 2},{i / 4},{i % 5},a|{i % 3}" for i in range(64)],
     )
     report = inspect_file(path)
     assert report["schema"] == {
         "dense": [{"name": "price"}],
         "sparse": [{"name": "user"}, {"name": "tags", "multi": True}],
     }
+    assert report["schema_left_out"] == [""]
     config = (
         f"data: {{format: csv, train: {path}, num_workers: 0, schema: {json.dumps(report['schema'])}}}\n"
         "model: {name: fm}\ntrain: {batch_size: 16, max_steps: 2, progress: false}\n"

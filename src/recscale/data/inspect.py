@@ -530,11 +530,13 @@ def inspect_file(
             chunks = _reader_chunks(path, fmt, schema, options)
             rows = _scan(_take(chunks, max_rows), columns, BadRows(path, "line", "skip", stats))
     label = next((c for c in columns if c.kind == LABEL), None)
+    config_schema, left_out = _config_schema(columns, fixed)
     return {
         "path": str(path),
         "format": fmt,
         "options": options,
-        "schema": _config_schema(columns, fixed),
+        "schema": config_schema,
+        "schema_left_out": left_out,
         "rows": rows,
         "bad_rows": stats.skipped,
         "bad_row_examples": stats.examples,
@@ -543,26 +545,33 @@ def inspect_file(
     }
 
 
-def _config_schema(columns: list[_Column], fixed: Schema | None) -> dict[str, Any] | None:
+def _config_schema(columns: list[_Column], fixed: Schema | None) -> tuple[dict[str, Any] | None, list[str]]:
     """The ``data.schema`` that trains on the file as inspected, as a config takes it (JSON, which YAML reads):
-    the format's fixed layout (``fixed``: criteo, libsvm, movielens), else the columns as inferred; None for
-    columns no schema can take (no ``label`` column, no features, a name training refuses)."""
+    the format's fixed layout (``fixed``: criteo, libsvm, movielens), else the columns as inferred (None for
+    columns no schema can take: no ``label`` column, no features); and the columns left out of it because
+    training refuses their name (a pandas index column's empty name: the readers skip a column no feature
+    names)."""
+    left_out: list[str] = []
     if fixed is None:
         kinds = {c.name: c.inferred() for c in columns}
+        dense, sparse = [], []
+        for c in columns:
+            try:
+                if kinds[c.name] == "dense":
+                    dense.append(DenseFeature(name=c.name))
+                elif kinds[c.name] in ("sparse", "multi"):
+                    sparse.append(
+                        SparseFeature(name=c.name, multi=kinds[c.name] == "multi", weighted=c.weighted)
+                    )
+            except ValueError:
+                left_out.append(c.name)
         try:
-            fixed = Schema(
-                dense=[DenseFeature(name=n) for n, k in kinds.items() if k == "dense"],
-                sparse=[
-                    SparseFeature(name=c.name, multi=kinds[c.name] == "multi", weighted=c.weighted)
-                    for c in columns
-                    if kinds[c.name] in ("sparse", "multi")
-                ],
-            )
+            fixed = Schema(dense=dense, sparse=sparse)
         except ValueError:
-            return None
+            return None, left_out
         if LABEL not in kinds.values():
-            return None
-    return fixed.model_dump(mode="json", exclude_defaults=True)
+            return None, left_out
+    return fixed.model_dump(mode="json", exclude_defaults=True), left_out
 
 
 def _pair_weights(columns: list[_Column], arrow: pa.Schema) -> None:
