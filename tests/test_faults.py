@@ -503,7 +503,8 @@ def test_sigterm_stops_predict_and_removes_its_copy_of_the_file(tmp_path, monkey
         "model: {name: fm}\ntrain: {batch_size: 32, max_steps: 2, progress: false}\n"
     )
     Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()
-    (tmp_path / "new.csv").write_text("user,item\n" + "3,5\n" * 3_000_000)
+    # Long enough to be scoring still when the signal comes, on a busy machine too.
+    (tmp_path / "new.csv").write_text("user,item\n" + "3,5\n" * 6_000_000)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp))  # where the command materialises the file

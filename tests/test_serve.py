@@ -565,9 +565,9 @@ def test_one_ctrl_c_stops_workers_that_are_still_starting(trained, restarted):
             workers = _workers_of(proc.pid)
         if restarted:
             os.kill(workers[0], signal.SIGKILL)
-            deadline, first = time.time() + 60, workers
+            deadline, first = time.time() + 150, workers  # the supervisor pings the other one first
             while not [w for w in workers if w not in first and _loaded(w, b"fbgemm_gpu_py")]:
-                assert proc.poll() is None and time.time() < deadline, "no worker restarted within 60 s"
+                assert proc.poll() is None and time.time() < deadline, "no worker restarted within 150 s"
                 time.sleep(0.05)
                 workers = _workers_of(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal
