@@ -1139,3 +1139,15 @@ def test_eval_writes_each_rows_prediction(tmp_path, suffix, monkeypatch, capsys)
     ml.mkdir()
     with pytest.raises(RecscaleError, match="is inside the --data directory"):
         check_run_output(ml / "u.data", "--predictions", tmp_path / "r", str(ml))
+
+
+def test_metrics_jsonl_is_there_for_a_run_that_logged_nothing(tmp_path):
+    """The README lists metrics.jsonl in every run directory; a run with no train window logged and no split
+    to evaluate had none."""
+    cfg = load_config(
+        CONFIGS / "demo.yaml",
+        ["data.synthetic.rows={train: 512}", "data.num_workers=0", "train.max_steps=2", "train.log_every=100",
+         "train.progress=false"],
+    )  # fmt: skip
+    Trainer(cfg, tmp_path / "r").fit()
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == ""

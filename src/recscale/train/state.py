@@ -93,6 +93,9 @@ class RunLog:
         self.path = run_dir / "metrics.jsonl"
         purge = None if resumed_at is None else resumed_at + 1
         self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge) if main else None
+        if main:  # there from the start, as the README lists it: a run that logs no record has it empty
+            with naming(self.path):
+                self.path.touch()
 
     def __call__(self, record: dict[str, Any]) -> None:
         if self.tb is None:
