@@ -1,7 +1,7 @@
 """Quality benchmark: train each model on a dataset over several seeds; table next to published figures.
 
     python bench/quality.py bench/quality_frappe.yaml              # every model, seeds 0 1 2
-    python bench/quality.py bench/quality_frappe.yaml --models wukong dlrm --seeds 0
+    python bench/quality.py bench/quality_frappe.yaml --models wukong_auc dlrm --seeds 0
 
 A suite file names, per model, what it trains: ``{config: RECIPE, overrides: [...]}`` (a run config,
 e.g. configs/frappe/wukong.yaml, plus optional overrides), or a list of overrides of the suite's
