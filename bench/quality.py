@@ -182,6 +182,8 @@ def main() -> None:
     name = suite_path.stem.removeprefix("quality_")
     models = entries(suite)
     chosen = args.models or list(models)
+    if unknown := [m for m in chosen if m not in models]:
+        ap.error(f"--models {' '.join(unknown)}: not in {args.suite}, whose models are {', '.join(models)}")
     out = Path(args.out) if args.out else REPO / "docs" / f"quality_{name}"
     ref = published(suite.get("reference"))
     extra_ref = suite.get("published", {})  # figures not in the BARS table (e.g. Wukong's paper)
