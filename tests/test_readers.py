@@ -530,6 +530,16 @@ def write_movielens(root: Path, inter_rows: list[str]) -> Path:
 ML_SCHEMA = make_schema(sparse=["user_id", "item_id", "gender"], multi=["class"])
 
 
+def test_movielens_tokens_follow_the_shared_id_rule(tmp_path):
+    """A token written 3.0 trained the id '3.0', which a CSV export of the same rows (3.0 is id 3) scored as
+    out of vocabulary; tokens now read as every reader reads a text id, keys of the joins too."""
+    root = write_movielens(tmp_path / "ml", ["1.0\t10\t5\t1", "2\t11.00\t3\t2"])
+    write(root / "ml.item", ["item_id:token\tclass:token_seq", "10.0\tAction Comedy", "11\t"])
+    got = read_all(root, "movielens", ML_SCHEMA, {"split": "all"}).to_pydict()
+    assert got["user_id"] == ["1", "2"] and got["item_id"] == ["10", "11"]
+    assert got["gender"] == ["M", "F"] and got["class"] == [["Action", "Comedy"], []]  # joined by key
+
+
 def test_movielens_key_on_two_rows_is_an_error(tmp_path):
     """User 2 twice, with two genders: the join took the first row without a word."""
     root = write_movielens(tmp_path / "ml", ["1\t10\t5\t1", "2\t11\t3\t2"])

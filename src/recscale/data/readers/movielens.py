@@ -47,6 +47,7 @@ from recscale.data.readers.base import (
     Problem,
     check_file,
     missing_columns_error,
+    normal_ids,
     raw_arrow_schema,
     split_ids,
     to_dense,
@@ -209,8 +210,8 @@ def _load(file: AtomicFile, include: list[str], required: tuple[str, ...], bad: 
                 problems.append(problem)
             elif kind == "token_seq":
                 values = split_ids(cells(name), " ")[0]
-            else:
-                values = cells(name)
+            else:  # a token is read as every reader reads a text id: 3.0 is 3, as in a CSV export of the rows
+                values = normal_ids(cells(name))
             if name in required:
                 problems.append(_missing(values, name))
             arrays.append(values)
