@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -287,18 +288,19 @@ def test_sigterm_still_ends_a_rank_at_once(tmp_path):
     assert code == -signal.SIGTERM and "SIGTERM" not in err, err[-2000:]
 
 
-def _sigterm_once(cmd: list[str], started: Path, log: Path) -> tuple[int, str]:
-    """Run ``recscale CMD``, SIGTERM it once ``started`` exists (the command is at work then); returns its
-    exit code and stderr."""
+def _sigterm_once(cmd: list[str], started: Path | Callable[[], bool], log: Path) -> tuple[int, str]:
+    """Run ``recscale CMD``, SIGTERM it once ``started`` exists or returns True (the command is at work then);
+    returns its exit code and stderr."""
+    at_work = started.exists if isinstance(started, Path) else started
     with open(log, "w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "recscale.cli", *cmd], stdout=subprocess.DEVNULL,
                                 stderr=stderr, cwd=REPO)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while not started.exists():
-            assert proc.poll() is None, f"it exited before {started} existed: {log.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, f"no {started} within 120 s"
-            time.sleep(0.1)
+        while not at_work():
+            assert proc.poll() is None, f"it exited before it was at work: {log.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"not at work ({started}) within 120 s"
+            time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
@@ -510,26 +512,15 @@ def test_sigterm_stops_predict_and_removes_its_copy_of_the_file(tmp_path, monkey
     monkeypatch.setenv("TMPDIR", str(tmp))  # where the command materialises the file
     out = tmp_path / "scores.csv"
     cmd = ["predict", str(tmp_path / "r"), "--data", str(tmp_path / "new.csv"), "--out", str(out), *nproc]
-    with open(tmp_path / "stderr.txt", "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "recscale.cli", *cmd], stdout=subprocess.DEVNULL,
-                                stderr=stderr, cwd=REPO)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while len([p for p in tmp.iterdir() if p.name.startswith("recscale-predict-")]) < (2 if nproc else 1):
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
-        proc.wait()
-    err = (tmp_path / "stderr.txt").read_text()
-    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
-    if not nproc:
-        assert (
-            err.strip().splitlines()[-1]
-            == "predict: stopped by SIGTERM before it finished; nothing was written"
-        )
-    assert [p for p in tmp.iterdir() if p.name.startswith("recscale-")] == [] and not out.exists(), err[
-        -2000:
-    ]
+    copies = 2 if nproc else 1  # each rank's copy of the file in the temp directory
+
+    def scoring() -> bool:
+        return len([p for p in tmp.iterdir() if p.name.startswith("recscale-predict-")]) >= copies
+
+    code, err = _sigterm_once(cmd, scoring, tmp_path / "stderr.txt")
+    assert code == 128 + signal.SIGTERM, err[-2000:]
+    assert (
+        err.strip().splitlines()[-1] == "predict: stopped by SIGTERM before it finished; nothing was written"
+    )
+    left = [p for p in tmp.iterdir() if p.name.startswith("recscale-")]
+    assert left == [] and not out.exists(), err[-2000:]
