@@ -1132,6 +1132,14 @@ def test_eval_writes_each_rows_prediction(tmp_path, suffix, monkeypatch, capsys)
             assert main(["eval", str(tmp_path / "r"), *argv]) in (1, 2)
             err = capsys.readouterr().err
             assert re.search(says, err) and len(err.strip().splitlines()) == 1, err
+    # A failed eval ends the process group its model load started, as a finished one does: the next run in
+    # the process (a notebook's) found it there.
+    import torch.distributed as dist
+
+    (tmp_path / "short.csv").write_text("label,user\n1,2\n")
+    with pytest.raises(RecscaleError, match="item"):
+        eval_run(tmp_path / "r", str(tmp_path / "short.csv"))
+    assert not dist.is_initialized()
     upper = tmp_path / "S.PARQUET"  # written as CSV under a Parquet name
     eval_run(tmp_path / "r", str(tmp_path / "train.csv"), predictions=upper)
     assert pq.read_table(upper).num_rows == 300
