@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from recscale.cli import main
 from recscale.config import load_config
+from recscale.distributed.env import shutdown
 from recscale.models.quant import QuantLinear, linear_names, quantize_model
 from recscale.models.registry import build_model
 from recscale.train.build import feature_set
@@ -88,8 +90,10 @@ def test_probe_api_lowers_and_restores(run) -> None:
     assert 0 < change["mxfp8_e4m3"] < change["mxfp4"]
     assert torch.equal(logits(built.module, batches), z0)  # restored exactly
     # a tolerance nothing breaks takes every layer
+    shutdown()  # the group load_trained above started
     plan = probe(run, rows=300, formats=["mxfp8_e4m3"], tolerance=1.0)
     assert list(plan["model.quant"]["layers"]) == names
+    assert not dist.is_initialized()  # the group the probe's model load started ends with it
 
 
 def test_a_bf16_run_is_probed_in_bf16(tmp_path, capsys) -> None:

@@ -24,6 +24,8 @@ import re
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -194,6 +196,19 @@ def shutdown() -> None:
     _heartbeat = None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextmanager
+def own_group() -> Iterator[None]:
+    """The process group started in the block (loading a run's model starts one) ends with it, failed or
+    not, unless the caller's was there before: eval, predict, export or a probe from Python left it to the
+    next run in the process (a notebook's). Also a decorator."""
+    own = not dist.is_initialized()
+    try:
+        yield
+    finally:
+        if own:
+            shutdown()
 
 
 def exit_rank(code: int) -> NoReturn:

@@ -19,6 +19,7 @@ from torchrec.tensor_types import UIntXTensor
 
 from recscale.config import RunConfig
 from recscale.data.preprocess import Preprocessor
+from recscale.distributed.env import own_group
 from recscale.errors import CheckpointError
 from recscale.models.base import RecModel
 from recscale.models.quant import FORMATS, QuantLinear, fake_quant, quantize_model, quantize_rows
@@ -158,6 +159,7 @@ def load_weights(model: RecModel, tensors: dict[str, torch.Tensor], tables: Tabl
         dst.copy_(src)
 
 
+@own_group()
 def export_run(
     run_dir: Path, out: Path, tables: TableFormat = "fp32", dense: DenseFormat = "fp32"
 ) -> Manifest:

@@ -34,6 +34,7 @@ from recscale.config import RunConfig
 from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
+from recscale.distributed.env import own_group
 from recscale.errors import DataError, RecscaleError
 from recscale.models.base import RecModel
 from recscale.models.quant import (
@@ -140,6 +141,7 @@ def _metrics(z: Tensor, labels: Tensor, base: dict[str, Any] | None = None) -> d
     return out
 
 
+@own_group()
 def probe(
     run_dir: Path,
     data_path: str | None = None,

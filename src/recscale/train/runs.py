@@ -30,7 +30,7 @@ from recscale.data.readers import NoRows
 from recscale.data.readers.base import SKIP_HINT, OnBadRow, ReadStats, position_unit
 from recscale.data.schema import Schema
 from recscale.distributed.dmt.transform import LocalDMT, local_key
-from recscale.distributed.env import init_distributed, shutdown
+from recscale.distributed.env import init_distributed, own_group
 from recscale.distributed.topology import Topology
 from recscale.errors import RESUME, RUN_DIR, CheckpointError, ConfigError, DataError, RecscaleError
 from recscale.io import atomic_write_bytes, check_output, committed
@@ -389,7 +389,7 @@ def eval_run(
     each row's label and predicted probability (``score``) to, in the order read."""
     out = (predictions, "--predictions") if predictions is not None else None
     with (
-        _own_group(),
+        own_group(),
         _scored(run_dir, data_path, fmt, split, on_bad_row, overrides, out, group_by=group_by) as s,
     ):
         group_by = group_by or s.cfg.train.group_by  # the run's own grouping, unless told another
@@ -420,7 +420,7 @@ def predict_run(
     and skipped_rows and unknown_id_fields (as ``eval_run``'s) if any."""
     try:
         with (
-            _own_group(),
+            own_group(),
             _scored(
                 run_dir, data_path, fmt, "test", on_bad_row, overrides, (out, "--out"), labelled=False
             ) as s,
@@ -470,18 +470,6 @@ class _Scores:
             else {}
         )
         write_columns(path, columns | {"score": probability} | at)
-
-
-@contextmanager
-def _own_group() -> Iterator[None]:
-    """The process group loading a model starts in the block (unless the caller's is there) ends with it,
-    failed or not: an error left it to the next run in the process (a notebook's, a test's)."""
-    own = not dist.is_initialized()
-    try:
-        yield
-    finally:
-        if own:
-            shutdown()
 
 
 @contextmanager
