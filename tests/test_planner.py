@@ -218,6 +218,18 @@ def test_learned_sharding_row_splits_what_fits_no_other_way():
     assert prediction is not None and max(prediction.plan.memory) <= 75 * 1024
 
 
+def test_a_table_too_small_to_split_by_rows_is_the_cap_error():
+    """A cap only a row split meets (dim 4: no column split; 100 bytes whole, 40 a block), for a table of 5 rows on 4 ranks (blocks of 2: the last rank none): the
+    learned plan was row-wise and failed in training with 'give it another type (distributed.tables...)', a
+    type the user never chose and that could not fit the cap either."""
+    features = FeatureSet(sparse=(SparseInput("f0", 5),), num_dense=0)
+    model = build_model("lr", features, EmbeddingConfig(dim=4), {})
+    env = DistEnv(0, 4, 4, torch.device("cpu"), "gloo")
+    cfg = DistributedConfig.model_validate({"sharding": "learned", "learned": {"memory_cap_mb": 50 / 2**20}})
+    with pytest.raises(ConfigError, match=r"table 'f0' .* its 5 rows in blocks of ceil\(rows / 4\) leave a"):
+        predicted_plan(model, env, cfg)
+
+
 @pytest.mark.parametrize("local_world", [4, 2])
 def test_learned_memory_cap_counts_the_explicit_tables(local_world):
     # f4 and f5 (74,800 bytes with their row-wise state) pinned to rank 0 under a cap of 80,000 bytes:

@@ -313,6 +313,14 @@ class LearnedPlanner:
             if self._column_splits_that_fit(f) is not None:
                 continue
             assert self.cap is not None  # without a cap every table fits whole
+            if -(-f.rows // self.world) * (self.world - 1) >= f.rows:
+                # TorchRec's blocks of ceil(rows / ranks) rows leave the last rank none: a row-wise plan
+                # fbgemm's CPU lookup fails on, for a table so small that only the cap asked to split it.
+                raise ConfigError(
+                    f"distributed.learned.memory_cap_mb: table {f.name!r} ({f.memory() / 2**20:.3g} MB with its "
+                    f"optimizer state) fits the cap of {self.cap / 2**20:.3g} MB per rank only split by rows, "
+                    f"and its {f.rows} rows in blocks of ceil(rows / {self.world}) leave a rank none; raise the cap"
+                )
             block = f.row_block(self.world).memory()
             if block > self.cap - int(self.reserved.max()):  # a block on each rank
                 self._too_big(f)
