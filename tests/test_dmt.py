@@ -400,6 +400,22 @@ def test_towers_other_than_hosts_is_one_line(tmp_path, capsys, launch, hosts):
     assert not (tmp_path / "run").exists()
 
 
+def test_an_assignment_of_other_features_is_refused_before_the_launch(tmp_path, capsys, monkeypatch):
+    """A partition file of another run's features was found by every rank after the launch ('...; the other
+    ranks were stopped')."""
+    from recscale.cli import main
+
+    monkeypatch.setattr("recscale.distributed.launch.launch", lambda *a: pytest.fail("launched"))
+    other = tmp_path / "towers.json"
+    other.write_text(json.dumps({"assignment": {"user": 0, "item": 1}}))
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+    argv = ["train", str(demo), f"dmt.assignment={other}", "--nproc", "4", "--local-world-size", "2"]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"error: dmt.assignment {other}: features ['m0'," in err and "are not features of this run" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
 def test_settings_dmt_cannot_take_are_refused_by_the_config():
     """Checked only when the towers were built, by every rank after a --nproc launch: the same error
     printed by each rank, then the launcher's line. The config refuses them, once, before any launch."""
