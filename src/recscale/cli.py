@@ -69,6 +69,7 @@ def print_report(report: dict) -> None:
 
 def cmd_train(args: argparse.Namespace) -> None:
     from recscale.config import load_config
+    from recscale.distributed.dmt.assignment import resolve_assignment
     from recscale.distributed.dmt.build import check_topology
     from recscale.distributed.env import shutdown
     from recscale.distributed.launch import host_split
@@ -96,6 +97,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         check_world_size(cfg, args.nproc)
         if cfg.dmt is not None:
             check_topology(cfg, hosts)
+            # An assignment of other features (another run's partition file): each rank said it after the launch.
+            resolve_assignment(cfg.dmt.assignment, [f.name for f in cfg.data.schema.sparse], hosts, cfg.seed)
         check_model(cfg)
         check_run_dir(out, cfg, args.resume, Topology(args.nproc, local))
         try:

@@ -67,8 +67,6 @@ def check_topology(cfg: RunConfig, hosts: int) -> None:
             f"host{'s' * (hosts != 1)}; set dmt.towers=auto or run it on {cfg.dmt.towers} "
             f"host{'s' * (cfg.dmt.towers != 1)} (e.g. --nproc {2 * cfg.dmt.towers} --local-world-size 2)"
         )
-    # An assignment of other features (another run's partition file), before the launch: each rank said it.
-    resolve_assignment(cfg.dmt.assignment, [f.name for f in cfg.data.schema.sparse], hosts, cfg.seed)
 
 
 def build_unsharded(cfg: RunConfig, features: FeatureSet, hosts: int) -> UnshardedDMT:
