@@ -47,7 +47,7 @@ def test_a_timed_out_rank_names_the_ranks_that_did_not_time_out(tmp_path, monkey
         "ranks 3 (last heartbeat before its first step, 30 s ago), 1 (last heartbeat at step 7, 21 s ago) "
         "stopped responding; rank 0 timed out waiting for them after distributed.timeout_s=20"
     )
-    verdict = json.loads((tmp_path / "rank0.json").read_text())
+    verdict = json.loads((tmp_path / "rank0_attempt1.json").read_text())
     assert (verdict["error"], verdict["pids"], verdict["attempt"]) == (line, [1003, 1001], 1)
     # Every rank timed out: no one to blame. A dead peer is not a timeout, nor is any other error.
     store.set("stuck/1", "1")
@@ -84,6 +84,24 @@ def test_the_launcher_kills_the_hung_workers_of_its_own_agents_only(tmp_path):
         ours.kill()
         os.kill(stranger, signal.SIGKILL)
         other.wait()
+
+
+def test_the_launcher_acts_on_a_hang_in_each_attempt(tmp_path, monkeypatch):
+    """Rank 0 times out in attempt 0 and again, after a restart, in attempt 1: the launcher reads both verdicts.
+    Both were written to rank0.json, which it had already read, so the second hung rank lived on and the job's
+    next attempt waited for it ("rank 1 ... it never joined")."""
+    store = torch.distributed.HashStore()
+    store.set("hb/1", json.dumps({"step": 3, "time": time.time() - 9, "pid": 1001}))
+    monkeypatch.setattr(dist_env, "_heartbeat", dist_env._Heartbeat(store, 0, 2, 8.0))
+    monkeypatch.setattr(dist_env, "_PEER_SETTLE_S", 0.1)
+    monkeypatch.setenv(dist_env.FAULT_DIR_ENV, str(tmp_path))
+    timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 8000ms for recv")
+    seen: set[Path] = set()
+    for attempt in (0, 1):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
+        assert lost_peer(timeout) is not None
+        verdicts = _kill_hung(tmp_path, seen, [])
+        assert [v["attempt"] for v in verdicts] == [attempt]
 
 
 # ---------------------------------------------------------------- faults

@@ -288,7 +288,9 @@ def _name_the_hung(hb: _Heartbeat) -> str | None:
     if fault_dir := os.environ.get(FAULT_DIR_ENV):
         pids = [beats[r]["pid"] for r in silent if r in beats]
         verdict = {"error": line, "pids": pids, "time": now, "attempt": _attempt()}
-        _write_fault(Path(fault_dir) / f"rank{hb.rank}.json", verdict)
+        # One file per attempt: the launcher reads each file once, so a restarted attempt's verdict written
+        # over the last one's was never acted on (its hung rank lived on, and the next attempt waited for it).
+        _write_fault(Path(fault_dir) / f"rank{hb.rank}_attempt{_attempt()}.json", verdict)
     return line
 
 
