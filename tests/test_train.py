@@ -524,6 +524,18 @@ def test_ema_reports_the_average_of_the_dense_weights(tmp_path):
     assert again["auc"] == pytest.approx(report["valid"]["auc"])
 
 
+def test_ema_trains_with_fsdp_dense_and_resumes(tmp_path):
+    """train.ema_decay with distributed.dense=fsdp: swapping the average in for an evaluation used
+    ``_foreach_copy_``, which FSDP2's DTensor parameters lack ("internal error NotImplementedError")."""
+    common = [*SMALL_SYNTH, "train.eval_every=2", "train.early_stopping=null", "train.ema_decay=0.5",
+              "distributed.sharding=row_wise", "distributed.dense=fsdp"]  # fmt: skip
+    Trainer(load_config(CONFIGS / "demo.yaml", [*common, "train.max_steps=2"]), tmp_path / "r").fit()
+    report = Trainer(
+        load_config(CONFIGS / "demo.yaml", [*common, "train.max_steps=4"]), tmp_path / "r", resume=True
+    ).fit()
+    assert report["steps"] == 4 and math.isfinite(report["valid"]["logloss"])
+
+
 def test_report_fraction_holds_valid_rows_out_of_every_selection(tmp_path):
     """data.report_fraction: early stopping sees only the selection rows of valid; the held-out rows are
     scored once, at the end, and they are the same rows for every seed."""

@@ -59,13 +59,13 @@ class DenseEMA:
     @torch.no_grad()
     def reset(self) -> None:
         """Average from the model's current weights on (after they were replaced, e.g. by the best)."""
-        torch._foreach_copy_(list(self.shadow.values()), list(self.params.values()))
+        _copy(list(self.shadow.values()), list(self.params.values()))
 
     @torch.no_grad()
     def apply(self, weights: dict[str, torch.Tensor] | None = None) -> None:
         """Put the average (or ``weights``) into the model."""
         src = weights or self.shadow
-        torch._foreach_copy_(list(self.params.values()), [src[k] for k in self.params])
+        _copy(list(self.params.values()), [src[k] for k in self.params])
 
     @contextmanager
     def applied(self) -> Iterator[None]:
@@ -75,3 +75,10 @@ class DenseEMA:
             yield
         finally:
             self.apply(raw)
+
+
+def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])``, one by one: FSDP2's DTensor parameters (``distributed.dense: fsdp``) have no
+    ``_foreach_copy_``, which failed every evaluation of such a run with ``train.ema_decay`` set."""
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
