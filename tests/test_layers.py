@@ -12,6 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Top to bottom; a part may import from parts below it (and from itself), never from one above.
 LAYERS: list[set[str]] = [
+    {"__main__"},  # python -m recscale
     {"cli"},
     {"scaling", "serve"},  # siblings: studies of training runs; exported models of them
     {"train"},

@@ -918,10 +918,15 @@ def _error_line(e: Exception) -> tuple[int, str]:
     )
 
 
-if __name__ == "__main__":
+def run() -> NoReturn:
+    """``python -m recscale`` (or ``-m recscale.cli``, as the launcher starts ranks): main(), then exit."""
     code = main()
     if "RANK" in os.environ:  # a rank of --nproc or torchrun: done, it ends without exit-time destructors
         from recscale.distributed.env import exit_rank
 
         exit_rank(code)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()
