@@ -138,8 +138,15 @@ class Trainer:
             self.main = self.env.is_main
             check_world_size(cfg, self.env.world_size)
             check_model(cfg)  # before the data is prepared and a file is written
-            # Restarted by torchrun (--max-restarts): continue from the last complete checkpoint.
-            resume = resume or (self.env.restart_count > 0 and (self.dir / "config.yaml").is_file())
+            # Restarted by torchrun (--max-restarts): continue from the last complete checkpoint. Rank 0's
+            # view of the directory decides for every rank: an attempt that died before rank 0 wrote config.yaml
+            # could otherwise have ranks that checked before and after its write disagree (their collectives
+            # then out of step).
+            if not resume and self.env.restart_count > 0:
+                found = [(self.dir / "config.yaml").is_file()]
+                if self.env.world_size > 1:
+                    dist.broadcast_object_list(found, src=0)
+                resume = bool(found[0])
             with removed_on_failure(
                 self.dir, enabled=self.main
             ):  # a run that never started leaves no directory
