@@ -186,7 +186,6 @@ def _launch(args: argparse.Namespace, out: Path) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from recscale.distributed.env import shutdown
     from recscale.io import strict_json
     from recscale.train.metrics import undefined_note
     from recscale.train.runs import eval_run
@@ -204,7 +203,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
             group_by=args.group_by,
             predictions=Path(args.predictions) if args.predictions else None,
         )
-    shutdown()  # as train and export: gloo's threads joined now, not by exit-time destructors
     if int(os.environ.get("RANK", 0)) != 0:  # each rank of --nproc or torchrun scored alike: rank 0 says it
         return
     print(strict_json(metrics))
@@ -227,8 +225,6 @@ def _note_unknown_ids(unknown: list[str] | None) -> None:
 def _scoring_stops(command: str) -> Iterator[None]:
     """SIGTERM stops ``eval`` or ``predict`` as Ctrl-C does: the file's materialised copy in a temporary
     directory (as large as the split) is removed, not left behind by a process dead of the signal."""
-    from recscale.distributed.env import shutdown
-
     if "RANK" in os.environ:  # a rank of --nproc or torchrun: it dies of its launcher's SIGTERM, as the
         # launcher expects (_sigterm_raises), once the blocks it is in have removed the copy
 
@@ -247,8 +243,7 @@ def _scoring_stops(command: str) -> Iterator[None]:
     try:
         with _sigterm_raises():
             yield
-    except Terminated:
-        shutdown()
+    except Terminated:  # the process group, if one was started, ended with the scoring (own_group)
         raise Terminated(f"{command}: stopped by SIGTERM before it finished; nothing was written") from None
 
 
@@ -270,14 +265,12 @@ def _launch_scoring(args: argparse.Namespace) -> None:
     for flag in ("--data", "--format", "--on-bad-row", "--group-by", "--predictions", "--out"):
         value = getattr(args, flag[2:].replace("-", "_"), None)
         worker += [flag, value] if value is not None else []
-    with _scoring_stops(
-        args.command
-    ):  # SIGTERM: the ranks stopped, then one line and 143 as with one process
+    # SIGTERM: the ranks stopped, then one line and 143 as with one process.
+    with _scoring_stops(args.command):
         launch([*worker, *args.overrides], args.nproc, None, 0)
 
 
 def cmd_predict(args: argparse.Namespace) -> None:
-    from recscale.distributed.env import shutdown
     from recscale.train.runs import predict_run
 
     if args.nproc is not None:
@@ -287,7 +280,6 @@ def cmd_predict(args: argparse.Namespace) -> None:
         done = predict_run(
             Path(args.run_dir), args.data, Path(args.out), args.format, args.on_bad_row, args.overrides
         )
-    shutdown()
     if int(os.environ.get("RANK", 0)) != 0:  # each rank of --nproc or torchrun scored alike: rank 0 says it
         return
     skipped = f" ({done['skipped_rows']:,} bad rows dropped)" if done.get("skipped_rows") else ""
@@ -296,11 +288,9 @@ def cmd_predict(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from recscale.distributed.env import shutdown
     from recscale.serve.export import export_run
 
-    manifest = export_run(Path(args.run_dir), Path(args.out), args.tables, args.dense)
-    shutdown()
+    manifest = export_run(Path(args.run_dir), Path(args.out), args.tables, args.dense)  # its group ended
     size = sum(f.bytes for f in manifest.files.values())
     print(
         f"exported {manifest.model} (tables {manifest.tables}, dense {manifest.dense}, {size:,} bytes): {args.out}"
