@@ -1148,6 +1148,9 @@ def test_eval_writes_each_rows_prediction(tmp_path, suffix, monkeypatch, capsys)
     # the process (a notebook's) found it there.
     import torch.distributed as dist
 
+    from recscale.distributed.env import shutdown
+
+    shutdown()  # what an earlier test in this process left set up: the eval below starts its own
     (tmp_path / "short.csv").write_text("label,user\n1,2\n")
     with pytest.raises(RecscaleError, match="item"):
         eval_run(tmp_path / "r", str(tmp_path / "short.csv"))
