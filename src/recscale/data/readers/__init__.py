@@ -21,6 +21,7 @@ from recscale.data.chunks import rechunk
 from recscale.data.readers import criteo, csv, libsvm, movielens, parquet
 from recscale.data.readers.base import (
     BadRows,
+    NoRows,
     OnBadRow,
     ReadStats,
     as_trained,
@@ -30,7 +31,15 @@ from recscale.data.readers.base import (
 from recscale.data.schema import Schema
 from recscale.errors import ConfigError, DataError
 
-__all__ = ["FORMATS", "ReadStats", "options_model", "raw_arrow_schema", "read_batches", "validate_options"]
+__all__ = [
+    "FORMATS",
+    "NoRows",
+    "ReadStats",
+    "options_model",
+    "raw_arrow_schema",
+    "read_batches",
+    "validate_options",
+]
 
 _MODULES: dict[str, ModuleType] = {
     "csv": csv,
@@ -92,10 +101,6 @@ def read_batches(
     bad = BadRows(path, position_unit(fmt), on_bad_row, stats)
     extra = (chunk_rows,) if fmt == "parquet" else ()
     return _counted(module.read(path, schema, opts, bad, *extra), path, schema, chunk_rows, stats)
-
-
-class NoRows(DataError):
-    """A file with no data rows at all (empty, or a header alone): none was bad."""
 
 
 def _counted(

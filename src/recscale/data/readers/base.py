@@ -117,14 +117,19 @@ def consecutive(first: int) -> Locate:
     return lambda idx: first + idx
 
 
-def check_file(path: Path) -> None:
-    """DataError unless ``path`` is a non-empty regular file."""
+class NoRows(DataError):
+    """A file with no data rows at all (empty, or a header alone): none was bad."""
+
+
+def check_file(path: Path, headerless: bool = False) -> None:
+    """DataError unless ``path`` is a non-empty regular file. An empty file of a ``headerless`` format
+    (Criteo, libsvm) is a file of no rows (``NoRows``); other formats need at least their header."""
     if not path.exists():
         raise DataError(f"{path}: no such file")
     if path.is_dir():
         raise DataError(f"{path} is a directory; this format reads one file")
     if path.stat().st_size == 0:
-        raise DataError(f"{path} is empty (0 bytes)")
+        raise (NoRows if headerless else DataError)(f"{path} is empty (0 bytes)")
 
 
 @contextmanager

@@ -37,7 +37,7 @@ class Options(Settings):
 
 def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator[pa.RecordBatch]:
     """Check the file and the schema's names now; return the stream of raw-layout batches."""
-    check_file(path)
+    check_file(path, headerless=True)
     wanted = source_columns(schema)
     missing = [c for c in wanted if c not in COLUMNS]
     if missing:

@@ -60,7 +60,7 @@ class Options(Settings):
 
 def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator[pa.RecordBatch]:
     """Check the file and that the schema fits the mode now; return the stream of raw batches."""
-    check_file(path)
+    check_file(path, headerless=True)
     if schema.dense:
         raise DataError(f"{path}: libsvm data has no dense features; the schema lists {schema.dense_names}")
     if options.mode == "bag":
