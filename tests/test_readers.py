@@ -796,6 +796,19 @@ def test_a_quoted_line_break_is_an_error_not_a_shifted_line_count(tmp_path):
     assert read_all(quoted, "csv", make_schema(sparse=["a"])).column("a").to_pylist() == ["u,1", "y"]
 
 
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_blank_lines_at_the_end_of_a_file_with_quotes_are_no_quoted_line_break(tmp_path, newline):
+    """A file ending in a blank line (an editor's, or `echo >> file`'s) counted that line as a row pyarrow had
+    not parsed, so a file holding a quoted cell was refused: "a quoted cell holds a line break"."""
+    path = write(tmp_path / "t.csv", ["label,a", '1,"u,1"', "0,y", "", ""], newline=newline)
+    assert read_all(path, "csv", make_schema(sparse=["a"])).column("a").to_pylist() == ["u,1", "y"]
+    bad = write(tmp_path / "b.csv", ["label,a", '1,"u,1"', "x,y", "0,z", ""], newline=newline)
+    stats = ReadStats()
+    t = read_all(bad, "csv", make_schema(sparse=["a"]), on_bad_row="skip", stats=stats)
+    assert t.column("a").to_pylist() == ["u,1", "z"]
+    assert stats.examples == [f"{bad} line 3: label 'x' is not 0 or 1"]
+
+
 def test_a_carriage_return_inside_a_line_is_an_error_naming_it(tmp_path):
     """pyarrow ends a row at a lone \\r: a later bad row crashed (IndexError) locating its line, a Criteo
     line's parts were blamed on lines 1 and 2, and a file of \\r line ends read as header only."""

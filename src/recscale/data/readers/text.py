@@ -199,10 +199,11 @@ def read_header(path: Path, delimiter: str, quote: bool) -> list[str]:
 def _nonempty_lines(chunk: bytes | bytearray) -> np.ndarray:
     """0-based indices of a chunk's non-empty lines: the ones pyarrow parses into rows."""
     buf = np.frombuffer(chunk, dtype=np.uint8)
-    starts = np.concatenate([[0], np.flatnonzero(buf == 10) + 1])
+    feeds = np.flatnonzero(buf == 10)
+    starts = np.concatenate([[0], feeds + 1])
+    ends = np.append(feeds, len(buf))  # each line's end, its line feed left out
     if starts[-1] == len(buf):  # the "line" after a final newline does not exist
-        starts = starts[:-1]
-    ends = np.append(starts[1:] - 1, len(buf))
+        starts, ends = starts[:-1], ends[:-1]
     length = ends - starts
     cr_only = (length == 1) & (buf[np.minimum(starts, len(buf) - 1)] == 13)
     return np.flatnonzero((length > 0) & ~cr_only)
