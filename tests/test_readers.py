@@ -709,6 +709,20 @@ def test_missing_column_is_named_with_the_file_columns(tmp_path):
         read_batches(tmp_path / "t.parquet", "parquet", make_schema(sparse=["city"]))
 
 
+def test_a_missing_column_names_the_file_column_it_differs_from_by_spaces_or_case(tmp_path):
+    """A header written `label, user, Item` has columns ' user' and ' Item': the error listed them as
+    `label,  user,  Item`, where the spaces that made `user` missing were hard to see."""
+    path = write(tmp_path / "t.csv", ["label, user, Item,city", "1,2,3,4"])
+    with pytest.raises(DataError) as err:
+        read_batches(path, "csv", make_schema(sparse=["user", "item", "city"]))
+    assert str(err.value).endswith(
+        "; the file has ' user' (not 'user'), ' Item' (not 'item'): rename them in the file's header or in the schema"
+    )
+    with pytest.raises(DataError) as err:  # no look-alike: no hint
+        read_batches(path, "csv", make_schema(sparse=["town"]))
+    assert str(err.value).endswith("its columns are: label,  user,  Item, city")
+
+
 def test_duplicate_header_columns_are_an_error(tmp_path):
     # Read by name, a column named twice was silently one of the two.
     path = write(tmp_path / "t.csv", ["label,a,b,a,b,c", "1,x,y,z,w,v"])

@@ -157,10 +157,19 @@ def check_unique_columns(where: str, names: Sequence[str]) -> None:
 
 
 def missing_columns_error(path: Path, missing: Sequence[str], columns: Sequence[str]) -> DataError:
-    """The error for schema columns absent from a file: names them and lists what the file has."""
+    """The error for schema columns absent from a file: names them and lists what the file has, and the
+    file's columns they may have meant: the same name but for spaces around it or letter case (a header
+    written ``click, hour``, whose columns are ``' hour'`` and so on, listed as names look alike)."""
+    near = {m: c for m in missing for c in columns if c != m and c.strip().casefold() == m.strip().casefold()}
+    hint = (
+        f"; the file has {', '.join(f'{c!r} (not {m!r})' for m, c in near.items())}: rename "
+        f"{'it' if len(near) == 1 else 'them'} in the file's header or in the schema"
+        if near
+        else ""
+    )
     return DataError(
         f"{path}: column(s) {', '.join(repr(m) for m in missing)} named in the schema are not in the file; "
-        f"its columns are: {', '.join(columns)}"
+        f"its columns are: {', '.join(columns)}{hint}"
     )
 
 
