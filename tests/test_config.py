@@ -394,3 +394,17 @@ def test_options_for_synthetic_data_are_refused():
     """data.options.delimiter=x on synthetic data was dropped without a word."""
     with pytest.raises(ConfigError, match="data.options: format 'synthetic' reads no file and takes none"):
         load_config(CONFIGS / "demo.yaml", ["data.options.delimiter=x"])
+
+
+@pytest.mark.parametrize("spelled", ["\\t", "tab"])
+def test_a_tab_delimiter_spelled_out_says_how_to_write_a_tab(spelled):
+    """`data inspect --delimiter` takes \\t and tab for a tab; data.options.delimiter (YAML's plain \\t is a
+    backslash and a t) said only "String should have at most 1 character"."""
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "frappe.yaml", [f"data.options.delimiter={spelled}"])
+    assert str(err.value).startswith(
+        f"data.options.delimiter: '{spelled}' is not a tab: write a tab in double"
+    )
+    assert load_config(CONFIGS / "frappe.yaml", ['data.options.delimiter="\\t"']).data.options == {
+        "delimiter": "\t"
+    }

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from recscale.data.readers.base import (
     NO_LABEL,
@@ -36,6 +36,17 @@ class Options(Settings):
     """``data.options`` for ``format: csv``."""
 
     delimiter: str = Field(",", min_length=1, max_length=1)
+
+    @field_validator("delimiter", mode="before")
+    @classmethod
+    def _tab_spelled_out(cls, v: object) -> object:
+        # `data inspect --delimiter` takes these for a tab; here they were "at most 1 character", no more.
+        if v in ("\\t", "tab"):
+            raise ValueError(
+                f"'{v}' is not a tab: write a tab in double quotes, delimiter: \"\\t\" in YAML "
+                """('data.options.delimiter="\\t"' on the command line)"""
+            )
+        return v
 
 
 def source_columns(schema: Schema) -> list[str]:
