@@ -227,6 +227,12 @@ def test_eval_takes_reader_option_overrides_and_a_one_column_header_hints_at_the
         assert code == 0 and json.loads(out) == json.loads(same), err
     code, _, err = run(capsys, "eval", str(tmp_path / "run"), "--data", str(train), "train.max_steps=3")
     assert code == 2 and "eval takes overrides of the reader's options only" in err
+    code, _, err = run(capsys, "eval", str(tmp_path / "run"), str(train))  # the file, without --data
+    assert (
+        code == 2
+        and err
+        == f"error: eval: '{train}' is no key=value override; give the file to score with --data {train}\n"
+    )
     code, _, err = run(
         capsys, "eval", str(tmp_path / "run"), "--data", str(train), "data.options.delimtier=x"
     )

@@ -348,6 +348,10 @@ def check_scoring_args(
     run_config(run_dir)  # a directory that is not a run is named first
     for item in overrides or []:
         key = item.partition("=")[0]
+        if "=" not in item and data_path is None:  # `recscale predict RUN new.csv`: the file as an override
+            raise ConfigError(
+                f"{command}: '{item}' is no key=value override; give the file to score with --data {item}"
+            )
         if key != "data.options" and not key.startswith("data.options."):
             raise ConfigError(
                 f"{command}: override '{item}': {command} takes overrides of the reader's options only, "
