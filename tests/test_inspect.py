@@ -46,6 +46,11 @@ def test_guess_format(tmp_path):
         guess_format(write(tmp_path / "a.dat", ["hello"]))
     with pytest.raises(DataError, match="no such file"):
         guess_format(tmp_path / "missing.csv")
+    # JSON lines were guessed csv by their commas: columns '{"label": 1', ' "a": "x"}' and schema null.
+    for lines in (['{"label": 1, "a": "x"}'], ['[{"label": 1, "a": "x"},', '{"label": 0, "a": "y"}]']):
+        with pytest.raises(DataError, match=r"a\.jsonl: JSON, which recscale does not read; convert it"):
+            guess_format(write(tmp_path / "a.jsonl", lines))
+    assert guess_format(write(tmp_path / "a.txt", ["[id],[label]", "1,0"])) == "csv"
 
 
 def test_a_delimiter_means_csv(tmp_path):

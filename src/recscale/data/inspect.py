@@ -78,6 +78,8 @@ from recscale.data.schema import LABEL, WEIGHT_SUFFIX, DenseFeature, Schema, Spa
 from recscale.errors import DataError
 
 LIBSVM_LINE = re.compile(rb"^\S+(\s+[^\s:]+:\S+)+\s*$")
+# A JSON object or array of them opening a file's first line ('[id],[click]', a CSV header, does not)
+JSON_LINE = re.compile(rb"^\s*(\{|\[\s*(\{|$))")
 MULTI_SEP = "|"
 UNSUPPORTED = "unsupported"  # a parquet column no feature can read (struct, map, list of lists)
 WEIGHTS = "weights"  # a parquet list column NAME__w of numbers: the weights of multi-id column NAME
@@ -114,6 +116,12 @@ def guess_format(path: str | Path) -> str:
         return "criteo"
     if LIBSVM_LINE.match(line):
         return "libsvm"
+    if JSON_LINE.match(line):  # JSON (lines): its commas made it a CSV of '{"label": 1' columns
+        raise DataError(
+            f"{path}: JSON, which recscale does not read; convert it to CSV or Parquet (e.g. pandas: "
+            "read_json(PATH, lines=True).to_parquet(OUT)), or pass --format if it is one of "
+            f"{', '.join(FORMATS)}"
+        )
     if b"," in line:
         return "csv"
     other = next((d for d in ("\t", ";", "|") if d.encode() in line), None)
