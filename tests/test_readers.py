@@ -511,9 +511,18 @@ def test_csv_and_parquet_of_one_table_read_the_same_ids(tmp_path):
 
 
 def test_not_a_parquet_file(tmp_path):
-    path = write(tmp_path / "t.parquet", ["label,a", "1,2"])
+    path = tmp_path / "t.parquet"
+    path.write_bytes(b"PK\x03\x04\0\0 not parquet")
     with pytest.raises(DataError, match="not a readable parquet file"):
         read_batches(path, "parquet", make_schema(sparse=["a"]))
+    # A CSV file (a Parquet run's CSV export scored by eval without --format csv) was "not a readable parquet
+    # file: Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file."
+    text = write(tmp_path / "t.csv", ["label,a", "1,2"])
+    with pytest.raises(DataError) as err:
+        read_batches(text, "parquet", make_schema(sparse=["a"]))
+    assert str(err.value) == (
+        f"{text} is not a parquet file but text; if it is a CSV file, read it with data.format=csv"
+    )
 
 
 # ---------------------------------------------------------------- movielens (small, written here)

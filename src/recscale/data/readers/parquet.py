@@ -65,6 +65,12 @@ def open_parquet(path: Path) -> pq.ParquetFile:
     try:
         file = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as e:
+        with path.open("rb") as f:
+            head = f.read(4096)
+        if head and b"\0" not in head and not head.startswith(b"PAR1"):  # e.g. a Parquet run's CSV export
+            raise DataError(
+                f"{path} is not a parquet file but text; if it is a CSV file, read it with data.format=csv"
+            ) from None
         raise DataError(f"{path} is not a readable parquet file: {e}") from None
     check_unique_columns(f"{path}: the parquet schema", file.schema_arrow.names)
     return file
