@@ -383,6 +383,30 @@ def test_parquet_column_of_the_wrong_type_is_one_line(tmp_path, column, schema, 
         read_batches(path, "parquet", schema)
 
 
+def test_a_parquet_column_of_type_null_is_missing_values_for_every_feature(tmp_path):
+    """pyarrow types a column of nothing but nulls (new rows without any tags, say) as null: a multi-id
+    feature refused it ("column 'h' is null; it must hold a list of ids"), where a single-id, dense or
+    list column of nulls read as missing."""
+    path = tmp_path / "t.parquet"
+    schema = Schema(
+        dense=[DenseFeature(name="s")],
+        sparse=[
+            SparseFeature(name="h", multi=True),
+            SparseFeature(name="w", multi=True, weighted=True),
+            SparseFeature(name="q", multi=True, max_len=3),
+        ],
+    )
+    pq.write_table(pa.table({n: pa.nulls(2) for n in ("h", "w", "q", "s")} | {"label": [1, 0]}), path)
+    t = read_all(path, "parquet", schema).to_pydict()
+    assert (t["h"], t["w"], t["w__w"], t["q"], t["s"]) == (
+        [[], []],
+        [[], []],
+        [[], []],
+        [[], []],
+        [None, None],
+    )
+
+
 def test_parquet_numbers_of_any_type_are_read_or_bad_rows(tmp_path):
     # An integer beyond 2**53 (no float holds it exactly) and bytes that are no number were internal errors
     # (ArrowNotImplementedError: utf8_trim_whitespace has no kernel for int64 / binary).

@@ -88,7 +88,8 @@ def _check_types(path: Path, arrow: pa.Schema, schema: Schema) -> None:
         if name in multi:
             if is_list(dtype) and not pa.types.is_nested(_plain(dtype.value_type)):
                 continue
-            if pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
+            # A null column (pyarrow's type for one of nothing but nulls): every row without ids.
+            if pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or pa.types.is_null(dtype):
                 continue
             need = f"a list of ids (integers or strings) or a string of ids joined by {multi[name]!r}"
         elif name in role:
@@ -121,8 +122,10 @@ def _plain(dtype: pa.DataType) -> pa.DataType:
 
 def _column(batch: pa.RecordBatch, name: str) -> pa.Array:
     """Column ``name`` of ``batch``, a dictionary-encoded one as its plain values (what the conversions
-    take)."""
+    take); a column of type null as strings, all null."""
     column = batch.column(name)
+    if pa.types.is_null(column.type):  # all missing: as a string column of nulls, which every feature reads
+        return pa.nulls(len(column), pa.string())
     return column.dictionary_decode() if isinstance(column, pa.DictionaryArray) else column
 
 
