@@ -791,6 +791,20 @@ def test_text_that_is_not_utf8_is_one_line_naming_its_line(tmp_path):
         read_all(path, "csv", make_schema(sparse=["a"]))
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be"])
+def test_a_utf16_file_says_to_save_it_as_utf8(tmp_path, encoding):
+    """Excel's "Unicode Text" (UTF-16, a byte order mark or none) was "binary data, not delimited text; check
+    the path and data.format"."""
+    path = tmp_path / "t.csv"
+    path.write_bytes("label,a\n1,café\n".encode(encoding))
+    with pytest.raises(DataError) as err:
+        read_batches(path, "csv", make_schema(sparse=["a"]))
+    assert str(err.value) == f"{path} line 1: UTF-16 text, not UTF-8; save the file as UTF-8"
+    path.write_bytes(b"\x00\x01\x02\x03\x04,\xff\n")  # other bytes with a NUL: as before
+    with pytest.raises(DataError, match=r"line 1: binary data, not delimited text; check the path and data"):
+        read_batches(path, "csv", make_schema(sparse=["a"]))
+
+
 def test_a_file_with_no_line_end_is_not_read_whole_for_its_header(tmp_path, monkeypatch):
     """Its 'first line' was the whole file, read into memory however large (e.g. a data dump named .csv)."""
     monkeypatch.setattr("recscale.data.readers.text._LINE_MAX", 1 << 20)

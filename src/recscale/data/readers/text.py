@@ -175,6 +175,11 @@ def read_header(path: Path, delimiter: str, quote: bool) -> list[str]:
     if not line.strip():
         raise DataError(f"{path} is empty: no header line")
     if b"\0" in line:
+        if line.startswith((b"\xff\xfe", b"\xfe\xff")) or not (
+            line[::2].strip(b"\0") and line[1::2].strip(b"\0")
+        ):
+            # What Excel's "Unicode Text" and PowerShell's redirection write: text, two bytes a character.
+            raise DataError(f"{path} line 1: UTF-16 text, not UTF-8; save the file as UTF-8")
         raise DataError(f"{path} line 1: binary data, not delimited text; check the path and data.format")
     if b"\r" in line:  # e.g. a file whose lines end in \r alone: its "first line" is the whole file
         raise DataError(f"{path} line 1: {BARE_CR}")
