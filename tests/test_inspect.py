@@ -433,3 +433,36 @@ def test_inspect_gives_the_schema_that_trains_on_the_file(tmp_path):
         criteo["sparse"]
     ) == 26
     assert inspect_file(write(tmp_path / "u.csv", ["click,user", "1,3"]))["schema"] is None
+
+
+def test_label_names_the_label_column_and_the_schema_trains(tmp_path, capsys):
+    """A click log's label is rarely named 'label': `--label click` makes the schema (data.schema.label
+    click) that training reads; without it the schema is null and a note says how to name it."""
+    from recscale.cli import main
+    from recscale.data.readers import read_batches
+    from recscale.data.schema import Schema
+
+    no_label = write(tmp_path / "n.csv", ["click,hour", "1,14102100", "0,14102101"])
+    assert main(["data", "inspect", str(no_label)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["schema"] is None and "no label column 'label'" in err and "--label COLUMN" in err
+    path = write(tmp_path / "t.csv", ["click,hour,price,label", "1,14102100,1.5,x", "0,14102101,2.5,y"])
+    report = inspect_file(path, label="click")
+    # A column named 'label' is what the readers call the label column: left out, not a feature.
+    assert report["schema"] == {"label": "click", "dense": [{"name": "price"}], "sparse": [{"name": "hour"}]}
+    assert report["schema_left_out"] == ["label"] and report["positive_rate"] == 0.5
+    batch = next(read_batches(path, "csv", Schema(**report["schema"])))
+    assert batch.column("label").to_pylist() == [1.0, 0.0]
+    pq.write_table(pa.table({"y": [1, 0, 1], "user": ["a", "b", "a"]}), tmp_path / "t.parquet")
+    assert inspect_file(tmp_path / "t.parquet", label="y")["schema"] == {
+        "label": "y",
+        "sparse": [{"name": "user"}],
+    }
+    assert main(["data", "inspect", str(tmp_path / "t.parquet"), "--label", "y"]) == 0
+    assert capsys.readouterr().err == ""
+    with pytest.raises(
+        DataError, match=r"t\.csv: --label 'y' is not a column of the file; its columns are: click"
+    ):
+        inspect_file(path, label="y")
+    with pytest.raises(DataError, match="--label names a csv or parquet column; a criteo file's label"):
+        inspect_file(write(tmp_path / "day_0", [criteo_line()]), label="click")

@@ -368,8 +368,15 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     delimiter = "\t" if args.delimiter in ("\\t", "tab") else args.delimiter
     options = {"delimiter": delimiter} if delimiter is not None else None
 
-    report = inspect_file(args.path, args.format, options, args.max_rows, args.tables, args.max_len)
+    report = inspect_file(
+        args.path, args.format, options, args.max_rows, args.tables, args.max_len, args.label
+    )
     print(strict_json(report, indent=2))
+    if report["format"] in ("csv", "parquet") and all(c["type"] != "label" for c in report["columns"]):
+        print(
+            f"note: no label column '{args.label}', so no schema: name yours with --label COLUMN",
+            file=sys.stderr,
+        )
 
 
 def cmd_shard_plan(args: argparse.Namespace) -> None:
@@ -723,6 +730,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--delimiter",
         help="csv: the field separator, as data.options.delimiter (default ,; \\t or tab: a tab; given, the format is csv)",
     )
+    i.add_argument("--label", default="label",
+                   help="csv, parquet: the label column, 0/1 (default: label); the schema names it as data.schema.label")  # fmt: skip
     i.add_argument("--max-rows", type=_int_in(1),
                    help="read only the file's first N rows, good or bad (movielens: its first N ratings by time)")  # fmt: skip
     i.add_argument("--tables", action="store_true",

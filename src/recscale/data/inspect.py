@@ -14,7 +14,7 @@ names its line (parquet: its data row) as training's do. The positive rate and c
 ``rows`` only. Where a CSV column found dense only at the end of the stream held a NaN or infinity, the
 file is read a second time with the kinds found, those rows then dropped from every statistic.
 
-Inferred schemas: csv/parquet: a column named ``label`` is the label (parquet: one of numbers); numeric
+Inferred schemas: csv/parquet: the column named ``label`` (or ``inspect_file``'s ``label``) is the label (parquet: one of numbers); numeric
 columns holding a non-integer value (parquet: float columns) are dense; text cells containing ``|``
 (parquet: list columns) are multi; the rest sparse (parquet: a struct, map or list of lists is
 ``unsupported``, reported with its type and no statistics; a list column of numbers ``NAME__w`` beside
@@ -462,6 +462,7 @@ def inspect_file(
     max_rows: int | None = None,
     tables: bool = False,
     max_len: int | None = None,
+    label: str = LABEL,
 ) -> dict[str, Any]:
     """Summarise a data file: format, rows, bad rows, positive rate and per-column statistics.
 
@@ -472,11 +473,16 @@ def inspect_file(
     and ``access_histogram`` (``data.access``; over the rows read: ``max_rows`` 4096 gives the
     histogram of one batch as the planner's cost models see it). With ``max_len``, each multi-id column's
     ``length`` also counts the rows a sequence feature of that ``max_len`` would cut (``truncated``).
+    ``label`` names a csv or parquet file's label column (the schema's ``label``; default ``label``).
     """
     path = Path(path)
     options = dict(options or {})
     fmt = fmt or ("csv" if "delimiter" in options else guess_format(path))  # only csv takes a delimiter
     validate_options(fmt, options)
+    if label != LABEL and fmt not in ("csv", "parquet"):
+        raise DataError(
+            f"{path}: --label names a csv or parquet column; a {fmt} file's label is its format's own"
+        )
     stats = ReadStats()
     fixed: Schema | None = None  # the format's own layout (criteo, libsvm, movielens)
     if fmt == "csv":
@@ -486,7 +492,8 @@ def inspect_file(
         if len(names) == 1 and (other := delimiter_hint(names[0], delimiter)) is not None:
             # The file's columns read as one: no schema, no statistics worth reporting.
             raise DataError(f"{path} line 1: {other} (data inspect: pass --delimiter)")
-        columns = [_Column(n, LABEL if n == LABEL else None, tables) for n in names]
+        _check_label(path, label, names)
+        columns = [_Column(n, LABEL if n == label else None, tables) for n in names]
         chunks = _take(_csv_chunks(path, names, delimiter), max_rows)
         rows = _scan(chunks, columns, BadRows(path, "line", "skip", stats))
         if any(c.kind is None and c.inferred() == "dense" and c.nonfinite for c in columns):
@@ -500,9 +507,10 @@ def inspect_file(
             rows = _scan(chunks, columns, BadRows(path, "line", "skip", stats))
     elif fmt == "parquet":
         file = open_parquet(path)
+        _check_label(path, label, file.schema_arrow.names)
         columns = [
             _Column(
-                f.name, LABEL if f.name == LABEL and holds_numbers(f.type) else _parquet_kind(f.type), tables
+                f.name, LABEL if f.name == label and holds_numbers(f.type) else _parquet_kind(f.type), tables
             )
             for f in file.schema_arrow
         ]
@@ -537,8 +545,8 @@ def inspect_file(
         else:  # every row as the reader converts it, bad ones too, so that max_rows counts them
             chunks = _reader_chunks(path, fmt, schema, options)
             rows = _scan(_take(chunks, max_rows), columns, BadRows(path, "line", "skip", stats))
-    label = next((c for c in columns if c.kind == LABEL), None)
-    config_schema, left_out = _config_schema(columns, fixed)
+    config_schema, left_out = _config_schema(columns, fixed, label)
+    label_column = next((c for c in columns if c.kind == LABEL), None)
     return {
         "path": str(path),
         "format": fmt,
@@ -548,23 +556,37 @@ def inspect_file(
         "rows": rows,
         "bad_rows": stats.skipped,
         "bad_row_examples": stats.examples,
-        "positive_rate": label.positives / label.rows if label and label.rows else None,
+        "positive_rate": label_column.positives / label_column.rows
+        if label_column and label_column.rows
+        else None,
         "columns": [c.report(max_len) for c in columns],
     }
 
 
-def _config_schema(columns: list[_Column], fixed: Schema | None) -> tuple[dict[str, Any] | None, list[str]]:
+def _check_label(path: Path, label: str, names: list[str]) -> None:
+    """A label column named otherwise than ``label`` must be one of the file's columns."""
+    if label != LABEL and label not in names:
+        raise DataError(
+            f"{path}: --label {label!r} is not a column of the file; its columns are: {', '.join(names)}"
+        )
+
+
+def _config_schema(
+    columns: list[_Column], fixed: Schema | None, label: str = LABEL
+) -> tuple[dict[str, Any] | None, list[str]]:
     """The ``data.schema`` that trains on the file as inspected, as a config takes it (JSON, which YAML reads):
     the format's fixed layout (``fixed``: criteo, libsvm, movielens), else the columns as inferred (None for
-    columns no schema can take: no ``label`` column, no features); and the columns left out of it because
-    training refuses their name (a pandas index column's empty name: the readers skip a column no feature
-    names)."""
+    columns no schema can take: no label column, no features); and the columns left out of it because
+    training refuses their name (a pandas index column's empty name, or ``label`` where ``label`` names
+    another column: the readers skip a column no feature names)."""
     left_out: list[str] = []
     if fixed is None:
         kinds = {c.name: c.inferred() for c in columns}
         dense, sparse = [], []
         for c in columns:
             try:
+                if c.name == LABEL and c.kind != LABEL:  # the name the readers give the label column
+                    raise ValueError(c.name)
                 if kinds[c.name] == "dense":
                     dense.append(DenseFeature(name=c.name))
                 elif kinds[c.name] in ("sparse", "multi"):
@@ -574,7 +596,7 @@ def _config_schema(columns: list[_Column], fixed: Schema | None) -> tuple[dict[s
             except ValueError:
                 left_out.append(c.name)
         try:
-            fixed = Schema(dense=dense, sparse=sparse)
+            fixed = Schema(label=label, dense=dense, sparse=sparse)
         except ValueError:
             return None, left_out
         if LABEL not in kinds.values():
