@@ -315,7 +315,7 @@ def test_inspect_parquet_counts_rows_as_training_reads_them(tmp_path):
     assert report["bad_row_examples"] == [
         f"{path} row 2: label 2 is not 0 or 1",
         f"{path} row 3: dense feature 'x' value nan is NaN or infinite",
-        f"{path} row 4: dense feature 'x' value 1e+300 is NaN or infinite",
+        f"{path} row 4: dense feature 'x' value 1e+300 is beyond float32's range (±3.4e+38)",
         f"{path} row 5: label is missing",
     ]
     assert _as_training_reads(path, "parquet", report) == (1, 4, report["bad_row_examples"])

@@ -234,15 +234,21 @@ def to_label(cells: pa.Array, minus_one: bool = False) -> tuple[pa.Array, Proble
 
 def to_dense(cells: pa.Array, name: str, dtype: pa.DataType = FLOAT32) -> tuple[pa.Array, Problem | None]:
     """Dense cells -> ``dtype``, null = missing. Non-numeric, NaN or infinite (in ``dtype``) = bad."""
-    values, not_number = parse_floats(cells)
-    values = pc.cast(values, dtype)
+    parsed, not_number = parse_floats(cells)
+    values = pc.cast(parsed, dtype)
     finite = pc.fill_null(pc.is_finite(values), True).to_numpy(zero_copy_only=False)
     bad = ~finite if not_number is None else ~finite | not_number
     if not bad.any():
         return values, None
 
     def reason(i: int) -> str:
-        what = "not a number" if not_number is not None and not_number[i] else "NaN or infinite"
+        if not_number is not None and not_number[i]:
+            what = "not a number"
+        elif pc.is_finite(parsed[i]).as_py():  # finite as read, infinite in dtype (float32 beyond ±3.4e38)
+            info = np.finfo(dtype.to_pandas_dtype())
+            what = f"beyond {info.dtype}'s range (±{float(info.max):.3g})"
+        else:
+            what = "NaN or infinite"
         return f"dense feature '{name}' value {cells[i].as_py()!r} is {what}"
 
     return values, Problem(bad, reason)
