@@ -28,7 +28,8 @@ FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 
 
 class DenseFeature(Settings):
-    """A float feature. ``transform`` is applied after ``fill`` replaces missing values."""
+    """A float feature. ``transform`` is applied after ``fill`` replaces missing values: ``log1p`` is
+    log(1 + max(x, 0)), a negative value counting as 0 (Criteo's counts; the DLRM reference clips so)."""
 
     name: str
     transform: Literal["none", "log1p"] = "none"
