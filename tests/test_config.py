@@ -218,6 +218,15 @@ def test_missing_and_broken_files(tmp_path):
         load_config(tmp_path / "bad.yaml")
     with pytest.raises(ConfigError, match="key=value"):
         load_config(CONFIGS / "demo.yaml", ["train.max_steps"])
+    # A data file given as the config: was "not valid YAML (...); fix the file's indentation or quoting there".
+    (tmp_path / "data.parquet").write_bytes(b"PAR1\x15\x04\x15\x10\x00\xbc" + bytes(100))
+    with pytest.raises(ConfigError, match=r"data\.parquet: binary data, not a YAML file; a config is a YAML"):
+        load_config(tmp_path / "data.parquet")
+    (tmp_path / "utf16.yaml").write_bytes("seed: 3\n".encode("utf-16"))  # with its BOM: still YAML
+    with pytest.raises(
+        ConfigError, match="^invalid config: data: Field required"
+    ):  # read, its sections lacking
+        load_config(tmp_path / "utf16.yaml")
 
 
 @pytest.mark.parametrize(

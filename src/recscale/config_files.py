@@ -71,7 +71,13 @@ def read_yaml_mapping(path: Path, what: str = "a config") -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: no such file; check the path")
     try:
-        raw = load_yaml(path.read_bytes())
+        data = path.read_bytes()
+        # e.g. a Parquet data file given where the config goes (YAML in UTF-16 or -32 opens with a BOM)
+        if b"\0" in data[:4096] and not data.startswith((b"\xff\xfe", b"\xfe\xff", b"\0\0\xfe\xff")):
+            raise ConfigError(
+                f"{path}: binary data, not a YAML file; {what} is a YAML file (a data file goes in data.train)"
+            )
+        raw = load_yaml(data)
     except yaml.YAMLError as e:
         raise ConfigError(yaml_error(path, e)) from None
     except (OSError, RecursionError, ValueError) as e:  # unreadable, absurdly nested, not text
