@@ -417,3 +417,11 @@ def test_a_tab_delimiter_spelled_out_says_how_to_write_a_tab(spelled):
     assert load_config(CONFIGS / "frappe.yaml", ['data.options.delimiter="\\t"']).data.options == {
         "delimiter": "\t"
     }
+
+
+def test_a_home_directory_path_is_expanded(tmp_path, monkeypatch):
+    """data paths starting with ~ (YAML and overrides reach recscale unexpanded) were 'no such file'."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(CONFIGS / "frappe.yaml", ["data.train=~/f/train.csv", "data.prepared=~/prep"])
+    assert (cfg.data.train, cfg.data.prepared) == (f"{tmp_path}/f/train.csv", f"{tmp_path}/prep")
+    assert cfg.data.valid == load_config(CONFIGS / "frappe.yaml").data.valid  # others as written

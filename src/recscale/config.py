@@ -9,6 +9,7 @@ names the key.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from recscale.config_files import apply_overrides, load_raw, not_a_file
 from recscale.data.readers import validate_options
@@ -34,7 +35,8 @@ FP16_SHRINK = 2**-11
 
 
 class DataConfig(Settings):
-    """Where the data is and how to read it. Relative paths are resolved against the working directory."""
+    """Where the data is and how to read it. Relative paths are resolved against the working directory; a
+    leading ``~`` is the home directory."""
 
     format: Literal["csv", "libsvm", "criteo", "movielens", "parquet", "synthetic"]
     train: str | None = None
@@ -60,6 +62,12 @@ class DataConfig(Settings):
     prepared: str | None = Field(None, min_length=1)
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @field_validator("train", "valid", "test", "prepared")
+    @classmethod
+    def _home(cls, v: str | None) -> str | None:
+        # "~/data/x.csv" in YAML or an override: no shell expands it there, and it was "no such file".
+        return os.path.expanduser(v) if v is not None and v.startswith("~") else v
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
