@@ -1065,3 +1065,24 @@ def test_a_folder_without_movielens_files_says_what_to_give(tmp_path):
     """It said only "expected one .inter file in this directory, found []"."""
     with pytest.raises(DataError, match=r"found \[\]; give a folder of MovieLens atomic files"):
         read_all(tmp_path, "movielens", ML_SCHEMA, {"split": "all"})
+
+
+def test_quote_false_reads_a_quote_as_a_character(tmp_path):
+    """A TSV of free text whose cell starts with '"' ('"Best deal') had no way to be read: quoting ran the
+    cell into the next lines ('a quoted cell holds a line break'). data.options.quote: false reads it."""
+    from recscale.cli import main
+
+    path = write(tmp_path / "t.tsv", ["label\ttitle\tsite", '1\t"Best deal\ta', "0\tplain\tb", "1\tx\ta"])
+    schema = make_schema(sparse=["title", "site"])
+    with pytest.raises(DataError, match=r"lines 2-4: a quoted cell .* set data\.options\.quote: false"):
+        read_all(path, "csv", schema, {"delimiter": "\t"})
+    table = read_all(path, "csv", schema, {"delimiter": "\t", "quote": False})
+    assert table["title"].to_pylist() == ['"Best deal', "plain", "x"] and table["site"].to_pylist() == [
+        "a",
+        "b",
+        "a",
+    ]
+    assert main(["data", "inspect", str(path), "--delimiter", "tab", "--no-quote"]) == 0
+    assert read_all(write(tmp_path / "q.csv", ["label,a", '1,"x,y"']), "csv", make_schema(sparse=["a"]))[
+        "a"
+    ].to_pylist() == ["x,y"]  # quoting stays the default

@@ -366,7 +366,9 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
     # A tab is hard to type: a shell passes '\t' as backslash and t.
     delimiter = "\t" if args.delimiter in ("\\t", "tab") else args.delimiter
-    options = {"delimiter": delimiter} if delimiter is not None else None
+    options = ({"delimiter": delimiter} if delimiter is not None else {}) | (
+        {"quote": False} if args.no_quote else {}
+    )
 
     report = inspect_file(
         args.path, args.format, options, args.max_rows, args.tables, args.max_len, args.label
@@ -730,6 +732,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--delimiter",
         help="csv: the field separator, as data.options.delimiter (default ,; \\t or tab: a tab; given, the format is csv)",
     )
+    i.add_argument("--no-quote", action="store_true",
+                   help="csv: '\"' is no quote but a character of its cell, as data.options.quote: false")  # fmt: skip
     i.add_argument("--label", default="label",
                    help="csv, parquet: the label column, 0/1 (default: label); the schema names it as data.schema.label")  # fmt: skip
     i.add_argument("--max-rows", type=_int_in(1),

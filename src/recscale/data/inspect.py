@@ -62,6 +62,7 @@ from recscale.data.readers.base import (
     to_label,
 )
 from recscale.data.readers.criteo import COLUMNS as CRITEO_COLUMNS
+from recscale.data.readers.csv import Options as CsvOptions
 from recscale.data.readers.csv import delimiter_hint
 from recscale.data.readers.movielens import KEYS, RATING, files_of
 from recscale.data.readers.parquet import holds_numbers, open_parquet
@@ -383,10 +384,10 @@ def _scan(chunks: Iterator[_Chunk], columns: list[_Column], bad: BadRows | None)
     return rows
 
 
-def _csv_chunks(path: Path, names: list[str], delimiter: str) -> Iterator[_Chunk]:
+def _csv_chunks(path: Path, names: list[str], delimiter: str, quote: bool) -> Iterator[_Chunk]:
     """Every column of a CSV as strings."""
     chunks = iter_text_tables(
-        path, names, names, delimiter=delimiter, quote=True, skip_header=True, skip_undecodable=True
+        path, names, names, delimiter=delimiter, quote=quote, skip_header=True, skip_undecodable=True
     )
     for chunk in chunks:
         cells = column_of(chunk.table)
@@ -477,8 +478,8 @@ def inspect_file(
     """
     path = Path(path)
     options = dict(options or {})
-    fmt = fmt or ("csv" if "delimiter" in options else guess_format(path))  # only csv takes a delimiter
-    validate_options(fmt, options)
+    fmt = fmt or ("csv" if options.keys() & {"delimiter", "quote"} else guess_format(path))  # csv options
+    checked = validate_options(fmt, options)
     if label != LABEL and fmt not in ("csv", "parquet"):
         raise DataError(
             f"{path}: --label names a csv or parquet column; a {fmt} file's label is its format's own"
@@ -487,14 +488,15 @@ def inspect_file(
     fixed: Schema | None = None  # the format's own layout (criteo, libsvm, movielens)
     if fmt == "csv":
         check_file(path)
-        delimiter = options.get("delimiter", ",")
-        names = read_header(path, delimiter, quote=True)
+        assert isinstance(checked, CsvOptions)
+        delimiter, quote = checked.delimiter, checked.quote
+        names = read_header(path, delimiter, quote=quote)
         if len(names) == 1 and (other := delimiter_hint(names[0], delimiter)) is not None:
             # The file's columns read as one: no schema, no statistics worth reporting.
             raise DataError(f"{path} line 1: {other} (data inspect: pass --delimiter)")
         _check_label(path, label, names)
         columns = [_Column(n, LABEL if n == label else None, tables) for n in names]
-        chunks = _take(_csv_chunks(path, names, delimiter), max_rows)
+        chunks = _take(_csv_chunks(path, names, delimiter, quote), max_rows)
         rows = _scan(chunks, columns, BadRows(path, "line", "skip", stats))
         if any(c.kind is None and c.inferred() == "dense" and c.nonfinite for c in columns):
             # A NaN or infinity in a column found dense only now: training drops its row, so read
@@ -503,7 +505,7 @@ def inspect_file(
                 _Column(c.name, c.kind, tables, None if c.kind is not None else c.inferred()) for c in columns
             ]
             stats = ReadStats()
-            chunks = _take(_csv_chunks(path, names, delimiter), max_rows)
+            chunks = _take(_csv_chunks(path, names, delimiter, quote), max_rows)
             rows = _scan(chunks, columns, BadRows(path, "line", "skip", stats))
     elif fmt == "parquet":
         file = open_parquet(path)

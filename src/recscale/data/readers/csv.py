@@ -4,7 +4,8 @@ The schema's label column is read as ``label``; its other features are looked up
 header. Empty cells (and ``""``) are missing values; an id cell is its text, but for a whole number
 written with a zero fraction (``3.0`` is id ``3``, as a Parquet float 3.0 is: ``base.normal_ids``). A multi-id cell joins ids with the feature's ``sep``
 (``a|b|c``); a weighted one writes ``id:weight`` entries (``a:0.5|b:2``; a bare id weighs 1).
-Cells may be quoted (``"a,b"``) but hold no line breaks (one that does is an error naming the lines). Errors and dropped rows name 1-based
+Cells may be quoted (``"a,b"``) but hold no line breaks (one that does is an error naming the lines);
+``quote: false`` reads ``"`` as any other character. Errors and dropped rows name 1-based
 file lines (the header is line 1).
 """
 
@@ -36,6 +37,9 @@ class Options(Settings):
     """``data.options`` for ``format: csv``."""
 
     delimiter: str = Field(",", min_length=1, max_length=1)
+    # '"' quotes cells ("a,b"); false reads it as any other character (a TSV of free text whose cells
+    # may start with a quote, e.g. '"Best deal' of a title, which quoting would run into the next cells).
+    quote: bool = True
 
     @field_validator("delimiter", mode="before")
     @classmethod
@@ -57,7 +61,7 @@ def source_columns(schema: Schema) -> list[str]:
 def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator[pa.RecordBatch]:
     """Check the file and its header now; return the stream of raw-layout batches."""
     check_file(path)
-    names = read_header(path, options.delimiter, quote=True)
+    names = read_header(path, options.delimiter, quote=options.quote)
     wanted = source_columns(schema)
     missing = [c for c in wanted if c not in names]
     if missing:
@@ -88,7 +92,7 @@ def _batches(
         wanted,
         schema,
         delimiter=options.delimiter,
-        quote=True,
+        quote=options.quote,
         skip_header=True,
         skip_undecodable=bad.on_bad_row == "skip",
     )

@@ -379,7 +379,8 @@ def _parse_chunk(
         last = first + chunk.count(b"\n") - chunk.endswith(b"\n")
         raise DataError(
             f"{path} lines {first}-{last}: a quoted cell holds a line break; cells must fit on one line "
-            "(replace the line breaks inside quotes)"
+            "(replace the line breaks inside quotes; or, if '\"' does not quote cells in this file, set "
+            "data.options.quote: false; data inspect: --no-quote)"
         )
     # pyarrow numbers rejected rows 1-based among the chunk's non-empty lines.
     gone = np.array([r.number - 1 for r in bad_rows], dtype=np.int64)
