@@ -1086,3 +1086,21 @@ def test_quote_false_reads_a_quote_as_a_character(tmp_path):
     assert read_all(write(tmp_path / "q.csv", ["label,a", '1,"x,y"']), "csv", make_schema(sparse=["a"]))[
         "a"
     ].to_pylist() == ["x,y"]  # quoting stays the default
+
+
+def test_text_true_and_false_labels_are_one_and_zero(tmp_path):
+    """pandas writes a boolean label column as True/False (Spark: true/false): a CSV of them was all bad rows,
+    where the same column in Parquet (a boolean) read as 1/0."""
+    path = write(tmp_path / "t.csv", ["label,a", "True,x", "false,y", " TRUE ,z", "1,w", "yes,v"])
+    stats = ReadStats()
+    table = read_all(path, "csv", make_schema(sparse=["a"]), on_bad_row="skip", stats=stats)
+    assert table["label"].to_pylist() == [1.0, 0.0, 1.0, 1.0] and table["a"].to_pylist() == [
+        "x",
+        "y",
+        "z",
+        "w",
+    ]
+    assert stats.examples == [f"{path} line 6: label 'yes' is not 0 or 1"]
+    from recscale.data.inspect import inspect_file
+
+    assert inspect_file(path)["positive_rate"] == 0.75

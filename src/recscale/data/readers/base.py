@@ -214,12 +214,20 @@ def parse_floats(cells: pa.Array) -> tuple[pa.Array, np.ndarray | None]:
 
 
 def to_label(cells: pa.Array, minus_one: bool = False) -> tuple[pa.Array, Problem | None]:
-    """Label cells -> float32 0/1. With ``minus_one``, -1 means 0 (libsvm). Null or other = bad."""
+    """Label cells -> float32 0/1. With ``minus_one``, -1 means 0 (libsvm). Text ``true``/``false`` (any
+    case: pandas' and Spark's CSV of a boolean column) is 1/0, as a Parquet boolean is. Null or other = bad."""
     values, _ = parse_floats(cells)
     v = values.to_numpy(zero_copy_only=False)  # null -> NaN, which fails every test below
     ok = (v == 0) | (v == 1)
     if minus_one:
         ok |= v == -1
+    if not ok.all() and (pa.types.is_string(cells.type) or pa.types.is_large_string(cells.type)):
+        word = pc.utf8_lower(pc.utf8_trim_whitespace(cells))
+        true, false = (
+            pc.fill_null(pc.equal(word, w), False).to_numpy(zero_copy_only=False) for w in ("true", "false")
+        )
+        v = np.where(true, 1.0, np.where(false, 0.0, v))
+        ok |= true | false
     label = pa.array((v == 1).astype(np.float32))
     if ok.all():
         return label, None
