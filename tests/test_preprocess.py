@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 import pytest
 
 import recscale.data.materialize as materialize_module
-from recscale.data.dataset import ArrayDataset, epoch_batches, iterate
+from recscale.data.dataset import ArrayDataset, epoch_batches, iterate, read_meta
 from recscale.data.materialize import materialize
 from recscale.data.preprocess import OOV, Preprocessor, ascending, stable_hash, vocabulary_order
 from recscale.data.readers import read_batches
@@ -402,6 +402,27 @@ def test_a_damaged_split_is_one_line_naming_its_file(tmp_path, name, size):
     with pytest.raises(
         DataError, match=rf"split/{name}: .* where the split's meta\.json needs \d+: the split is damaged"
     ):
+        ArrayDataset(tmp_path / "split")
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda text: text.replace('"version"', '"\xff"', 1).encode("latin-1"),  # a byte that is not UTF-8
+        lambda text: text.replace('"rows"', '"rowz"', 1).encode(),  # a key the split needs, changed
+        lambda text: b"[1, 2]",  # JSON of another shape
+    ],
+    ids=["not utf-8", "a key changed", "a list"],
+)
+def test_a_damaged_meta_json_is_an_incomplete_split(tmp_path, damage):
+    """A meta.json damaged on disk was an internal error (UnicodeDecodeError, KeyError, AttributeError) of
+    every command that read the split; it is an incomplete split now: a run's own is written again, a
+    prepared directory's is refused with its one line, ArrayDataset says so."""
+    fit(TRAIN, tmp_path)
+    meta = tmp_path / "split" / "meta.json"
+    meta.write_bytes(damage(meta.read_text()))
+    assert read_meta(tmp_path / "split") is None
+    with pytest.raises(DataError, match=r"split: not a complete preprocessed split"):
         ArrayDataset(tmp_path / "split")
 
 

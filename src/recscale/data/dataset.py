@@ -35,12 +35,32 @@ FORMAT_VERSION = 1
 
 
 def read_meta(split_dir: Path) -> dict | None:
-    """The split's meta.json, or None when the directory is absent or incomplete."""
+    """The split's meta.json, or None when the directory is absent or incomplete, or the file is not one
+    (damaged: a byte that is not UTF-8, JSON of another shape), as a split written again replaces it."""
     try:
         meta = json.loads((Path(split_dir) / "meta.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (FileNotFoundError, ValueError):  # ValueError: JSONDecodeError, UnicodeDecodeError
         return None
-    return meta if meta.get("version") == FORMAT_VERSION else None
+    return meta if _well_formed(meta) else None
+
+
+def _well_formed(meta: object) -> bool:
+    """``meta`` has what ``ArrayDataset`` reads from a meta.json of this version."""
+    if not isinstance(meta, dict) or meta.get("version") != FORMAT_VERSION:
+        return False
+    fields = meta.get("sparse")
+    return (
+        type(meta.get("rows")) is int
+        and type(meta.get("num_dense")) is int
+        and isinstance(fields, list)
+        and all(
+            isinstance(f, dict)
+            and isinstance(f.get("name"), str)
+            and type(f.get("multi")) is bool
+            and type(f.get("weighted")) is bool
+            for f in fields
+        )
+    )
 
 
 def _map_ids(path: Path, dtype: type[np.generic]) -> np.ndarray:
