@@ -83,6 +83,25 @@ def test_a_failed_write_is_an_error_naming_the_checkpoint(tmp_path, monkeypatch,
     assert list((tmp_path / "ckpt").iterdir()) == []
 
 
+def test_a_write_past_the_file_size_limit_names_the_limit(tmp_path):
+    """Under ``ulimit -f`` torch's zip writer fails as on a full disk ('unexpected pos'), with no errno: the
+    line said only 'free space or fix the disk', with gigabytes free. It names the limit now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    big = {"model": {"w": torch.zeros(1 << 16)}}  # 256 KiB, past the limit below
+    path = tmp_path / "ckpt" / "step_00000001"
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))  # Python ignores SIGXFSZ: writes fail EFBIG
+    try:
+        with pytest.raises(CheckpointError) as e:
+            save_checkpoint(path, big)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert str(path) in str(e.value) and "65,536 bytes for this process (ulimit -f)" in str(e.value)
+    assert "raise the limit" in str(e.value)
+    assert list((tmp_path / "ckpt").iterdir()) == []
+
+
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, Terminated])
 def test_ctrl_c_or_sigterm_inside_dcp_stops_as_itself(tmp_path, monkeypatch, stop):
     """DCP catches every BaseException in its write and read: a Ctrl-C or SIGTERM that landed there ended

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 from pathlib import Path
 from typing import Any
@@ -177,9 +178,14 @@ def _write_error(path: Path, e: CheckpointException) -> BaseException:
         if isinstance(exc, OSError) and exc.errno is not None:
             return OSError(exc.errno, exc.strerror, str(path))
     free = shutil.disk_usage(path.parent).free  # save_checkpoint's atomic_dir created the parent
+    # A file-size limit (ulimit -f) fails the write alike, with the same message: no errno reaches here.
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    limited = limit != resource.RLIM_INFINITY
     return CheckpointError(
         f"{path}: the checkpoint could not be written ({one_line(errors[0] if errors else e)}; "
-        f"{free:,} bytes free on its disk); free space or fix the disk, then continue with {RESUME}"
+        f"{free:,} bytes free on its disk"
+        + (f", files of at most {limit:,} bytes for this process (ulimit -f)" if limited else "")
+        + f"); free space{', raise the limit' if limited else ''} or fix the disk, then continue with {RESUME}"
     )
 
 
