@@ -7,7 +7,8 @@ people), and loading one must never execute code from it. Loading reads three ki
   come from an exact ``(module, name)`` table (``_ALLOWED_GLOBALS``: DCP's metadata dataclasses,
   ``torch.Size``, a few dtypes, ``torch.serialization._get_layout``, ``pathlib.PosixPath``) by plain
   dictionary lookup, never by import or attribute walk, so dotted names cannot reach through a
-  module's globals. Only the opcodes DCP's metadata uses are accepted; REDUCE/NEWOBJ call only
+  module's globals; ``builtins.getattr`` is ``_enum_member``, which names a memory-format enum member
+  and nothing else. Only the opcodes DCP's metadata uses are accepted; REDUCE/NEWOBJ call only
   objects from that table and BUILD only sets state on instances of DCP's dataclasses (never on a
   class). The result is then type-checked field by field (``_check_metadata``).
 - Every entry must be ``TensorStorageMetadata``: DCP reads ``BytesStorageMetadata`` entries with
@@ -124,7 +125,28 @@ _ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id
     **{("torch", str(d).removeprefix("torch.")): d for d in _DTYPES},
 }
-_CALLABLES = (torch.Size, torch.serialization._get_layout, _MEM_FORMAT_ENCODING, pathlib.PosixPath)
+
+
+def _enum_member(*args: Any) -> Any:
+    """What ``builtins.getattr`` resolves to: Python 3.11's first releases (3.11.2, Debian 12's) pickle an Enum
+    member as ``getattr(EnumClass, name)``, not ``EnumClass(value)`` as later ones do, so every .metadata
+    they write names it. It only names a member of TensorProperties' memory-format enum."""
+    if len(args) == 2 and args[0] is _MEM_FORMAT_ENCODING and type(args[1]) is str:
+        member = _MEM_FORMAT_ENCODING.__members__.get(args[1])
+        if member is not None:
+            return member
+    raise pickle.UnpicklingError(
+        f"forbidden global 'builtins' 'getattr' but to name a member of {_MEM_FORMAT_ENCODING.__name__}"
+    )
+
+
+_CALLABLES = (
+    torch.Size,
+    torch.serialization._get_layout,
+    _MEM_FORMAT_ENCODING,
+    pathlib.PosixPath,
+    _enum_member,
+)
 _OPCODES = (pickle.PROTO, pickle.FRAME, pickle.STOP, pickle.MARK, pickle.NONE, pickle.NEWTRUE,
             pickle.NEWFALSE, pickle.BININT, pickle.BININT1, pickle.BININT2, pickle.LONG1, pickle.BINFLOAT,
             pickle.SHORT_BINUNICODE, pickle.BINUNICODE, pickle.EMPTY_TUPLE, pickle.TUPLE, pickle.TUPLE1,
@@ -166,6 +188,8 @@ class _MetadataUnpickler(pickle._Unpickler):
     )
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         obj = _ALLOWED_GLOBALS.get((module, name))
         if obj is None:
             raise pickle.UnpicklingError(f"forbidden global {module!r} {name!r}")
