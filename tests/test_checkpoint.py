@@ -155,6 +155,27 @@ def test_a_load_out_of_memory_is_not_called_damaged(tmp_path, monkeypatch, error
     assert "is not damaged" in line and "more ranks" in line
 
 
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EIO])
+def test_a_data_file_that_cannot_be_read_is_not_called_damaged(tmp_path, monkeypatch, code):
+    """A data file this user may not read (a run copied with mode 600 from another user) or a disk's read
+    error said 'the checkpoint is damaged, or belongs to another model', inviting its deletion: it is the
+    disk's error now, naming the file."""
+    from recscale.train.dcp_safety import SafeReader
+
+    path = tmp_path / "step_00000001"
+    save_checkpoint(path, state())
+    data = next(path.glob("*.distcp"))
+
+    def unreadable(*args, **kwargs):
+        raise OSError(code, os.strerror(code), str(data))
+
+    monkeypatch.setattr(SafeReader, "read_data", unreadable)
+    with pytest.raises(OSError) as e:
+        load_checkpoint(path, state())
+    assert not isinstance(e.value, CheckpointError)
+    assert e.value.errno == code and e.value.filename == str(data)
+
+
 class Evil:
     def __init__(self, canary):
         self.canary = canary

@@ -167,6 +167,16 @@ def _out_of_memory(path: Path, e: BaseException) -> ResourceError | None:
     )
 
 
+def _read_error(path: Path, e: BaseException) -> OSError | None:
+    """The disk's error (an OSError: a data file this user may not read, an I/O error) naming its file: the
+    checkpoint is not damaged, and the line must not say so, inviting its deletion. None for other errors."""
+    errors = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+    for exc in errors:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return OSError(exc.errno, exc.strerror, exc.filename or str(path))
+    return None
+
+
 def _write_error(path: Path, e: CheckpointException) -> BaseException:
     """What a failed DCP write ends the command with: an interruption as itself, the disk's error (an OSError)
     naming ``path``, else one line with the first rank's error and the disk's free space (torch's zip writer
@@ -266,6 +276,8 @@ def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
             raise stop from None
         if (memory := _out_of_memory(path, e)) is not None:
             raise memory from None
+        if (unreadable := _read_error(path, e)) is not None:
+            raise unreadable from None
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise CheckpointError(
             f"{path}: could not be read into this model ({one_line(first)}); the checkpoint is damaged, "
