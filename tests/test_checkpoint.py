@@ -176,6 +176,25 @@ def test_a_data_file_that_cannot_be_read_is_not_called_damaged(tmp_path, monkeyp
     assert e.value.errno == code and e.value.filename == str(data)
 
 
+@pytest.mark.parametrize("name", [".metadata", "state.json"])
+def test_a_metadata_or_state_file_that_cannot_be_read_is_not_called_damaged(tmp_path, monkeypatch, name):
+    """As a data file: .metadata or state.json this user may not read said 'the checkpoint is damaged or was
+    tampered with: restore it from a good copy or delete it'."""
+    path = tmp_path / "step_00000001"
+    save_checkpoint(path, state())
+    real_open = os.open
+
+    def no_permission(file, *args, **kwargs):
+        if Path(file) == path / name:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_permission)
+    with pytest.raises(OSError) as e:
+        load_checkpoint(path, state())
+    assert e.value.errno == errno.EACCES and e.value.filename == str(path / name)
+
+
 class Evil:
     def __init__(self, canary):
         self.canary = canary

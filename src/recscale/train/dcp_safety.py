@@ -31,6 +31,7 @@ are read: ``preprocess.json`` by ``Preprocessor.load``, ``config.yaml`` by ``tra
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -93,6 +94,10 @@ def read_regular_file(path: Path, cap: int, kind: str = "checkpoint") -> bytes:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; the {kind} is incomplete: delete it") from None
     except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EIO):
+            # A file this user may not read, or the disk's read error: not known to be damaged, and a line
+            # saying so invited deleting an intact checkpoint.
+            raise OSError(e.errno, e.strerror, str(path)) from None
         raise tampered(path, f"cannot be read ({e.strerror or e})", kind) from None
     if st.st_size > cap or len(data) > cap:
         raise tampered(path, f"is larger than {cap >> 20} MiB, more than any recscale {kind} writes", kind)
