@@ -1,3 +1,5 @@
+import errno
+import os
 import re
 from pathlib import Path
 
@@ -425,3 +427,25 @@ def test_a_home_directory_path_is_expanded(tmp_path, monkeypatch):
     cfg = load_config(CONFIGS / "frappe.yaml", ["data.train=~/f/train.csv", "data.prepared=~/prep"])
     assert (cfg.data.train, cfg.data.prepared) == (f"{tmp_path}/f/train.csv", f"{tmp_path}/prep")
     assert cfg.data.valid == load_config(CONFIGS / "frappe.yaml").data.valid  # others as written
+
+
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EIO])
+def test_a_config_that_cannot_be_read_is_the_disks_error(tmp_path, monkeypatch, code):
+    """A run's config.yaml this user may not read (a run copied from another user) said 'is corrupt or was
+    edited by hand ...; restore it or train a new run'. It is the disk's error naming the file."""
+    from recscale.train.runs import run_config
+
+    config = tmp_path / "config.yaml"
+    config.write_text("seed: 0\n")
+    read_bytes = Path.read_bytes
+
+    def unreadable(self: Path) -> bytes:
+        if self == config:
+            raise OSError(code, os.strerror(code), str(self))
+        return read_bytes(self)
+
+    monkeypatch.setattr(Path, "read_bytes", unreadable)
+    for read in (lambda: run_config(tmp_path), lambda: load_config(config)):
+        with pytest.raises(OSError) as e:
+            read()
+        assert e.value.errno == code and e.value.filename == str(config)

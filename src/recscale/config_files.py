@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import re
 from pathlib import Path
 from typing import Any
@@ -80,7 +81,11 @@ def read_yaml_mapping(path: Path, what: str = "a config") -> dict:
         raw = load_yaml(data)
     except yaml.YAMLError as e:
         raise ConfigError(yaml_error(path, e)) from None
-    except (OSError, RecursionError, ValueError) as e:  # unreadable, absurdly nested, not text
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EIO):  # the disk's error, as itself: the file is not
+            raise OSError(e.errno, e.strerror, str(path)) from None  # known to be bad (a run's "is corrupt")
+        raise ConfigError(f"{path}: cannot be read as YAML ({type(e).__name__}: {str(e)[:120]})") from None
+    except (RecursionError, ValueError) as e:  # absurdly nested, not text
         raise ConfigError(f"{path}: cannot be read as YAML ({type(e).__name__}: {str(e)[:120]})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: {what} must be a YAML mapping of sections (data, model, train)")
