@@ -4,6 +4,7 @@ import datetime
 import decimal
 import gzip
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -1104,3 +1105,23 @@ def test_text_true_and_false_labels_are_one_and_zero(tmp_path):
     from recscale.data.inspect import inspect_file
 
     assert inspect_file(path)["positive_rate"] == 0.75
+
+
+def test_a_pipe_or_device_as_data_is_named_as_such(tmp_path):
+    """A FIFO or device read as 'is empty (0 bytes)', and a pipe given as /dev/fd/N (``--data <(zcat F)``)
+    as 'does not exist' (its name resolves to pipe:[N]): each is named as not a regular file now."""
+    from recscale.data.sources import source_fingerprint
+
+    schema = Schema(label="label", dense=[], sparse=[SparseFeature(name="a")])
+    fifo = tmp_path / "data.csv"
+    os.mkfifo(fifo)
+    read, write = os.pipe()
+    try:
+        for path in (str(fifo), "/dev/null", f"/dev/fd/{read}"):
+            with pytest.raises(DataError, match=r" is not a regular file \(a pipe"):
+                source_fingerprint("csv", path, "train", {})
+            with pytest.raises(DataError, match=r" is not a regular file \(a pipe"):
+                next(read_batches(path, "csv", schema, {}))
+    finally:
+        os.close(read)
+        os.close(write)

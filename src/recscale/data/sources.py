@@ -12,7 +12,7 @@ from typing import Any
 import pyarrow as pa
 
 from recscale.data.readers import ReadStats, read_batches
-from recscale.data.readers.base import OnBadRow
+from recscale.data.readers.base import OnBadRow, check_regular
 from recscale.data.readers.movielens import files_of
 from recscale.data.schema import Schema
 from recscale.data.synthetic import SyntheticSpec, synthetic_batches
@@ -47,9 +47,12 @@ def source_fingerprint(fmt: str, path: str | None, split: str, extra: dict[str, 
     if path is not None:
         p = Path(path).resolve()
         if not p.exists():
+            if Path(path).exists():
+                check_regular(Path(path))
             raise DataError(
                 f"data.{split}: {path} does not exist; fix the path in the config or set data.{split}=PATH"
             )
+        check_regular(p)
         st = os.stat(p)
         info.update(path=str(p), size=st.st_size, mtime_ns=st.st_mtime_ns)
         if fmt == "movielens":

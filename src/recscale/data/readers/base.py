@@ -128,8 +128,20 @@ def check_file(path: Path, headerless: bool = False) -> None:
         raise DataError(f"{path}: no such file")
     if path.is_dir():
         raise DataError(f"{path} is a directory; this format reads one file")
+    check_regular(path)
     if path.stat().st_size == 0:
         raise (NoRows if headerless else DataError)(f"{path} is empty (0 bytes)")
+
+
+def check_regular(path: Path) -> None:
+    """DataError if ``path`` (which exists) is neither a regular file nor a directory: a pipe (``<(zcat F)``,
+    whose name resolves to none: it read as "does not exist") or a device (its size is 0 whatever it holds:
+    it read as "is empty")."""
+    if not path.is_file() and not path.is_dir():
+        raise DataError(
+            f"{path} is not a regular file (a pipe, e.g. <(zcat F), or a device); write the data to a file "
+            "and give that (a .gz, .bz2, .zst or .lz4 file is read as it is)"
+        )
 
 
 @contextmanager
