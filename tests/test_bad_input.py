@@ -582,6 +582,40 @@ def test_a_disk_that_fills_mid_write_is_named(tmpfs, capsys) -> None:
     assert len(err) == 1 and f"{disk / 'run' / 'data' / 'train'}: No space left on device" in err[0], err
 
 
+def test_an_output_that_is_a_device_pipe_or_process_file_is_refused(tmp_path) -> None:
+    """`predict --out /dev/null` (or /dev/full, /dev/stdout, a FIFO) said it had written the file: the rename
+    that ends an atomic write replaced the name itself with a regular file, as root /dev/null and /dev/stdout
+    of the whole machine. Such an output is refused, before the work and again by the writer; a device node
+    made here stands for /dev/null (never written in a test)."""
+    from recscale.errors import RecscaleError
+    from recscale.io import atomic_dir, atomic_write_bytes, check_output
+
+    fifo, stdout, fd = tmp_path / "fifo", tmp_path / "stdout", tmp_path / "fd"
+    os.mkfifo(fifo)
+    stdout.symlink_to("/proc/self/fd/1")  # as /dev/stdout: right whatever stdout is, a file included
+    fd.symlink_to("/dev/fd/1")
+    outs = [fifo, stdout, fd, Path("/proc/self/fd/1")]
+    if subprocess.run(["mknod", str(tmp_path / "null"), "c", "1", "3"], capture_output=True).returncode == 0:
+        outs.append(tmp_path / "null")
+    for out in outs:
+        before = os.readlink(out) if out.is_symlink() else None
+        with pytest.raises(RecscaleError, match=r" is not a regular file \(a device, a pipe"):
+            check_output(out, "--out", [])
+        with pytest.raises(RecscaleError, match=r" is not a regular file \(a device, a pipe"):
+            atomic_write_bytes(out, b"scores")
+        if out.parent == tmp_path:
+            with pytest.raises(RecscaleError, match=r" is not a regular file \(a device, a pipe"):
+                with atomic_dir(out):
+                    pass
+            assert os.readlink(out) == before if before is not None else not out.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in outs if p.parent == tmp_path)
+    link = tmp_path / "link"  # a link to a file of the user's is replaced, as before
+    link.symlink_to(tmp_path / "real")
+    check_output(link, "--out", [])
+    atomic_write_bytes(link, b"scores")
+    assert link.read_bytes() == b"scores"
+
+
 def test_read_only_out_is_one_line(ctx: Ctx, tmpfs, capsys) -> None:
     ro = tmpfs("ro", ro=True)
     code = main(["train", str(ctx.cfg), "--out", str(ro / "run")])

@@ -44,6 +44,8 @@ def _fsync_dir(path: Path) -> None:
 def _make_parent(path: Path, is_dir: bool) -> None:
     """Create ``path``'s parent. Errors name ``path``, not a temporary: a directory where a file goes
     (EISDIR), or a file where a directory goes, on the way or at ``path`` (ENOTDIR; mkdir says EEXIST)."""
+    if (special := not_a_file(str(path), path)) is not None:
+        raise special
     if path.exists() and path.is_dir() != is_dir:
         code = errno.ENOTDIR if is_dir else errno.EISDIR
         raise OSError(code, os.strerror(code), str(path))
@@ -51,6 +53,23 @@ def _make_parent(path: Path, is_dir: bool) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from None
+
+
+def not_a_file(name: str, path: Path) -> RecscaleError | None:
+    """The error of an output ``path`` (given as ``name``) that is a device, a pipe or a terminal, or a
+    process's open file (/dev/stdout, /dev/fd/N: links into /proc), else None. The rename that ends an atomic
+    write replaced the name itself with a regular file: as root, /dev/null, /dev/full or /dev/stdout."""
+    path = Path(os.path.abspath(path))
+    names = [path]  # the name, and the one its link gives (resolved no further: /proc/self/fd/1 -> the file)
+    if path.is_symlink():
+        names.append(Path(os.path.abspath(path.parent / os.readlink(path))))
+    through_proc = any(Path(os.path.realpath(p.parent), p.name).parts[:2] == ("/", "proc") for p in names)
+    if not through_proc and (not path.exists() or path.is_file() or path.is_dir()):
+        return None
+    return RecscaleError(
+        f"{name} is not a regular file (a device, a pipe, a terminal or a process's open file); name a file "
+        "to write: it is written whole, then renamed over that name"
+    )
 
 
 @contextmanager
@@ -287,6 +306,8 @@ def check_output(
     input it replaced)."""
     if out.is_dir():
         raise RecscaleError(f"{flag} {out} is a directory; name the {what} to write")
+    if (special := not_a_file(f"{flag} {out}", out)) is not None:
+        raise special
     where = out.resolve()
     above = next(p for p in where.parents if p.exists())  # the directories to make start below it
     if not above.is_dir():
