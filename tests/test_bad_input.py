@@ -616,6 +616,34 @@ def test_an_output_that_is_a_device_pipe_or_process_file_is_refused(tmp_path) ->
     assert link.read_bytes() == b"scores"
 
 
+def test_scratch_dirs_of_killed_commands_are_removed_by_the_next(tmp_path, monkeypatch) -> None:
+    """eval, predict, shard plan and precision probe copy the file they read into a temporary directory, as
+    large as the file: a command killed by SIGKILL (the OOM killer) left it in /tmp for good. The next one
+    removes those no live process holds, and leaves the held and the just-made alone."""
+    import fcntl
+    import tempfile
+    import time
+
+    from recscale.io import ABANDONED_AFTER_S, scratch_dir
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    old = time.time() - 2 * ABANDONED_AFTER_S
+    killed, held, young = (Path(tempfile.mkdtemp(prefix="recscale-predict-")) for _ in range(3))
+    other = Path(tempfile.mkdtemp(prefix="recscale-eval-"))  # another command's: not this one's to judge
+    for d in (killed, held, other):
+        (d / "split").mkdir()
+        os.utime(d, (old, old))
+    lock = os.open(held, os.O_RDONLY | os.O_DIRECTORY)  # as a live command's scratch_dir holds it
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        with scratch_dir("recscale-predict-") as tmp:
+            assert tmp.is_dir() and tmp.parent == tmp_path
+            assert not killed.exists() and held.exists() and young.exists() and other.exists()
+        assert not tmp.exists()
+    finally:
+        os.close(lock)
+
+
 def test_read_only_out_is_one_line(ctx: Ctx, tmpfs, capsys) -> None:
     ro = tmpfs("ro", ro=True)
     code = main(["train", str(ctx.cfg), "--out", str(ro / "run")])

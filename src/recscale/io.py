@@ -184,8 +184,30 @@ def _remove_abandoned(path: Path, own: Path) -> None:
     """Remove the temporaries of earlier writes to ``path`` (``atomic_dir``'s ``.NAME.XXXXXXXX.tmp``) whose
     writer is gone: no process holds their lock. Exports into one --out left a copy of the model each time
     one was killed."""
-    pattern = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.tmp")
-    for p in path.parent.iterdir():
+    _remove_unheld(path.parent, re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.tmp"), own)
+
+
+@contextmanager
+def scratch_dir(prefix: str) -> Iterator[Path]:
+    """A temporary directory (``tempfile``'s, ``PREFIXXXXXXXXX``), removed when the block ends, as
+    ``TemporaryDirectory``'s, and held by this process until then: on entry, those of earlier commands that
+    were killed before they could remove theirs (SIGKILL, the OOM killer) are removed. Each held a copy of
+    the file it scored, as large as the file, left in /tmp for good."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    held = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        _remove_unheld(tmp.parent, re.compile(rf"{re.escape(prefix)}[a-z0-9_]{{8}}"), tmp)
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(held)
+
+
+def _remove_unheld(parent: Path, pattern: re.Pattern[str], own: Path) -> None:
+    """Remove the directories in ``parent`` named by ``pattern`` (not ``own``) that no process holds the lock
+    of (``atomic_dir``, ``scratch_dir``), and are old enough to have been locked by their maker."""
+    for p in parent.iterdir():
         if p == own or not pattern.fullmatch(p.name):
             continue
         try:

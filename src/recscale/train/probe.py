@@ -19,7 +19,6 @@ scores it. The plan file's ``"model.quant"`` is a ``model.quant`` config section
 from __future__ import annotations
 
 import math
-import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +35,7 @@ from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
 from recscale.distributed.env import own_group
 from recscale.errors import DataError, RecscaleError
+from recscale.io import scratch_dir
 from recscale.models.base import RecModel
 from recscale.models.quant import (
     FORMATS,
@@ -82,7 +82,7 @@ def calibration_sample(
     if cfg.data.format == "synthetic":
         raise RecscaleError(f"{run_dir} was trained on synthetic data, which has no file format to read --data {data_path} with; "
                             "leave --data out to use the run's own valid split")  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="recscale-probe-") as tmp:
+    with scratch_dir("recscale-probe-") as tmp:
         ds, _ = prepare_split(cfg.data, pre, "test", data_path, Path(tmp) / "probe", progress=False)
         return _sample(ds, rows)  # gathered into memory before the files go
 

@@ -7,7 +7,6 @@ reader) and validated; a bad one is a one-line ``CheckpointError`` naming it.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from recscale.distributed.dmt.transform import LocalDMT, local_key
 from recscale.distributed.env import init_distributed, own_group
 from recscale.distributed.topology import Topology
 from recscale.errors import RESUME, RUN_DIR, CheckpointError, ConfigError, DataError, RecscaleError
-from recscale.io import atomic_write_bytes, check_output, committed
+from recscale.io import atomic_write_bytes, check_output, committed, scratch_dir
 from recscale.models.base import RecModel
 from recscale.models.embedding import EmbeddingLayer
 from recscale.models.registry import build_model
@@ -530,7 +529,7 @@ def _scored(
     )
     # libsvm places the label first in every line and MovieLens derives it: their files always have one.
     unlabelled = not labelled and data.format in ("csv", "parquet", "criteo")
-    with tempfile.TemporaryDirectory(prefix=f"recscale-{command}-") as tmp:
+    with scratch_dir(f"recscale-{command}-") as tmp:
         try:
             ds, stats = prepare_split(
                 data, pre, split, data_path, Path(tmp) / "split", progress=False,

@@ -6,7 +6,6 @@ and memory."""
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from recscale.config import RunConfig
 from recscale.distributed.env import DistEnv
 from recscale.distributed.sharding import Prediction, predicted_plan
 from recscale.errors import ConfigError
-from recscale.io import atomic_write_text
+from recscale.io import atomic_write_text, scratch_dir
 from recscale.models.registry import build_model
 from recscale.train.build import feature_set, planner_sample
 from recscale.train.data import prepare_run_data
@@ -30,7 +29,7 @@ def shard_plan(cfg: RunConfig, world: int, local_world: int, out: Path) -> dict[
             "shard plan: the config trains DMT (dmt:), where each host shards its tower's tables by "
             f"dmt.sharding ({cfg.dmt.sharding}) over its own ranks; shard plan plans flat runs: drop dmt"
         )
-    with tempfile.TemporaryDirectory() as tmp:
+    with scratch_dir("recscale-shard-plan-") as tmp:
         pre, splits, _ = prepare_run_data(cfg.data, Path(tmp), resume=False, main=True, progress=False)
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model.name, feature_set(pre), cfg.model.embedding, cfg.model.params)
