@@ -644,6 +644,33 @@ def test_scratch_dirs_of_killed_commands_are_removed_by_the_next(tmp_path, monke
         os.close(lock)
 
 
+def test_a_full_disk_under_tensorboard_is_one_line_naming_tb(tmp_path, tmpfs, capfd) -> None:
+    """TensorBoard writes from a thread of its own: a disk that filled under tb/ printed that thread's
+    traceback, then a line naming no file. The line names tb/ now, and the thread's traceback is not printed."""
+    from recscale.train.state import RunLog
+
+    run = tmp_path / "run"
+    tb = tmpfs("tb", size="64k")
+    run.mkdir()
+    (run / "tb").symlink_to(tb)
+    log = RunLog(run, main=True)
+    with open(tb / "filler", "wb", buffering=0) as f:  # unbuffered: nothing left to fail at close
+        while True:
+            try:
+                f.write(b"\0" * 4096)
+            except OSError:
+                break
+    with pytest.raises(OSError, match="No space left") as e:
+        for step in range(1, 200):
+            log({"split": "train", "step": step, "loss": 0.5, "lr": 0.1})
+        log.close()
+    assert e.value.filename == str(run / "tb")
+    with pytest.raises(OSError, match="No space left") as e:  # full before the writer starts
+        RunLog(run, main=True)
+    assert e.value.filename == str(run / "tb")
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_read_only_out_is_one_line(ctx: Ctx, tmpfs, capsys) -> None:
     ro = tmpfs("ro", ro=True)
     code = main(["train", str(ctx.cfg), "--out", str(ro / "run")])

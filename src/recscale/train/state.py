@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,19 @@ def set_rng_state(s: dict[str, str]) -> None:
     torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(s["torch"]), dtype=np.uint8).copy()))
 
 
+def _quiet_tb_writer(args: threading.ExceptHookArgs) -> None:
+    """``threading.excepthook``, less the traceback of TensorBoard's writer thread dead of an OSError (a full
+    disk): the writer raises that error again in the thread that logs, at its next call, which ``RunLog``
+    names tb/ in, the command's one line."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    if not (isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, OSError)):
+        _THREAD_HOOK(args)
+
+
+_THREAD_HOOK = threading.excepthook
+
+
 class RunLog:
     """metrics.jsonl and TensorBoard, written by rank 0 only."""
 
@@ -90,9 +104,12 @@ class RunLog:
         attempt logged after it (as ``truncate`` drops it from metrics.jsonl)."""
         from torch.utils.tensorboard import SummaryWriter
 
-        self.path = run_dir / "metrics.jsonl"
+        self.path, self.tb_dir = run_dir / "metrics.jsonl", run_dir / "tb"
         purge = None if resumed_at is None else resumed_at + 1
-        self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=purge) if main else None
+        if main:
+            threading.excepthook = _quiet_tb_writer
+        with naming(self.tb_dir):
+            self.tb = SummaryWriter(str(self.tb_dir), purge_step=purge) if main else None
         if main:  # there from the start, as the README lists it: a run that logs no record has it empty
             with naming(self.path):
                 self.path.touch()
@@ -102,9 +119,10 @@ class RunLog:
             return
         with naming(self.path), open(self.path, "a") as f:
             f.write(strict_json(record) + "\n")
-        for k, v in record.items():
-            if isinstance(v, int | float) and k not in ("step", "epoch"):
-                self.tb.add_scalar(f"{record.get('split', 'train')}/{k}", v, record["step"])
+        with naming(self.tb_dir):
+            for k, v in record.items():
+                if isinstance(v, int | float) and k not in ("step", "epoch"):
+                    self.tb.add_scalar(f"{record.get('split', 'train')}/{k}", v, record["step"])
 
     def truncate(self, step: int) -> None:
         """Forget the records after ``step`` (what a killed attempt logged after its last checkpoint)."""
@@ -123,4 +141,5 @@ class RunLog:
 
     def close(self) -> None:
         if self.tb is not None:
-            self.tb.close()
+            with naming(self.tb_dir):
+                self.tb.close()
