@@ -426,6 +426,26 @@ def test_a_damaged_meta_json_is_an_incomplete_split(tmp_path, damage):
         ArrayDataset(tmp_path / "split")
 
 
+@pytest.mark.parametrize("label", [float("nan"), 7.0])
+def test_a_damaged_label_is_named_not_scored(tmp_path, label):
+    """A label.bin damaged on disk (a flipped byte: NaN, 7) scored as 'the model scored NaN (a diverged model)'
+    or as numbers from the damage; the readers write no label but 0 and 1, and the split is named damaged."""
+    import torch
+
+    from recscale.train.evaluate import scored
+
+    fit(TRAIN, tmp_path)
+    path = tmp_path / "split" / "label.bin"
+    labels = np.fromfile(path, np.float32)
+    labels[3] = label
+    labels.tofile(path)
+    ds = ArrayDataset(tmp_path / "split")
+    with pytest.raises(
+        DataError, match=r"split/label\.bin: the label of row 3 is .*, not 0 or 1: the split is damaged"
+    ):
+        scored(torch.zeros(len(ds)), ds)
+
+
 def test_epoch_batches_shard_a_global_batch_across_ranks():
     one = epoch_batches(103, 10, seed=3, epoch=1, drop_last=True)
     parts = [epoch_batches(103, 10, seed=3, epoch=1, drop_last=True, rank=r, world_size=2) for r in (0, 1)]

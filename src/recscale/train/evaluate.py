@@ -11,6 +11,7 @@ from recscale.data.dataset import ArrayDataset, iterate
 from recscale.data.preprocess import OOV
 from recscale.data.synthetic import SyntheticSpec, bayes_logloss
 from recscale.distributed.gather import eval_batches, gather_scores
+from recscale.errors import DataError
 from recscale.train.metrics import ctr_metrics, group_auc, normalized_entropy
 from recscale.train.precision import Precision, autocast
 
@@ -57,6 +58,14 @@ def evaluate(
 def scored(logits: torch.Tensor, ds: ArrayDataset, group_by: str | None = None) -> dict[str, float]:
     """``evaluate``'s metrics of the ``logits`` (N,) a model gave ``ds``'s rows."""
     labels = torch.from_numpy(ds.labels().copy())
+    bad = ~((labels == 0) | (labels == 1))  # the readers write no other: a damaged label.bin (NaN, 7)
+    if bool(bad.any()):  # scored NaN ("a diverged model") or numbers from the damage
+        row = int(bad.nonzero()[0, 0])
+        raise DataError(
+            f"{ds.dir / 'label.bin'}: the label of row {row} is {labels[row].item()}, not 0 or 1: the split is "
+            f"damaged; delete {ds.dir} and rerun the command that wrote it (train, or data prepare for a "
+            "data.prepared directory)"
+        )
     m = ctr_metrics(logits, labels)
     if group_by is not None:
         groups = torch.from_numpy(ds.ids(group_by))
