@@ -60,11 +60,13 @@ def not_a_file(name: str, path: Path) -> RecscaleError | None:
     process's open file (/dev/stdout, /dev/fd/N: links into /proc), else None. The rename that ends an atomic
     write replaced the name itself with a regular file: as root, /dev/null, /dev/full or /dev/stdout."""
     path = Path(os.path.abspath(path))
+    if not path.exists():  # a file to make (or a name under /proc, which takes none: the write says so)
+        return None
     names = [path]  # the name, and the one its link gives (resolved no further: /proc/self/fd/1 -> the file)
     if path.is_symlink():
         names.append(Path(os.path.abspath(path.parent / os.readlink(path))))
     through_proc = any(Path(os.path.realpath(p.parent), p.name).parts[:2] == ("/", "proc") for p in names)
-    if not through_proc and (not path.exists() or path.is_file() or path.is_dir()):
+    if not through_proc and (path.is_file() or path.is_dir()):
         return None
     return RecscaleError(
         f"{name} is not a regular file (a device, a pipe, a terminal or a process's open file); name a file "
