@@ -237,11 +237,11 @@ def test_hung_rank_is_named_and_the_job_ends_soon_after_the_timeout(tmp_path):
 
 
 def _stop_with_sigterm(
-    run_dir: Path, *args: str, env: dict[str, str] | None = None
+    run_dir: Path, *args: str, env: dict[str, str] | None = None, sig: int = signal.SIGTERM
 ) -> tuple[int, str, list[int]]:
-    """Start a long training into ``run_dir`` (``args``: more of its command line), SIGTERM it once it has
-    written a checkpoint; returns its exit code, its stderr and the processes of the job that outlived it
-    (then killed)."""
+    """Start a long training into ``run_dir`` (``args``: more of its command line), SIGTERM (or ``sig``) it
+    once it has written a checkpoint; returns its exit code, its stderr and the processes of the job that
+    outlived it (then killed)."""
     cmd = [sys.executable, "-m", "recscale.cli", "train", str(CONFIGS / "demo.yaml"), *SMALL, "train.eval_every=3",
            "train.epochs=1000", "train.max_steps=100000", "--out", str(run_dir), *args]  # fmt: skip
     # Not a pipe: processes the command leaves behind would hold it open.
@@ -254,7 +254,7 @@ def _stop_with_sigterm(
             assert proc.poll() is None, "the training exited before its first checkpoint"
             assert time.monotonic() < deadline, "no checkpoint within 120 s"
             time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         proc.wait(timeout=60)
     finally:
         left = _job_processes(run_dir)
@@ -295,6 +295,19 @@ def test_sigterm_stops_a_training_with_one_line_and_a_resume_continues_it(tmp_pa
     assert main(["train", "--resume", "--out", str(run_dir), f"train.max_steps={resumed_to}"]) == 0
     assert f"resumed from {latest} " in capsys.readouterr().err
     assert [r["step"] for r in _logged(run_dir) if r["split"] == "train"] == list(range(1, resumed_to + 1))
+
+
+def test_ctrl_c_stops_a_training_saying_how_to_continue(tmp_path):
+    """Ctrl-C said only 'interrupted' where SIGTERM says where the run stopped and how to continue it."""
+    run_dir = tmp_path / "run"
+    code, err, left = _stop_with_sigterm(run_dir, sig=signal.SIGINT)
+    assert code == 130 and "Traceback" not in err and left == [], err[-2000:]
+    latest = list_checkpoints(run_dir / "ckpt")[-1]
+    assert re.fullmatch(
+        rf"train: stopped by Ctrl-C at step \d+; continue from {re.escape(str(latest))} with "
+        rf"`recscale train --resume --out {re.escape(str(run_dir))}`",
+        err.strip().splitlines()[-1],
+    ), err[-2000:]
 
 
 def test_sigterm_still_ends_a_rank_at_once(tmp_path):

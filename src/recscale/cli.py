@@ -104,8 +104,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         try:
             with _sigterm_raises():  # the launcher stops its ranks, which die of the SIGTERM it sends them
                 _launch(args, out)
-        except Terminated:
-            raise _stopped(args, out, None) from None
+        except (Terminated, KeyboardInterrupt) as e:
+            raise _stopped(e, args, out, None) from None
         return
     if args.local_world_size is not None or args.max_restarts:
         raise RecscaleError("train: --local-world-size and --max-restarts go with --nproc")
@@ -116,27 +116,36 @@ def cmd_train(args: argparse.Namespace) -> None:
             report = trainer.fit()
             if trainer.main:
                 print_report(report)
-    except Terminated:
+    except (Terminated, KeyboardInterrupt) as e:
         shutdown()
-        raise _stopped(args, out, trainer.progress.step if trainer is not None else None) from None
+        raise _stopped(e, args, out, trainer.progress.step if trainer is not None else None) from None
     shutdown()  # joins gloo's threads: left to exit-time destructors they can abort the process
 
 
-def _stopped(args: argparse.Namespace, out: Path, step: int | None) -> Terminated:
-    """The line of a training into ``out`` that SIGTERM stopped (at ``step``, where known): how to go on."""
+def _stop(e: BaseException, line: str) -> BaseException:
+    """What ends a command that SIGTERM (``Terminated``) or Ctrl-C (``KeyboardInterrupt``) stopped: the same
+    exception, saying ``line``, in which ``{by}`` names the signal (main prints it; exit 143 or 130)."""
+    if isinstance(e, KeyboardInterrupt):
+        return KeyboardInterrupt(line.format(by="Ctrl-C"))
+    return Terminated(line.format(by="SIGTERM"))
+
+
+def _stopped(e: BaseException, args: argparse.Namespace, out: Path, step: int | None) -> BaseException:
+    """The line of a training into ``out`` that SIGTERM or Ctrl-C stopped (at ``step``, where known): how to go
+    on."""
     from recscale.train.checkpoint import list_checkpoints
 
     at = f" at step {step}" if step is not None else ""
     ckpts = list_checkpoints(out / "ckpt")
     if not ckpts:
-        return Terminated(
-            f"train: stopped by SIGTERM{at}, before its first checkpoint; run the same command again"
+        return _stop(
+            e, f"train: stopped by {{by}}{at}, before its first checkpoint; run the same command again"
         )
     again = ["recscale", "train", "--resume", "--out", str(out)]
     if args.nproc is not None:  # the same ranks and hosts: a DMT run resumes only there
         again += ["--nproc", str(args.nproc)]
         again += ["--local-world-size", str(args.local_world_size)] if args.local_world_size else []
-    return Terminated(f"train: stopped by SIGTERM{at}; continue from {ckpts[-1]} with `{shlex.join(again)}`")
+    return _stop(e, f"train: stopped by {{by}}{at}; continue from {ckpts[-1]} with `{shlex.join(again)}`")
 
 
 @contextmanager
@@ -437,9 +446,9 @@ def cmd_prepare(args: argparse.Namespace) -> None:
                 _, splits, stats = prepare_run_data(
                     cfg.data, out, resume=False, main=True, progress=sys.stderr.isatty()
                 )
-    except Terminated:
-        raise Terminated(
-            f"data prepare: stopped by SIGTERM before {out} was complete; run the same command again"
+    except (Terminated, KeyboardInterrupt) as e:
+        raise _stop(
+            e, f"data prepare: stopped by {{by}} before {out} was complete; run the same command again"
         ) from None
     seconds = time.perf_counter() - t0
     for name, ds in splits.items():
@@ -455,11 +464,12 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     try:
         with _sigterm_raises():  # as train: stopped, it says so (one line, 143)
             results = run_sweep(args.sweep, args.out)
-    except Terminated:
+    except (Terminated, KeyboardInterrupt) as e:
         shutdown()
-        raise Terminated(
-            "sweep: stopped by SIGTERM; run the same command again to go on (finished runs are skipped, "
-            "the one stopped starts afresh)"
+        raise _stop(
+            e,
+            "sweep: stopped by {by}; run the same command again to go on (finished runs are skipped, "
+            "the one stopped starts afresh)",
         ) from None
     print(f"results: {results}")
 
@@ -880,8 +890,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_upstream()
     try:
         args.fn(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # train, data prepare and sweep say where they stopped and how to go on
+        print(e.args[0] if e.args and isinstance(e.args[0], str) else "interrupted", file=sys.stderr)
         return 130
     except Terminated as e:  # a command stopped by SIGTERM says where (cmd_train, cmd_prepare, cmd_sweep)
         print(e, file=sys.stderr)
