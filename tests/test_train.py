@@ -710,6 +710,28 @@ def test_reuse_memory_serves_large_blocks_from_the_heap(mode, mmapped):
     assert int(out.stdout.split()[-1]) == mmapped
 
 
+def _in_a_fresh_process(test):
+    """Run ``test`` (a test function) alone in a new pytest process: ``_mmapped_blocks`` reads process-wide
+    glibc state that earlier tests in a long-lived worker disturb (the likely cause: the main thread moved off
+    glibc's main arena, where a huge block is mmapped whatever the tuning; not proven). These tests failed in
+    full-suite runs with the tuning in effect and passed alone."""
+    import functools
+    import os
+
+    @functools.wraps(test)
+    def alone(*args: object, **kwargs: object) -> None:
+        if os.environ.get("RECSCALE_TEST_ALONE") == "1":
+            test(*args, **kwargs)
+            return
+        node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
+        env = {**os.environ, "RECSCALE_TEST_ALONE": "1"}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", node]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=CONFIGS.parent, timeout=300)
+        assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+
+    return alone
+
+
 def _mmapped_blocks() -> int:
     """How many mmapped blocks glibc serves a large tensor with, in this process: 1 by default, 0 while
     train.reuse_memory's tuning is in effect. (1 GiB more than the heap's free bytes: larger than any free
@@ -733,6 +755,7 @@ def _mmapped_blocks() -> int:
 
 @pytest.mark.skipif(not Path("/lib/x86_64-linux-gnu/libc.so.6").exists(), reason="glibc only")
 @pytest.mark.parametrize("fails", [False, True])
+@_in_a_fresh_process
 def test_fit_undoes_its_process_group_and_malloc_tuning(tmp_path, monkeypatch, fails):
     """train.reuse_memory's malloc tuning and the group of one the Trainer started outlasted fit(): the
     rest of the process ran with glibc's mmap off, and with a process group nobody would destroy. Nor does
@@ -765,6 +788,7 @@ def test_fit_undoes_its_process_group_and_malloc_tuning(tmp_path, monkeypatch, f
 
 
 @pytest.mark.skipif(not Path("/lib/x86_64-linux-gnu/libc.so.6").exists(), reason="glibc only")
+@_in_a_fresh_process
 def test_fit_leaves_the_callers_process_group_and_malloc_tuning_alone(tmp_path):
     """A group the caller started (to score trainer.module after fit) and malloc tuning it set up stay."""
     import torch.distributed as dist
@@ -787,6 +811,7 @@ def test_fit_leaves_the_callers_process_group_and_malloc_tuning_alone(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/lib/x86_64-linux-gnu/libc.so.6").exists(), reason="glibc only")
+@_in_a_fresh_process
 def test_a_trainer_that_never_trains_is_closed_by_its_with_block(tmp_path):
     """A Trainer built to score a run (resume=True, no fit) kept its process group, malloc tuning and the
     run directory's lock until the process ended: nothing undid them."""
