@@ -751,3 +751,16 @@ def test_the_training_report_notes_a_split_of_one_class(capsys):
               "mflops_per_example": 0.0, "valid": split, "run_dir": "r"}  # fmt: skip
     print_report(report)
     assert "note: valid auc, ne are null: all 10 rows are positive" in capsys.readouterr().out
+
+
+def test_a_permission_error_says_to_fix_permissions_first():
+    """EACCES said 'choose a path you may write' for files recscale only reads (a run's checkpoint, data)."""
+    import errno
+
+    from recscale.cli import _os_error_line
+
+    line = _os_error_line(PermissionError(errno.EACCES, "Permission denied", "runs/x/best/.metadata"))
+    assert line == (
+        "runs/x/best/.metadata: Permission denied (permission denied; fix its permissions "
+        "(an output: or choose a path you may write))"
+    )
