@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+import torch
 
 import recscale.data.materialize as materialize_module
 from recscale.data.dataset import ArrayDataset, epoch_batches, iterate, read_meta
@@ -430,8 +431,6 @@ def test_a_damaged_meta_json_is_an_incomplete_split(tmp_path, damage):
 def test_a_damaged_label_is_named_not_scored(tmp_path, label):
     """A label.bin damaged on disk (a flipped byte: NaN, 7) scored as 'the model scored NaN (a diverged model)'
     or as numbers from the damage; the readers write no label but 0 and 1, and the split is named damaged."""
-    import torch
-
     from recscale.train.evaluate import scored
 
     fit(TRAIN, tmp_path)
@@ -463,6 +462,18 @@ def test_worker_processes_yield_the_same_batches(tmp_path):
     a = [b.sparse["g"].values().tolist() for b in iterate(ds, batches, num_workers=0)]
     b = [b.sparse["g"].values().tolist() for b in iterate(ds, batches, num_workers=2)]
     assert a == b
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+def test_worker_processes_leave_the_global_rng_alone(tmp_path, num_workers):
+    """The loader's worker seed came from the global torch RNG (dropout's): data.num_workers=0 vs 1
+    trained another model, and an evaluation in workers moved the masks of the steps after it."""
+    fit(TRAIN, tmp_path)
+    ds = ArrayDataset(tmp_path / "split")
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    list(iterate(ds, epoch_batches(5, 2, seed=0, epoch=0, drop_last=False), num_workers=num_workers))
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 @pytest.mark.parametrize("rows, world", [(5, 4), (2001, 2), (7, 3), (4, 4)])

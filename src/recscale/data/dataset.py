@@ -286,6 +286,10 @@ def iterate(ds: ArrayDataset, batches: list[np.ndarray], num_workers: int = 0) -
         num_workers=min(num_workers, len(batches)),
         prefetch_factor=4,
         persistent_workers=False,
+        # Its own generator for the workers' base seed: drawn from the global one, that seed moved the
+        # global RNG (dropout's), so data.num_workers=0 trained another model than 1, and an evaluation
+        # in workers (valid over one eval batch) changed the masks of the steps after it.
+        generator=torch.Generator(),
     )
     # The workers fork with the parent's objects frozen, so their garbage collection never runs a finalizer
     # of an object the parent held: one that takes a lock another parent thread held at the fork (TensorBoard's
