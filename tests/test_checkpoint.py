@@ -293,3 +293,19 @@ def test_a_tensor_of_another_size_is_named_not_called_damaged(tmp_path, key, why
         CheckpointError, match=rf"/model/{key} was saved with size \[4\], this run has \[2\]; .*{why}"
     ):
         load_checkpoint(tmp_path / "step_00000001", {"model": {key: torch.zeros(2)}, "progress": {}})
+
+
+def test_the_rng_state_carries_a_gpus_generator(monkeypatch):
+    """On a GPU dropout draws from the device's generator: only the CPU one was saved, so a resumed GPU run
+    restarted its masks from the seed (the README calls a resume at the same world size exact)."""
+    from recscale.train.state import rng_state, set_rng_state
+
+    device = {"state": torch.arange(16, dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: device["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: device.update(state=s))
+    saved = rng_state()
+    device["state"] = torch.zeros(16, dtype=torch.uint8)
+    set_rng_state(saved)
+    assert torch.equal(device["state"], torch.arange(16, dtype=torch.uint8))
+    set_rng_state({"torch": saved["torch"]})  # a checkpoint from before, or from a CPU run: the CPU's only

@@ -76,11 +76,27 @@ class Progress:
 
 
 def rng_state() -> dict[str, str]:
-    return {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    """The global torch generator's state and, on a GPU, the current device's: dropout draws from the
+    device's generator there, which a resume otherwise restarted from the seed (masks of the first steps)."""
+    s = {"torch": _encode(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        s["cuda"] = _encode(torch.cuda.get_rng_state())
+    return s
 
 
 def set_rng_state(s: dict[str, str]) -> None:
-    torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(s["torch"]), dtype=np.uint8).copy()))
+    """Restore ``rng_state``'s generators; a device's state only on a GPU (a CPU resume of a GPU run has none)."""
+    torch.set_rng_state(_decode(s["torch"]))
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_decode(s["cuda"]))
+
+
+def _encode(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def _decode(text: str) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype=np.uint8).copy())
 
 
 def _quiet_tb_writer(args: threading.ExceptHookArgs) -> None:
