@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from recscale.config import load_config, validate_config
 from recscale.config_files import load_yaml
@@ -449,3 +450,13 @@ def test_a_config_that_cannot_be_read_is_the_disks_error(tmp_path, monkeypatch, 
         with pytest.raises(OSError) as e:
             read()
         assert e.value.errno == code and e.value.filename == str(config)
+
+
+@pytest.mark.parametrize("which", ["dense_optimizer", "sparse_optimizer"])
+def test_an_eps_given_to_sgd_is_refused(which):
+    """SGD takes no eps: train.<which>.eps with name sgd was accepted and dropped without a word."""
+    with pytest.raises(ConfigError, match=rf"train\.{which}\.eps: sgd takes no eps"):
+        load_config(CONFIGS / "demo.yaml", [f"train.{which}.name=sgd", f"train.{which}.eps=0.1"])
+    # The default eps (a run's saved config.yaml holds it) is not a choice: sgd still validates.
+    cfg = load_config(CONFIGS / "demo.yaml", [f"train.{which}.name=sgd"])
+    assert validate_config(yaml.safe_load(cfg.to_yaml())).model_dump() == cfg.model_dump()

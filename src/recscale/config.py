@@ -199,6 +199,13 @@ class TrainConfig(Settings):
             raise ValueError(
                 f"train.sparse_optimizer.name '{self.sparse_optimizer.name}': use one of {sparse_ok}"
             )
+        for key, opt in (
+            ("dense_optimizer", self.dense_optimizer),
+            ("sparse_optimizer", self.sparse_optimizer),
+        ):
+            # SGD divides by no running average: an eps would be dropped without a word.
+            if opt.name == "sgd" and opt.eps != OptimizerConfig.model_fields["eps"].default:
+                raise ValueError(f"train.{key}.eps: sgd takes no eps; drop it or choose another optimizer")
         return self
 
 
