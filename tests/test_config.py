@@ -460,3 +460,24 @@ def test_an_eps_given_to_sgd_is_refused(which):
     # The default eps (a run's saved config.yaml holds it) is not a choice: sgd still validates.
     cfg = load_config(CONFIGS / "demo.yaml", [f"train.{which}.name=sgd"])
     assert validate_config(yaml.safe_load(cfg.to_yaml())).model_dump() == cfg.model_dump()
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("data.train=clicks.csv", "data.train: format 'synthetic' reads no file"),
+        ("data.test=clicks.csv", "data.test: format 'synthetic' reads no file"),
+        ("data.schema={label: click, sparse: [{name: user}]}", "data.schema: format 'synthetic'"),
+    ],
+)
+def test_a_file_or_schema_given_to_synthetic_data_is_refused(override, words):
+    """Format synthetic reads no file: data.train (or a schema) was dropped without a word, and the run
+    trained on the teacher's data instead of the file it named."""
+    with pytest.raises(ConfigError, match=words):
+        load_config(CONFIGS / "demo.yaml", [override])
+
+
+def test_a_synthetic_spec_given_to_file_data_is_refused():
+    """data.synthetic under a file format was dropped without a word."""
+    with pytest.raises(ConfigError, match="data.synthetic: format 'csv' reads data.train"):
+        load_config(CONFIGS / "frappe.yaml", ["data.synthetic={vocab_sizes: 10}"])

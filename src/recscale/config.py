@@ -72,6 +72,16 @@ class DataConfig(Settings):
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
         if self.format == "synthetic":
+            # No reader runs: a path or a schema given here would be dropped without a word (the run trained
+            # on the teacher's data, not on the file data.train names).
+            given = [k for k, v in (("train", self.train), ("valid", self.valid), ("test", self.test),
+                                    ("schema", self.schema_)) if v is not None]  # fmt: skip
+            if given:
+                raise ValueError(
+                    f"data.{given[0]}: format 'synthetic' reads no file and takes no {given[0]} (its splits "
+                    "are data.synthetic.rows, its features data.synthetic); set data.format to the file's "
+                    f"format or drop data.{given[0]}"
+                )
             if self.synthetic is None:
                 self.synthetic = SyntheticSpec()
             if "train" not in self.synthetic.rows:
@@ -80,6 +90,11 @@ class DataConfig(Settings):
                     "data.synthetic.rows={train: 100000, valid: 10000, test: 10000}"
                 )
         else:
+            if self.synthetic is not None:
+                raise ValueError(
+                    f"data.synthetic: format '{self.format}' reads data.train, not the synthetic teacher's "
+                    "data; drop data.synthetic or set data.format=synthetic"
+                )
             if self.train is None:
                 raise ValueError("data.train is required: the path of the training file")
             if self.schema_ is None:
