@@ -481,3 +481,18 @@ def test_a_synthetic_spec_given_to_file_data_is_refused():
     """data.synthetic under a file format was dropped without a word."""
     with pytest.raises(ConfigError, match="data.synthetic: format 'csv' reads data.train"):
         load_config(CONFIGS / "frappe.yaml", ["data.synthetic={vocab_sizes: 10}"])
+
+
+@pytest.mark.parametrize(
+    ("config", "override", "words"),
+    [
+        ("demo", "data.synthetic.rows={train: 100, test: 10}", "data.synthetic.rows has no valid"),
+        ("frappe", "data.valid=null", "data.valid is not set"),
+    ],
+)
+def test_a_report_fraction_without_a_valid_split_is_refused(config, override, words):
+    """data.report_fraction holds out valid rows: without a valid split it was dropped without a word."""
+    with pytest.raises(
+        ConfigError, match=f"data.report_fraction holds out rows of the valid split, and {words}"
+    ):
+        load_config(CONFIGS / f"{config}.yaml", [override, "data.report_fraction=0.5"])

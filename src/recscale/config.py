@@ -415,9 +415,15 @@ class RunConfig(Settings):
                 "name the single-id feature to group by (e.g. train.group_by=user_id)"
             )
         synthetic = self.data.synthetic if self.data.format == "synthetic" else None
-        if self.train.calibrate and ("valid" not in synthetic.rows if synthetic else self.data.valid is None):
+        if ("valid" not in synthetic.rows) if synthetic else self.data.valid is None:
             where = "data.synthetic.rows has no valid" if synthetic else "data.valid is not set"
-            raise ValueError(f"train.calibrate fits on the valid split, and {where}: give one")
+            # Both need a valid split: report_fraction without one was dropped without a word.
+            if self.train.calibrate:
+                raise ValueError(f"train.calibrate fits on the valid split, and {where}: give one")
+            if self.data.report_fraction is not None:
+                raise ValueError(
+                    f"data.report_fraction holds out rows of the valid split, and {where}: give one"
+                )
         return self
 
     @model_validator(mode="after")
