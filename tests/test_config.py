@@ -496,3 +496,23 @@ def test_a_report_fraction_without_a_valid_split_is_refused(config, override, wo
         ConfigError, match=f"data.report_fraction holds out rows of the valid split, and {words}"
     ):
         load_config(CONFIGS / f"{config}.yaml", [override, "data.report_fraction=0.5"])
+
+
+@pytest.mark.parametrize(
+    ("encoder", "key", "value"),
+    [("causal", "target", "s0"), ("causal", "softmax", "true"), ("causal", "attention_hidden", "[64]"),
+     ("din", "layers", "2"), ("din", "heads", "4")],
+)  # fmt: skip
+def test_a_sequence_key_the_encoder_does_not_read_is_refused(encoder, key, value):
+    """The causal encoder reads no DIN key (target, softmax, attention_hidden) and DIN no causal block's
+    (layers, heads): they were dropped without a word."""
+    seq = ["data.synthetic.history_max_len=8", f"model.embedding.sequence.encoder={encoder}"]
+    with pytest.raises(
+        ConfigError, match=rf"model\.embedding\.sequence\.{key}: the {encoder} encoder does not use"
+    ):
+        load_config(CONFIGS / "demo.yaml", [*seq, f"model.embedding.sequence.{key}={value}"])
+    # causal_din reads them all.
+    load_config(
+        CONFIGS / "demo.yaml",
+        [*seq, "model.embedding.sequence.encoder=causal_din", f"model.embedding.sequence.{key}={value}"],
+    )

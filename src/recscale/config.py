@@ -427,6 +427,22 @@ class RunConfig(Settings):
         return self
 
     @model_validator(mode="after")
+    def _sequence_encoder_reads(self) -> RunConfig:
+        # Each encoder reads its own keys only: another's would be dropped without a word. (Compared with
+        # the defaults: a run's config.yaml holds every key.)
+        seq = self.model.embedding.sequence
+        unread = {"causal": ("target", "attention_hidden", "softmax"), "din": ("layers", "heads")}
+        fields = type(seq).model_fields
+        bad = [k for k in unread.get(seq.encoder, ()) if getattr(seq, k) != fields[k].default]
+        if bad:
+            raise ValueError(
+                f"model.embedding.sequence.{bad[0]}: the {seq.encoder} encoder does not use it "
+                f"({'causal_din or din' if seq.encoder == 'causal' else 'causal_din or causal'} does); "
+                f"drop it or choose that encoder"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _balance_needs_sequences(self) -> RunConfig:
         # Every cost model prices a sample by its history lengths: without one, all samples cost the same and
         # the "balanced" split is the even one, without a word.
