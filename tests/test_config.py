@@ -516,3 +516,29 @@ def test_a_sequence_key_the_encoder_does_not_read_is_refused(encoder, key, value
         CONFIGS / "demo.yaml",
         [*seq, "model.embedding.sequence.encoder=causal_din", f"model.embedding.sequence.{key}={value}"],
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (
+            ["model.embedding.small_dim=8"],
+            "model.embedding: small_dim is set but small_dim_features lists no",
+        ),
+        (["model.embedding.qr_op=add"], "model.embedding: qr_op is set but qr_buckets names no feature"),
+        (
+            ["model.embedding.dense_embeddings=0", "model.embedding.dense_hidden=[8]"],
+            "dense_hidden is set but",
+        ),
+        (["data.synthetic.num_dense=0", "model.embedding.dense_hidden=[8]"], "the data has no dense feature"),
+    ],
+)
+def test_an_embedding_key_nothing_reads_is_refused(overrides, words):
+    """small_dim without small_dim_features, qr_op without qr_buckets, and dense_hidden without a dense MLP
+    (dense_embeddings=0, or no dense feature) were dropped without a word."""
+    with pytest.raises(ConfigError, match=words):
+        load_config(CONFIGS / "demo.yaml", overrides)
+    # With what reads them they are taken.
+    used = ["model.embedding.small_dim=8", "model.embedding.small_dim_features=[s0]", "model.embedding.qr_op=add",
+            "model.embedding.qr_buckets={s1: 4}", "model.embedding.dense_hidden=[8]"]  # fmt: skip
+    load_config(CONFIGS / "demo.yaml", used)

@@ -427,6 +427,15 @@ class RunConfig(Settings):
         return self
 
     @model_validator(mode="after")
+    def _dense_mlp_needs_dense_features(self) -> RunConfig:
+        # The dense MLP is built from the dense features: without any, its widths were dropped without a word.
+        if self.model.embedding.dense_hidden and not self.data.schema.dense:
+            raise ValueError(
+                "model.embedding.dense_hidden: the data has no dense feature, so no dense MLP is built; drop it"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _sequence_encoder_reads(self) -> RunConfig:
         # Each encoder reads its own keys only: another's would be dropped without a word. (Compared with
         # the defaults: a run's config.yaml holds every key.)

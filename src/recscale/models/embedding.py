@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from torch import Tensor, nn
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_configs import EmbeddingConfig as SequenceTableConfig
@@ -126,6 +126,23 @@ class EmbeddingConfig(Settings):
         if any(w < 1 for w in v):
             raise ValueError(f"dense_hidden widths must be >= 1, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _read_with(self) -> EmbeddingConfig:
+        # Keys only another key puts to use: alone they were dropped without a word. (Compared with the
+        # defaults: a run's config.yaml holds every key.)
+        fields = type(self).model_fields
+        unused = {
+            "small_dim": ("small_dim_features lists no feature", self.small_dim != fields["small_dim"].default
+                          and not self.small_dim_features),
+            "qr_op": ("qr_buckets names no feature", self.qr_op != fields["qr_op"].default and not self.qr_buckets),
+            "dense_hidden": ("dense_embeddings=0 builds no dense MLP", bool(self.dense_hidden)
+                             and self.dense_embeddings == 0),
+        }  # fmt: skip
+        for key, (why, bad) in unused.items():
+            if bad:
+                raise ValueError(f"{key} is set but {why}, so nothing reads it; drop it")
+        return self
 
 
 def _table_config(
