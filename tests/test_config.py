@@ -542,3 +542,15 @@ def test_an_embedding_key_nothing_reads_is_refused(overrides, words):
     used = ["model.embedding.small_dim=8", "model.embedding.small_dim_features=[s0]", "model.embedding.qr_op=add",
             "model.embedding.qr_buckets={s1: 4}", "model.embedding.dense_hidden=[8]"]  # fmt: skip
     load_config(CONFIGS / "demo.yaml", used)
+
+
+@pytest.mark.parametrize("key", ["reduce_lr_factor=0.5", "restore_best=true"])
+def test_an_early_stopping_action_patience_1_never_takes_is_refused(key):
+    """reduce_lr_factor and restore_best act on an evaluation without improvement that does not stop the
+    run; with patience 1 the first one stops it: they were dropped without a word."""
+    es = ["train.early_stopping.patience=1", f"train.early_stopping.{key}"]
+    with pytest.raises(
+        ConfigError, match=rf"train\.early_stopping: {key.split('=')[0]} acts on .* patience 1"
+    ):
+        load_config(CONFIGS / "demo.yaml", es)
+    load_config(CONFIGS / "demo.yaml", ["train.early_stopping.patience=2", f"train.early_stopping.{key}"])

@@ -158,6 +158,18 @@ class EarlyStopping(Settings):
     # reduced LR fine-tunes the peak instead of weights that have already overfitted.
     restore_best: bool = False
 
+    @model_validator(mode="after")
+    def _patience_leaves_room(self) -> EarlyStopping:
+        # Both act on an evaluation without improvement that does not stop the run: with patience 1 the first
+        # such evaluation stops it, and they were dropped without a word.
+        given = [k for k in ("reduce_lr_factor", "restore_best") if getattr(self, k)]
+        if given and self.patience == 1:
+            raise ValueError(
+                f"{given[0]} acts on an evaluation without improvement that does not stop the run, and with "
+                "patience 1 the first one stops it; raise patience or drop it"
+            )
+        return self
+
 
 class TrainConfig(Settings):
     batch_size: int = Field(4096, ge=1)
