@@ -138,6 +138,14 @@ def test_size_keys_set_list_items_and_bad_ones_are_one_line(tmp_path, capsys):
     )
 
 
+def test_a_familys_model_section_merges_key_by_key(tmp_path):
+    """A family's model: {embedding: {init_std: ...}} replaced the whole model.embedding that the base and
+    the sweep's overrides gave: model.embedding.dim=8 (TINY) was dropped for the default 16 without a word."""
+    dlrm = {"model": {"name": "dlrm", "embedding": {"init_std": 0.01}}, "sizes": [{"top_mlp": [16]}]}
+    (run,) = load_sweep(write_sweep(tmp_path, {"d": dlrm}))[1]
+    assert (run.config.model.embedding.dim, run.config.model.embedding.init_std) == (8, 0.01)
+
+
 def test_two_families_naming_one_run_are_refused_as_such(tmp_path):
     """Family dlrm-top_mlp64's size {} and dlrm's {top_mlp: [64]} are both run dlrm-top_mlp64: the error said
     the first family listed its size twice."""

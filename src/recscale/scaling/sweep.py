@@ -46,7 +46,15 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from recscale.config import RunConfig, field_paths, format_validation_error, validate_config
-from recscale.config_files import apply_overrides, load_raw, load_yaml, not_a_file, read_yaml_mapping, set_key
+from recscale.config_files import (
+    apply_overrides,
+    load_raw,
+    load_yaml,
+    merge,
+    not_a_file,
+    read_yaml_mapping,
+    set_key,
+)
 from recscale.errors import ConfigError, RecscaleError
 from recscale.io import Hold, atomic_write_text
 from recscale.models.flops import TRAIN_FLOPS_MULTIPLIER, mflop_text
@@ -173,7 +181,9 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
                 _one_epoch(path, f"family {family}'s overrides", spec.overrides)
                 # Copies: a knob that sets a list item (top_mlp.0) must not change the family's list for the
                 # sizes after it.
-                raw["model"] = {**raw.get("model", {}), **json.loads(json.dumps(spec.model))}
+                # Merged key by key, as a base: file is: the family's embedding: {init_std: ...} replaced the whole
+                # model.embedding the base and the sweep's overrides gave (its dim, storage), without a word.
+                raw["model"] = merge(raw.get("model", {}), json.loads(json.dumps(spec.model)))
                 for key, value in knobs.items():
                     set_key(raw["model"], key, value, f"model key {key!r}")
                 cfg = validate_config(raw)
