@@ -554,3 +554,21 @@ def test_an_early_stopping_action_patience_1_never_takes_is_refused(key):
     ):
         load_config(CONFIGS / "demo.yaml", es)
     load_config(CONFIGS / "demo.yaml", ["train.early_stopping.patience=2", f"train.early_stopping.{key}"])
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "fix"),
+    [
+        ("data.synthetic.rows={train:1000, valid: 10}", "data.synthetic.rows.train:1000", "train: 1000"),
+        ("model.embedding.qr_buckets={s0:4}", "model.embedding.qr_buckets.s0:4", "s0: 4"),
+    ],
+)
+def test_a_colon_without_a_space_in_a_mapping_of_names_says_so(override, key, fix):
+    """In a mapping of names YAML's {train:1000} is the key 'train:1000' without a value: the line said
+    'Input should be a valid integer', as if 1000 were not one."""
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "demo.yaml", [override])
+    assert str(e.value) == (
+        f"invalid config: {key}: a key without a value (YAML reads a colon without a space as part of the "
+        f"key: write '{fix}')"
+    )

@@ -586,9 +586,15 @@ def format_validation_error(
         if (name := _item_name(raw, err["loc"])) is not None:
             loc += f" ({name!r})"
         msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden" and ":" in str(err["loc"][-1]):  # YAML's {format:mxfp4}
+        # YAML's {format:mxfp4}: an unknown key, or in a mapping of names (rows, qr_buckets) a key without a value.
+        if (
+            err["loc"]
+            and ":" in str(err["loc"][-1])
+            and (err["type"] == "extra_forbidden" or err.get("input", 0) is None)
+        ):
             name, _, value = str(err["loc"][-1]).partition(":")
-            msg = f"unknown key (YAML reads a colon without a space as part of the key: write '{name}: {value}')"
+            what = "unknown key" if err["type"] == "extra_forbidden" else "a key without a value"
+            msg = f"{what} (YAML reads a colon without a space as part of the key: write '{name}: {value}')"
         elif err["type"] == "extra_forbidden":
             where = ".".join(k for k in (section, ".".join(map(str, path[:-1]))) if k)
             near = _did_you_mean(keys, where, str(last)) if keys else []
