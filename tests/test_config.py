@@ -572,3 +572,20 @@ def test_a_colon_without_a_space_in_a_mapping_of_names_says_so(override, key, fi
         f"invalid config: {key}: a key without a value (YAML reads a colon without a space as part of the "
         f"key: write '{fix}')"
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["model.module_mlp=[64]"], "module_mlp is read by the mlp module only"),
+        (["model.heads=4", "model.modules=[dot, linear]"], "heads is read by the self_attention module only"),
+    ],
+)
+def test_a_dhen_key_of_a_module_it_does_not_run_is_refused(overrides, words):
+    """DHEN's module_mlp sizes the mlp module (not in the default modules) and heads the self_attention one:
+    without that module they were dropped without a word."""
+    with pytest.raises(ConfigError, match=f"invalid config: model: {words}"):
+        load_config(CONFIGS / "demo.yaml", ["model.name=dhen", *overrides])
+    load_config(
+        CONFIGS / "demo.yaml", ["model.name=dhen", "model.module_mlp=[64]", "model.modules=[mlp, dot]"]
+    )

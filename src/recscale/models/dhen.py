@@ -49,6 +49,13 @@ class DHENParams(ModelParams):
     def _unique_modules(self) -> DHENParams:
         if len(set(self.modules)) != len(self.modules):
             raise ValueError(f"DHEN modules must be distinct, got {self.modules}")
+        # Read by one module each: without it in modules they were dropped without a word.
+        fields = type(self).model_fields
+        for key, module in (("heads", "self_attention"), ("module_mlp", "mlp")):
+            if module not in self.modules and getattr(self, key) != fields[key].default:
+                raise ValueError(
+                    f"{key} is read by the {module} module only, which modules {self.modules} lacks"
+                )
         return self
 
 
