@@ -589,3 +589,12 @@ def test_a_dhen_key_of_a_module_it_does_not_run_is_refused(overrides, words):
     load_config(
         CONFIGS / "demo.yaml", ["model.name=dhen", "model.module_mlp=[64]", "model.modules=[mlp, dot]"]
     )
+
+
+def test_a_wukong_k_with_the_full_fm_is_refused():
+    """k is the optimized FM's width; with model.fm=full it was dropped without a word."""
+    with pytest.raises(
+        ConfigError, match="invalid config: model: k is the optimized FM's width, and fm is full"
+    ):
+        load_config(CONFIGS / "demo.yaml", ["model.fm=full", "model.k=4"])
+    load_config(CONFIGS / "demo.yaml", ["model.fm=optimized", "model.k=4"])

@@ -65,7 +65,18 @@ SMALL: dict[str, dict[str, Any]] = {
 }
 VARIANTS: list[tuple[str, dict[str, Any]]] = [
     *SMALL.items(),
-    ("wukong", {**SMALL["wukong"], "fm": "full", "n_f": 5, "n_l": 5, "norm": "batch", "dropout": 0.1}),
+    # The full FM takes no k.
+    (
+        "wukong",
+        {
+            **{key: v for key, v in SMALL["wukong"].items() if key != "k"},
+            "fm": "full",
+            "n_f": 5,
+            "n_l": 5,
+            "norm": "batch",
+            "dropout": 0.1,
+        },
+    ),  # fmt: skip
     ("dlrm", {**SMALL["dlrm"], "interaction": "cat", "norm": "batch", "dropout": 0.1}),
     ("dcnv2", {**SMALL["dcnv2"], "structure": "stacked", "low_rank": 4, "norm": "batch"}),
     (

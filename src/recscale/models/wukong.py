@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from recscale.models.base import ModelParams, RecModel
@@ -32,6 +32,15 @@ class WukongParams(ModelParams):
     final_mlp: Widths = [128]
     norm: Norm = "none"  # on the hidden layers of every MLP (FMB and final), as the baselines' knob
     dropout: float = Field(0.0, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _k_needs_the_optimized_fm(self) -> WukongParams:
+        # The full FM has no Y: a k given with it was dropped without a word.
+        if self.fm == "full" and self.k != type(self).model_fields["k"].default:
+            raise ValueError(
+                "k is the optimized FM's width, and fm is full (which has none); drop k or set fm=optimized"
+            )
+        return self
 
 
 class FactorizationMachineBlock(nn.Module):
