@@ -598,3 +598,12 @@ def test_a_wukong_k_with_the_full_fm_is_refused():
     ):
         load_config(CONFIGS / "demo.yaml", ["model.fm=full", "model.k=4"])
     load_config(CONFIGS / "demo.yaml", ["model.fm=optimized", "model.k=4"])
+
+
+def test_quant_gradients_without_a_lowered_layer_are_refused():
+    """model.quant={gradients: true} with no format and no layers lowered nothing: the run trained in fp32."""
+    with pytest.raises(
+        ConfigError, match="invalid config: model.quant: gradients quantizes the output gradients"
+    ):
+        load_config(CONFIGS / "demo.yaml", ["model.quant={gradients: true}"])
+    load_config(CONFIGS / "demo.yaml", ["model.quant={gradients: true, format: mxfp4}"])

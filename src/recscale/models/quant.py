@@ -233,6 +233,11 @@ class QuantConfig(Settings):
                 f"where {self.where} selects the layers that compute in format, and format is not set; "
                 f"give model.quant.format ({', '.join(get_args(FormatName)[:3])}, ...)"
             )
+        if self.gradients and self.format is None and not self.layers:
+            raise ValueError(
+                "gradients quantizes the output gradients of the lowered layers, and neither format nor layers "
+                "lowers any; give model.quant.format (or layers) or drop gradients"
+            )
         if self.format is not None and not self.where:
             raise ValueError(
                 f"where is empty, so no layer would compute in {self.format}; give patterns of layer names "
