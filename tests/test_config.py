@@ -506,7 +506,7 @@ def test_a_report_fraction_without_a_valid_split_is_refused(config, override, wo
 def test_a_sequence_key_the_encoder_does_not_read_is_refused(encoder, key, value):
     """The causal encoder reads no DIN key (target, softmax, attention_hidden) and DIN no causal block's
     (layers, heads): they were dropped without a word."""
-    seq = ["data.synthetic.history_max_len=8", f"model.embedding.sequence.encoder={encoder}"]
+    seq = ["data.synthetic.num_history=1", f"model.embedding.sequence.encoder={encoder}"]
     with pytest.raises(
         ConfigError, match=rf"model\.embedding\.sequence\.{key}: the {encoder} encoder does not use"
     ):
@@ -607,3 +607,26 @@ def test_quant_gradients_without_a_lowered_layer_are_refused():
     ):
         load_config(CONFIGS / "demo.yaml", ["model.quant={gradients: true}"])
     load_config(CONFIGS / "demo.yaml", ["model.quant={gradients: true, format: mxfp4}"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["data.synthetic.history_max_len=8"], "history_max_len is not read with num_history=0"),
+        (["data.synthetic.history_alpha=2"], "history_alpha is not read with num_history=0"),
+        (
+            ["data.synthetic.teacher={kind: deep}", "data.synthetic.num_interactions=4"],
+            "num_interactions is not read with the deep",
+        ),
+        (
+            ["data.synthetic.interaction_order=1", "data.synthetic.num_interactions=4"],
+            "num_interactions is not read with interaction_order=1",
+        ),
+    ],
+)
+def test_a_synthetic_key_another_leaves_unread_is_refused(overrides, words):
+    """The history keys without a history field (num_history 0, the default), and the interaction teacher's
+    with the deep teacher or linear terms only, were dropped without a word."""
+    with pytest.raises(ConfigError, match=f"invalid config: data.synthetic: {words}"):
+        load_config(CONFIGS / "demo.yaml", overrides)
+    load_config(CONFIGS / "demo.yaml", ["data.synthetic.num_history=1", "data.synthetic.history_max_len=8"])

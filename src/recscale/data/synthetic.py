@@ -144,6 +144,21 @@ class SyntheticSpec(Settings):
             raise ValueError("every vocab size must be at least 2")
         if self.num_fields == 0:
             raise ValueError("the spec has no features: set num_sparse, num_multi or num_dense above 0")
+        # Keys another setting leaves unread: they were dropped without a word. (Compared with the defaults: a
+        # run's config.yaml holds every key but the history ones without histories.)
+        fields = type(self).model_fields
+        changed = [k for k in fields if getattr(self, k) != fields[k].default]
+        unread = {
+            "num_history=0 (no history field)": [k for k in changed if k.startswith("history_")]
+            if self.num_history == 0 else [],
+            "the deep teacher": [k for k in changed if k in ("interaction_order", "num_interactions")]
+            if self.teacher is not None else [],
+            "interaction_order=1 (linear terms only)": ["num_interactions"]
+            if self.interaction_order == 1 and "num_interactions" in changed else [],
+        }  # fmt: skip
+        for why, keys in unread.items():
+            if keys:
+                raise ValueError(f"{keys[0]} is not read with {why}; drop it")
         if self.interaction_order > self.num_fields:
             raise ValueError(
                 f"interaction_order={self.interaction_order} exceeds the number of fields ({self.num_fields})"
