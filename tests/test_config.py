@@ -630,3 +630,12 @@ def test_a_synthetic_key_another_leaves_unread_is_refused(overrides, words):
     with pytest.raises(ConfigError, match=f"invalid config: data.synthetic: {words}"):
         load_config(CONFIGS / "demo.yaml", overrides)
     load_config(CONFIGS / "demo.yaml", ["data.synthetic.num_history=1", "data.synthetic.history_max_len=8"])
+
+
+@pytest.mark.parametrize("towers", [0, -3])
+def test_dmt_towers_below_one_are_refused_by_the_config(towers):
+    """dmt.towers=0 passed the config and the launch then advised 'run it on 0 hosts (e.g. --nproc 0 ...)'."""
+    with pytest.raises(
+        ConfigError, match="dmt.towers: Input should be greater than or equal to 1, or .*'auto'"
+    ):
+        load_config(CONFIGS / "demo.yaml", [f"dmt.towers={towers}"])

@@ -375,7 +375,9 @@ class TowerModuleConfig(Settings):
 class DMTConfig(Settings):
     """Disaggregated Multi-Tower training (docs/DMT.md): one tower of features per host."""
 
-    towers: int | Literal["auto"] = "auto"  # must equal the number of hosts; auto = that number
+    towers: Annotated[int, Field(ge=1)] | Literal["auto"] = (
+        "auto"  # must equal the number of hosts; auto = that number
+    )
     # round_robin | random (over features in schema order) | a JSON file from `recscale dmt partition`
     # | an explicit {feature: tower} mapping
     assignment: Literal["round_robin", "random"] | str | dict[str, Annotated[int, Field(ge=0)]] = (
