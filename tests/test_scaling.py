@@ -146,6 +146,16 @@ def test_a_familys_model_section_merges_key_by_key(tmp_path):
     assert (run.config.model.embedding.dim, run.config.model.embedding.init_std) == (8, 0.01)
 
 
+def test_max_steps_with_a_familys_lengths_is_refused(tmp_path):
+    """Each length sets its runs' steps: a train.max_steps of the sweep's overrides was replaced without a word."""
+    path = tmp_path / "s.yaml"
+    write_sweep(tmp_path, LENGTHS)
+    spec = yaml.safe_load((tmp_path / "sweep.yaml").read_text())
+    path.write_text(yaml.safe_dump({**spec, "overrides": [*spec["overrides"], "train.max_steps=3"]}))
+    with pytest.raises(RecscaleError, match=r"length 512 sets each run's steps .* train.max_steps is 3"):
+        load_sweep(path)
+
+
 def test_two_families_naming_one_run_are_refused_as_such(tmp_path):
     """Family dlrm-top_mlp64's size {} and dlrm's {top_mlp: [64]} are both run dlrm-top_mlp64: the error said
     the first family listed its size twice."""

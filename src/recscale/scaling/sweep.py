@@ -227,6 +227,11 @@ def _check_length(path: Path, family: str, length: int | None, cfg: RunConfig) -
     if length is None:
         return
     where = f"{path}: family {family}: length {length}"
+    if cfg.train.max_steps is not None:  # replaced by length / batch, without a word
+        raise ConfigError(
+            f"{where} sets each run's steps (length / train.batch_size), and train.max_steps is "
+            f"{cfg.train.max_steps}; drop train.max_steps or the family's lengths"
+        )
     batch = cfg.train.batch_size
     if length % batch:
         raise ConfigError(
