@@ -639,3 +639,19 @@ def test_dmt_towers_below_one_are_refused_by_the_config(towers):
         ConfigError, match="dmt.towers: Input should be greater than or equal to 1, or .*'auto'"
     ):
         load_config(CONFIGS / "demo.yaml", [f"dmt.towers={towers}"])
+
+
+def test_batch_norm_over_one_row_is_refused_before_training():
+    """model.norm=batch with one row per (rank's) batch was 'internal error ValueError: Expected more than 1
+    value per channel when training' at the first step."""
+    from recscale.train.loop import check_world_size
+
+    with pytest.raises(
+        ConfigError, match="model.norm=batch normalises over the batch, and train.batch_size is 1"
+    ):
+        load_config(CONFIGS / "demo.yaml", ["model.norm=batch", "train.batch_size=1"])
+    cfg = load_config(CONFIGS / "demo.yaml", ["model.norm=batch", "train.batch_size=2"])
+    with pytest.raises(ConfigError, match="train.batch_size 2 over 2 ranks is 1 row each"):
+        check_world_size(cfg, 2)
+    check_world_size(cfg, 1)
+    load_config(CONFIGS / "demo.yaml", ["train.batch_size=1"])  # the default model.norm (none) takes one row

@@ -615,7 +615,7 @@ def format_validation_error(
 def validate_config(raw: dict) -> RunConfig:
     try:
         cfg = RunConfig.model_validate(raw)
-        cfg.model.params  # noqa: B018 - validates the model's own parameters
+        model_params = cfg.model.params  # validates the model's own parameters
     except ValidationError as e:
         section = "model" if e.title != "RunConfig" else ""
         within = raw.get("model") if section else raw
@@ -623,6 +623,13 @@ def validate_config(raw: dict) -> RunConfig:
         params = field_paths(params_class(name), "model.") if name in model_names() else ()
         keys = [*field_paths(RunConfig), *params]
         raise ConfigError(f"invalid config: {format_validation_error(e, section, within, keys)}") from None
+    if (
+        getattr(model_params, "norm", None) == "batch" and cfg.train.batch_size == 1
+    ):  # torch's error, mid-training
+        raise ConfigError(
+            "model.norm=batch normalises over the batch, and train.batch_size is 1 (one value per channel); "
+            "train with larger batches or another model.norm"
+        )
     if cfg.data.format != "synthetic":  # checked now, not when the first file is read
         validate_options(cfg.data.format, cfg.data.options)
     elif cfg.data.options:  # no reader would ever see them

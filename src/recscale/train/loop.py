@@ -96,6 +96,15 @@ def check_world_size(cfg: RunConfig, world_size: int) -> None:
             f"train.batch_size {cfg.train.batch_size} must be a multiple of the {world_size} "
             "ranks: the global batch is split over them"
         )
+    if (
+        world_size > 1
+        and cfg.train.batch_size == world_size
+        and getattr(cfg.model.params, "norm", None) == "batch"
+    ):
+        raise ConfigError(
+            f"model.norm=batch normalises over each rank's batch, and train.batch_size {cfg.train.batch_size} "
+            f"over {world_size} ranks is 1 row each; train with larger batches or another model.norm"
+        )
 
 
 def check_run_dir(run_dir: Path, cfg: RunConfig, resume: bool, topology: Topology) -> None:
