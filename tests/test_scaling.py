@@ -156,6 +156,26 @@ def test_max_steps_with_a_familys_lengths_is_refused(tmp_path):
         load_sweep(path)
 
 
+@pytest.mark.parametrize(
+    ("family", "key"),
+    [
+        ({"model": {"name": "dlrm", "dropout": 0.2}, "overrides": ["model.dropout=0.1"]}, "model.dropout"),
+        ({"model": {"name": "dlrm"}, "overrides": ["model.top_mlp=[8]"]}, "model.top_mlp"),
+    ],
+)
+def test_a_family_override_its_model_section_or_sizes_replace_is_refused(tmp_path, family, key):
+    """A family's overrides apply before its model section and sizes: model.dropout=0.1 beside model:
+    {dropout: 0.2} trained 0.2 without a word."""
+    sweep = write_sweep(tmp_path, {"d": {**family, "sizes": [{"top_mlp": [16]}]}})
+    with pytest.raises(
+        RecscaleError, match=rf"family d, size 1 .*override '{key}=.*' is replaced .* set {key}"
+    ):
+        load_sweep(sweep)
+    ok = {"model": {"name": "dlrm"}, "overrides": ["model.dropout=0.1"], "sizes": [{"top_mlp": [16]}]}
+    (run,) = load_sweep(write_sweep(tmp_path, {"d": ok}))[1]
+    assert run.config.model.params.dropout == 0.1
+
+
 def test_two_families_naming_one_run_are_refused_as_such(tmp_path):
     """Family dlrm-top_mlp64's size {} and dlrm's {top_mlp: [64]} are both run dlrm-top_mlp64: the error said
     the first family listed its size twice."""

@@ -155,6 +155,35 @@ def _one_epoch(path: Path, where: str, overrides: list[str]) -> None:
                               "(a family's lengths train for longer)")  # fmt: skip
 
 
+_MISSING = object()
+
+
+def _dotted(raw: Any, key: str) -> Any:
+    """The value at dotted ``key`` in ``raw`` (list items by index), or ``_MISSING``."""
+    for part in key.split("."):
+        if isinstance(raw, dict) and part in raw:
+            raw = raw[part]
+        elif isinstance(raw, list) and part.isdigit() and int(part) < len(raw):
+            raw = raw[int(part)]
+        else:
+            return _MISSING
+    return raw
+
+
+def _overrides_kept(overrides: list[str], raw: dict) -> None:
+    """A family's overrides apply before its model section and its sizes' keys: a model key that one of
+    those also sets replaced the override's value without a word."""
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key.split(".")[0] != "model":
+            continue
+        if _dotted(apply_overrides({}, [item]), key) != _dotted(raw, key):
+            raise ConfigError(
+                f"the family's override {item!r} is replaced by its model section or this size's keys, which "
+                f"also set {key}; set it in one place"
+            )
+
+
 def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
     """Read and validate a sweep file and every run config it implies (nothing is trained)."""
     path = Path(path)
@@ -186,6 +215,7 @@ def load_sweep(path: str | Path) -> tuple[SweepConfig, list[Run]]:
                 raw["model"] = merge(raw.get("model", {}), json.loads(json.dumps(spec.model)))
                 for key, value in knobs.items():
                     set_key(raw["model"], key, value, f"model key {key!r}")
+                _overrides_kept(spec.overrides, raw)
                 cfg = validate_config(raw)
             except ConfigError as e:
                 raise ConfigError(f"{path}: family {family}, size {i + 1} {knobs}: {e}") from None
