@@ -45,14 +45,13 @@ def source_fingerprint(fmt: str, path: str | None, split: str, extra: dict[str, 
     """Identifies a split's bytes and how they are read, so a materialised cache is reused only if unchanged."""
     info: dict[str, Any] = {"format": fmt, "split": split, **extra}
     if path is not None:
+        if Path(path).exists():  # as named: a pipe's /dev/fd/N resolves to no path (pipe:[N])
+            check_regular(Path(path))
         p = Path(path).resolve()
         if not p.exists():
-            if Path(path).exists():
-                check_regular(Path(path))
             raise DataError(
                 f"data.{split}: {path} does not exist; fix the path in the config or set data.{split}=PATH"
             )
-        check_regular(p)
         st = os.stat(p)
         info.update(path=str(p), size=st.st_size, mtime_ns=st.st_mtime_ns)
         if fmt == "movielens":

@@ -167,13 +167,14 @@ def _out_of_memory(path: Path, e: BaseException) -> ResourceError | None:
     )
 
 
-def _read_error(path: Path, e: BaseException) -> OSError | None:
-    """The disk's error (an OSError: a data file this user may not read, an I/O error) naming its file: the
-    checkpoint is not damaged, and the line must not say so, inviting its deletion. None for other errors."""
+def _disk_error(path: Path, e: BaseException, keep_name: bool) -> OSError | None:
+    """The disk's error (an OSError with an errno) among a DCP call's failures, naming its own file (``keep_name``,
+    where it has one) or ``path``; None for other errors. A read's: a file this user may not read, an I/O error;
+    the checkpoint is not damaged, and the line must not say so, inviting its deletion."""
     errors = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
     for exc in errors:
         if isinstance(exc, OSError) and exc.errno is not None:
-            return OSError(exc.errno, exc.strerror, exc.filename or str(path))
+            return OSError(exc.errno, exc.strerror, (keep_name and exc.filename) or str(path))
     return None
 
 
@@ -183,10 +184,9 @@ def _write_error(path: Path, e: CheckpointException) -> BaseException:
     reports a full disk as 'unexpected pos')."""
     if (stop := _interruption(e)) is not None:
         return stop
+    if (disk := _disk_error(path, e, keep_name=False)) is not None:
+        return disk
     errors = [exc for exc, _ in e.failures.values()]
-    for exc in errors:
-        if isinstance(exc, OSError) and exc.errno is not None:
-            return OSError(exc.errno, exc.strerror, str(path))
     free = shutil.disk_usage(path.parent).free  # save_checkpoint's atomic_dir created the parent
     # A file-size limit (ulimit -f) fails the write alike, with the same message: no errno reaches here.
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
@@ -276,7 +276,7 @@ def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
             raise stop from None
         if (memory := _out_of_memory(path, e)) is not None:
             raise memory from None
-        if (unreadable := _read_error(path, e)) is not None:
+        if (unreadable := _disk_error(path, e, keep_name=True)) is not None:
             raise unreadable from None
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise CheckpointError(
