@@ -231,7 +231,7 @@ class TrainConfig(Settings):
             ("sparse_optimizer", self.sparse_optimizer),
         ):
             # SGD divides by no running average: an eps would be dropped without a word.
-            if opt.name == "sgd" and opt.eps != OptimizerConfig.model_fields["eps"].default:
+            if opt.name == "sgd" and opt.changed("eps"):
                 raise ValueError(f"train.{key}.eps: sgd takes no eps; drop it or choose another optimizer")
         return self
 
@@ -455,8 +455,7 @@ class RunConfig(Settings):
         # the defaults: a run's config.yaml holds every key.)
         seq = self.model.embedding.sequence
         unread = {"causal": ("target", "attention_hidden", "softmax"), "din": ("layers", "heads")}
-        fields = type(seq).model_fields
-        bad = [k for k in unread.get(seq.encoder, ()) if getattr(seq, k) != fields[k].default]
+        bad = [k for k in unread.get(seq.encoder, ()) if seq.changed(k)]
         if bad:
             raise ValueError(
                 f"model.embedding.sequence.{bad[0]}: the {seq.encoder} encoder does not use it "

@@ -45,6 +45,11 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
+    def changed(self, key: str) -> bool:
+        """Whether ``key`` holds other than its default: what "set" can mean for a key another key leaves
+        unread, as a run's config.yaml holds every key, given or not."""
+        return bool(getattr(self, key) != type(self).model_fields[key].default)
+
     @field_validator("*", mode="before")
     @classmethod
     def _a_number_is_a_number(cls, value: Any, info: ValidationInfo) -> Any:

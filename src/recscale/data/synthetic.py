@@ -146,8 +146,7 @@ class SyntheticSpec(Settings):
             raise ValueError("the spec has no features: set num_sparse, num_multi or num_dense above 0")
         # Keys another setting leaves unread: they were dropped without a word. (Compared with the defaults: a
         # run's config.yaml holds every key but the history ones without histories.)
-        fields = type(self).model_fields
-        changed = [k for k in fields if getattr(self, k) != fields[k].default]
+        changed = [k for k in type(self).model_fields if self.changed(k)]
         unread = {
             "num_history=0 (no history field)": [k for k in changed if k.startswith("history_")]
             if self.num_history == 0 else [],

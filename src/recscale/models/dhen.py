@@ -50,9 +50,8 @@ class DHENParams(ModelParams):
         if len(set(self.modules)) != len(self.modules):
             raise ValueError(f"DHEN modules must be distinct, got {self.modules}")
         # Read by one module each: without it in modules they were dropped without a word.
-        fields = type(self).model_fields
         for key, module in (("heads", "self_attention"), ("module_mlp", "mlp")):
-            if module not in self.modules and getattr(self, key) != fields[key].default:
+            if module not in self.modules and self.changed(key):
                 raise ValueError(
                     f"{key} is read by the {module} module only, which modules {self.modules} lacks"
                 )

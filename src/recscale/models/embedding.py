@@ -131,11 +131,10 @@ class EmbeddingConfig(Settings):
     def _read_with(self) -> EmbeddingConfig:
         # Keys only another key puts to use: alone they were dropped without a word. (Compared with the
         # defaults: a run's config.yaml holds every key.)
-        fields = type(self).model_fields
         unused = {
-            "small_dim": ("small_dim_features lists no feature", self.small_dim != fields["small_dim"].default
+            "small_dim": ("small_dim_features lists no feature", self.changed("small_dim")
                           and not self.small_dim_features),
-            "qr_op": ("qr_buckets names no feature", self.qr_op != fields["qr_op"].default and not self.qr_buckets),
+            "qr_op": ("qr_buckets names no feature", self.changed("qr_op") and not self.qr_buckets),
             "dense_hidden": ("dense_embeddings=0 builds no dense MLP", bool(self.dense_hidden)
                              and self.dense_embeddings == 0),
         }  # fmt: skip

@@ -36,7 +36,7 @@ class WukongParams(ModelParams):
     @model_validator(mode="after")
     def _k_needs_the_optimized_fm(self) -> WukongParams:
         # The full FM has no Y: a k given with it was dropped without a word.
-        if self.fm == "full" and self.k != type(self).model_fields["k"].default:
+        if self.fm == "full" and self.changed("k"):
             raise ValueError(
                 "k is the optimized FM's width, and fm is full (which has none); drop k or set fm=optimized"
             )
