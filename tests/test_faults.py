@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ctrl_c_as_in_a_terminal
 from test_distributed import CONFIGS, REPO, SMALL, dist_mark
 
 from recscale.cli import main
@@ -206,7 +207,14 @@ def test_hung_rank_is_named_and_the_job_ends_soon_after_the_timeout(tmp_path):
     cmd = [sys.executable, "-m", "recscale.cli", "train", str(CONFIGS / "demo.yaml"), *LONG,
            "train.max_steps=100000", f"distributed.timeout_s={timeout_s}", "--out", str(run_dir),
            "--nproc", "2", "--local-world-size", "1"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        preexec_fn=ctrl_c_as_in_a_terminal,
+    )  # stopped by SIGINT below if it hangs
     victim = None
     try:
         _wait_for_step(run_dir, 3, proc)
@@ -247,7 +255,7 @@ def _stop_with_sigterm(
     # Not a pipe: processes the command leaves behind would hold it open.
     log = run_dir.with_name("stderr.txt")
     with open(log, "w") as stderr:
-        proc = subprocess.Popen(cmd, stderr=stderr, cwd=REPO, env=env)
+        proc = subprocess.Popen(cmd, stderr=stderr, cwd=REPO, env=env, preexec_fn=ctrl_c_as_in_a_terminal)
     try:
         deadline = time.monotonic() + 120
         while not list_checkpoints(run_dir / "ckpt"):

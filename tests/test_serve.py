@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import ctrl_c_as_in_a_terminal
 from fastapi.testclient import TestClient
 
 from recscale.cli import main
@@ -440,8 +441,7 @@ def _start_serve(trained, *extra: str, workers: int = 1) -> tuple[subprocess.Pop
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # Ctrl-C as in a terminal, even where the tests run in the background (SIGINT ignored there).
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=ctrl_c_as_in_a_terminal,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -554,7 +554,7 @@ def test_one_ctrl_c_stops_workers_that_are_still_starting(trained, restarted):
     argv = ["serve", str(_export(trained)), "--port", "0", "--workers", "2"]
     proc = subprocess.Popen([sys.executable, "-m", "recscale.cli", *argv], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,  # its own group
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+                            preexec_fn=ctrl_c_as_in_a_terminal)  # fmt: skip
     try:
         assert proc.stdout is not None and "serving" in proc.stdout.readline()
         deadline, workers = time.time() + 60, []
