@@ -12,6 +12,8 @@ torch is imported once; isolated: a hang is killed, memory is capped). Mutations
   (renamed globals, changed ints and strings, dropped/duplicated opcodes), plus object-level edits of
   the metadata (BytesStorageMetadata entries over pickled payloads, paths out of the checkpoint,
   negative or huge offsets);
+  Half of the ``.metadata`` and ``state.json`` cases also drop the checkpoint's ``sha256.json``, so the
+  mutations that pass the parsers reach DCP (a checkpoint of a version without the list loads unchecked);
 - ``state.json`` / ``preprocess.json``: structural JSON edits (a node replaced by another type, keys
   dropped/added/renamed, markers, deep nesting, extreme numbers) and raw ones (truncation, flips,
   non-UTF-8);
@@ -534,6 +536,11 @@ def main() -> int:
             i += 1
             continue
         path.write_bytes(data)
+        if rel.endswith((".metadata", "state.json")) and rng.random() < 0.5:
+            # Half the checkpoint cases without sha256.json (an older version's checkpoint, or an attacker's):
+            # its sums would stop most mutations that pass the parsers before DCP reads the metadata.
+            (path.parent / "sha256.json").unlink()
+            what += " (sha256.json removed)"
         argv = (
             ["train", "--resume", "--out", str(work)]
             if resume

@@ -227,6 +227,57 @@ def test_truncated_files_are_clear_errors(tmp_path):
         load_checkpoint(path, state())
 
 
+def _flip_a_weight(path: Path) -> Path:
+    """Change one byte of the saved ``w`` (arange(6.0): the float 5.0 is 00 00 a0 40) inside its data file."""
+    data = next(path.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    at = raw.index(bytes.fromhex("0000a040"))
+    raw[at + 3] ^= 0x01  # 5.0 -> 5.0000005 (0x4140a000's neighbour): a plausible weight, valid file
+    data.write_bytes(bytes(raw))
+    return data
+
+
+def test_a_changed_weight_is_refused_naming_its_file(tmp_path):
+    """A flipped byte inside a tensor passed every check and loaded as a wrong weight (a run's eval gave
+    LogLoss 4.8e35, exit 0): sha256.json lists every file's digest, and the file is refused before use."""
+    path = tmp_path / "step_00000001"
+    save_checkpoint(path, state())
+    data = _flip_a_weight(path)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path, state())
+    assert str(e.value) == (
+        f"{data}: its sha256 does not match sha256.json: it changed after it was saved; the checkpoint is "
+        "damaged or was tampered with: restore it from a good copy or delete it"
+    )
+
+
+def test_a_changed_state_value_is_refused(tmp_path):
+    path = tmp_path / "step_00000001"
+    save_checkpoint(path, state())
+    text = (path / "state.json").read_text()
+    (path / "state.json").write_text(text.replace('"epoch", 2', '"epoch", 3'))
+    assert (path / "state.json").read_text() != text  # still valid: only the sum tells
+    with pytest.raises(CheckpointError, match=r"state\.json: its sha256 does not match sha256\.json"):
+        load_checkpoint(path, state())
+
+
+def test_a_checkpoint_without_checksums_loads_and_a_bad_list_is_refused(tmp_path):
+    """Checkpoints of a recscale that wrote no sha256.json still load; a damaged list, or a data file it
+    does not name, is refused."""
+    path = tmp_path / "step_00000001"
+    save_checkpoint(path, state())
+    sums = (path / "sha256.json").read_text()
+    (path / "sha256.json").unlink()
+    assert load_checkpoint(path, state())["progress"] == {"epoch": 2, "best": None}
+    (path / "sha256.json").write_text('{"sha256": {"state.json": "x"}}')
+    with pytest.raises(CheckpointError, match="sha256.json: is not recscale's checksum list"):
+        load_checkpoint(path, state())
+    data = next(path.glob("*.distcp"))
+    (path / "sha256.json").write_text(sums.replace(data.name, "__7_0.distcp"))
+    with pytest.raises(CheckpointError, match=f"{data.name}: is not listed in sha256.json"):
+        load_checkpoint(path, state())
+
+
 def test_interrupted_write_leaves_no_checkpoint(tmp_path):
     class Boom(Exception):
         pass

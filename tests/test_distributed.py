@@ -25,6 +25,7 @@ from recscale.distributed.topology import Topology
 from recscale.errors import ConfigError, RecscaleError
 from recscale.models.embedding import EmbeddingConfig, FeatureSet, SparseInput
 from recscale.models.registry import build_model
+from recscale.train.checkpoint import list_checkpoints
 from recscale.train.evaluate import predict
 from recscale.train.loop import Trainer
 from recscale.train.runs import eval_run
@@ -184,6 +185,12 @@ def test_checkpoint_from_4_ranks_resumes_at_2_and_1(runs, variant):
         np.testing.assert_allclose(np.load(runs / f"{variant}_4_at_{world}.npy"), at4, rtol=0, atol=1e-5)
     ref = "reference_adagrad" if ADAGRAD[0] in VARIANTS[variant] else "reference"
     assert np.abs(at4 - np.load(runs / f"{ref}.npy")).max() < 1e-3  # and they are the trained model's
+    # Every rank's data files are in the checksum list rank 0 wrote (resuming checked each one read).
+    for ckpt in list_checkpoints(runs / f"{variant}_4" / "ckpt"):
+        listed = {
+            n for n in json.loads((ckpt / "sha256.json").read_text())["sha256"] if n.endswith(".distcp")
+        }
+        assert listed == {p.name for p in ckpt.glob("*.distcp")} and len(listed) > 1, ckpt
 
 
 @dist_mark

@@ -657,7 +657,27 @@ def _write(rel: str, data: bytes) -> Callable[[Path, Path], Path]:
     return tamper
 
 
+def _flip_middle_byte(run: Path, canary: Path) -> Path:
+    """Damage, not an attack: one byte of best/'s data file changed (it loaded, and scored, as it was)."""
+    data = next((run / "best").glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    return data
+
+
+def _state_value(run: Path, canary: Path) -> Path:
+    """A value of best/state.json changed, the file still well-formed."""
+    state = run / "best" / "state.json"
+    text = state.read_text()
+    state.write_text(text.replace('"step", ', '"step", 1'))
+    assert state.read_text() != text
+    return state
+
+
 CLI_CASES: dict[str, Callable[[Path, Path], Path]] = {
+    "flipped byte in a data file": _flip_middle_byte,
+    "state.json value": _state_value,
     "dotted os.system": _tamper_best_metadata(
         lambda d, c: global_call("torch.distributed.checkpoint.filesystem", "os.system", _cmd(c))
     ),

@@ -3,7 +3,8 @@
 A checkpoint is a directory ``ckpt/step_00000123`` that appears only when complete: it is written
 under a temporary name and renamed (``recscale.io.atomic_dir``), so a run killed mid-write leaves
 no directory that looks valid. It holds ``.metadata`` (DCP's index, a pickle), the DCP data files
-``__<rank>_<n>.distcp`` and ``state.json`` (every non-tensor value).
+``__<rank>_<n>.distcp``, ``state.json`` (every non-tensor value) and ``sha256.json`` (the sha256 of
+each other file, so that a damaged file is found before it loads as wrong weights).
 
 Loading one executes nothing from it: ``.metadata`` goes through ``dcp_safety`` (read that module's
 docstring for the security model), ``state.json`` is JSON checked against the structure
@@ -12,6 +13,7 @@ docstring for the security model), ``state.json`` is JSON checked against the st
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import resource
@@ -26,11 +28,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from recscale.errors import RESUME, CheckpointError, ResourceError
 from recscale.io import atomic_dir, remove_partial_writes
 from recscale.train.dcp_safety import (
+    CHECKSUMS_FILE,
     METADATA_FILE,
     SafeReader,
     TensorsOnlyPlanner,
+    check_sum,
     one_line,
+    read_checksums,
     read_regular_file,
+    sha256_of,
     tampered,
 )
 from recscale.train.memory import failed_allocation
@@ -96,16 +102,17 @@ def _check_plain(o: Any, depth: int = 0) -> None:
         _check_plain(item[1], depth + 1)
 
 
-def _read_state_json(path: Path) -> dict[str, Any]:
+def _read_state_json(path: Path, sums: dict[str, str] | None = None) -> dict[str, Any]:
     data = read_regular_file(path, MAX_STATE_BYTES)
     try:
         plain = json.loads(data.decode("utf-8"))
         _check_plain(plain)
         if type(plain) is not dict or "__dict__" not in plain:
             raise ValueError("is not the state of a model")
-        return plain
     except Exception as e:  # UnicodeDecodeError, JSONDecodeError, RecursionError, MemoryError, ...
         raise tampered(path, f"is truncated or not recscale's state file ({one_line(e)})") from None
+    check_sum(path, sums, data)
+    return plain
 
 
 # ---------------------------------------------------------------- save / load
@@ -127,8 +134,21 @@ def save_checkpoint(path: Path, state: dict[str, Any], rank: int = 0) -> None:
     tmp = Path(tmp_holder[0])
     try:
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)))
+        # Each rank hashes the data files it wrote (DCP names them __<rank>_<n>.distcp); rank 0 lists all.
+        own = {p.name: sha256_of(p) for p in tmp.glob(f"__{dist.get_rank() if world > 1 else 0}_*.distcp")}
+        every: list[Any] | None = [own]
+        if world > 1:
+            every = [None] * world if rank == 0 else None
+            dist.gather_object(own, every, dst=0)
         if rank == 0:
-            (tmp / STATE_FILE).write_text(json.dumps(plain))
+            data = json.dumps(plain).encode()
+            (tmp / STATE_FILE).write_bytes(data)
+            sums = {name: digest for d in every or [] for name, digest in d.items()}
+            sums |= {
+                STATE_FILE: hashlib.sha256(data).hexdigest(),
+                METADATA_FILE: sha256_of(tmp / METADATA_FILE),
+            }
+            (tmp / CHECKSUMS_FILE).write_text(json.dumps({"sha256": dict(sorted(sums.items()))}, indent=1))
         if world > 1:
             dist.barrier()
     except BaseException as e:
@@ -151,6 +171,10 @@ def _interruption(e: CheckpointException) -> BaseException | None:
     catches every BaseException and reports it as the checkpoint's failure: raised as itself, it stops the
     command as it would anywhere else, not as a full disk or a damaged checkpoint."""
     return next((exc for exc, _ in e.failures.values() if not isinstance(exc, Exception)), None)
+
+
+def _own_error(e: CheckpointException) -> CheckpointError | None:
+    return next((exc for exc, _ in e.failures.values() if isinstance(exc, CheckpointError)), None)
 
 
 def _out_of_memory(path: Path, e: BaseException) -> ResourceError | None:
@@ -260,8 +284,9 @@ def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     """
     path = Path(path)
     state_file = _complete(path) / STATE_FILE
-    plain = _read_state_json(state_file)
-    reader = SafeReader(str(path))
+    sums = read_checksums(path)
+    plain = _read_state_json(state_file, sums)
+    reader = SafeReader(str(path), sums)
     saved_keys = reader.read_metadata().state_dict_metadata  # every check first; dcp.load reuses it
     tensors, _ = split_state(template)
     # Entries newer than the checkpoint keep the template's value (see OPTIONAL_ENTRIES).
@@ -274,6 +299,8 @@ def load_checkpoint(path: Path, template: dict[str, Any]) -> dict[str, Any]:
     except (Exception, CheckpointException) as e:  # DCP wraps storage errors in a BaseException subclass
         if isinstance(e, CheckpointException) and (stop := _interruption(e)) is not None:
             raise stop from None
+        if isinstance(e, CheckpointException) and (own := _own_error(e)) is not None:
+            raise own from None  # a data file SafeReader refused: its line names the file
         if (memory := _out_of_memory(path, e)) is not None:
             raise memory from None
         if (unreadable := _disk_error(path, e, keep_name=True)) is not None:

@@ -20,6 +20,12 @@ people), and loading one must never execute code from it. Loading reads three ki
 - The tensors themselves DCP reads with ``torch.load(weights_only=True)``, torch's restricted
   unpickler. ``state.json`` is JSON checked against the structure ``split_state`` writes.
 
+Damage is a separate matter: a flipped byte inside a tensor passes every check above and loads as a
+wrong weight. ``sha256.json`` (``CHECKSUMS_FILE``) lists the sha256 of every other file; each file is
+compared with it after the checks above (so a hostile file meets the same guards whether or not the
+list was rewritten with it) and before it is used: a data file before DCP reads from it, by the rank
+that reads it. A checkpoint written before the list existed loads unchecked.
+
 The metadata checked is the metadata DCP uses (``SafeReader`` reads it once and caches it), so a
 file swapped in after the check is not read. Every fault the checks find (missing, empty,
 truncated, oversized, symlinked, not a regular file, malformed, tampered) is a one-line
@@ -32,11 +38,13 @@ are read: ``preprocess.json`` by ``Preprocessor.load``, ``config.yaml`` by ``tra
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import json
 import os
 import pathlib
 import pickle
+import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -56,7 +64,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from recscale.errors import CheckpointError
 
@@ -64,6 +73,8 @@ METADATA_FILE = ".metadata"
 # DCP's index costs ~300 bytes per tensor chunk: 64 MiB is ~200k chunks, far beyond any model
 # sharded over hundreds of ranks, yet small enough that a hostile file cannot exhaust memory.
 MAX_METADATA_BYTES = 64 << 20
+CHECKSUMS_FILE = "sha256.json"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def one_line(e: object, limit: int = 200) -> str:
@@ -104,6 +115,46 @@ def read_regular_file(path: Path, cap: int, kind: str = "checkpoint") -> bytes:
     if not data:
         raise tampered(path, "is empty", kind)
     return data
+
+
+# ---------------------------------------------------------------- checksums
+def sha256_of(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def read_checksums(ckpt: Path) -> dict[str, str] | None:
+    """File name -> sha256 as checkpoint ``ckpt``'s ``sha256.json`` lists them; None where it has none (a
+    checkpoint of a recscale that did not write one)."""
+    path = Path(ckpt) / CHECKSUMS_FILE
+    if not os.path.lexists(path):
+        return None
+    data = read_regular_file(path, MAX_METADATA_BYTES)
+    try:
+        sums = json.loads(data.decode("utf-8"))["sha256"]
+        if type(sums) is not dict or not all(
+            type(k) is str and type(v) is str and _SHA256.fullmatch(v) for k, v in sums.items()
+        ):
+            raise ValueError("not a map of file names to sha256 digests")
+    except Exception as e:  # UnicodeDecodeError, JSONDecodeError, KeyError, TypeError, ...
+        raise tampered(path, f"is not recscale's checksum list ({one_line(e)})") from None
+    return sums
+
+
+def check_sum(path: Path, sums: dict[str, str] | None, data: bytes | None = None) -> None:
+    """``path`` (or ``data``, its bytes as already read) against the sha256 ``sums`` lists for it; nothing
+    where ``sums`` is None."""
+    if sums is None:
+        return
+    want = sums.get(path.name)
+    if want is None:
+        raise tampered(path, f"is not listed in {CHECKSUMS_FILE}")
+    try:
+        have = hashlib.sha256(data).hexdigest() if data is not None else sha256_of(path)
+    except OSError as e:  # the disk's error, as read_regular_file has it
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    if have != want:
+        raise tampered(path, f"its sha256 does not match {CHECKSUMS_FILE}: it changed after it was saved")
 
 
 # ---------------------------------------------------------------- safe DCP metadata
@@ -273,8 +324,9 @@ def _check_metadata(md: Any, path: Path) -> None:
         raise tampered(path, "has a malformed version")
 
 
-def load_metadata(ckpt: Path) -> Metadata:
-    """The checked DCP metadata of checkpoint directory ``ckpt`` (see the module docstring)."""
+def load_metadata(ckpt: Path, sums: dict[str, str] | None = None) -> Metadata:
+    """The checked DCP metadata of checkpoint directory ``ckpt`` (see the module docstring), and checked
+    against its ``sums`` (``read_checksums``) where given."""
     path = Path(ckpt) / METADATA_FILE
     data = read_regular_file(path, MAX_METADATA_BYTES)
     try:
@@ -285,15 +337,19 @@ def load_metadata(ckpt: Path) -> Metadata:
     except Exception as e:  # a hostile pickle can raise anything; none of it may escape as-is
         detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         raise tampered(path, f"is not readable DCP metadata ({detail})") from None
+    check_sum(path, sums, data)
     return md
 
 
 class SafeReader(FileSystemReader):
-    """DCP reader whose metadata is ``load_metadata``'s, read once and reused for the whole load."""
+    """DCP reader whose metadata is ``load_metadata``'s, read once and reused for the whole load; with
+    ``sums``, each data file is checked against them before the first read from it."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, sums: dict[str, str] | None = None) -> None:
         super().__init__(path)
         self._metadata: Metadata | None = None
+        self._sums = sums
+        self._checked: set[str] = set()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
@@ -302,11 +358,18 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
-            self._metadata = load_metadata(Path(self.path))
+            self._metadata = load_metadata(Path(self.path), self._sums)
         md = self._metadata
         md.storage_meta = md.storage_meta or StorageMeta()  # as FileSystemReader does
         md.storage_meta.load_id = self.load_id
         return md
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for name in sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}):
+            if name not in self._checked:  # the files this rank reads, each once
+                check_sum(Path(self.path) / name, self._sums)
+                self._checked.add(name)
+        return super().read_data(plan, planner)
 
 
 class TensorsOnlyPlanner(DefaultLoadPlanner):
