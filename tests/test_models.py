@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -354,3 +354,126 @@ def test_din_attention_widths_below_one_are_config_errors() -> None:
 
     with pytest.raises(ValidationError, match="attention_hidden.0"):
         SequenceConfig.model_validate({"attention_hidden": [0]})
+
+
+# --- each model's interaction against its paper's equations -------------------------------------
+
+
+def _ln(x: Tensor, norm: nn.LayerNorm) -> Tensor:
+    """LayerNorm over the last axis, written out."""
+    mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    return (x - mean) / (var + norm.eps).sqrt() * norm.weight + norm.bias
+
+
+def _pairs(x: Tensor) -> Tensor:
+    """(B, n, d) -> (B, n(n-1)/2): <x_i, x_j> for i < j, row-major."""
+    n = x.shape[1]
+    return torch.stack([(x[:, i] * x[:, j]).sum(-1) for i in range(n) for j in range(i + 1, n)], dim=1)
+
+
+def _mix(weight: Tensor, x: Tensor) -> Tensor:
+    """W X along the embedding axis (Wukong's LCB): (o, n), (B, n, d) -> (B, o, d)."""
+    return torch.einsum("on,bnd->bod", weight, x)
+
+
+def _wukong(m: nn.Module, x: Tensor) -> Tensor:
+    # X_{i+1} = LN(concat(FMB(X_i), LCB(X_i)) + X_i), FMB(X) = MLP(LN(flatten(X Xᵀ Y))) (Zhang et al. 2024).
+    for layer in m.layers:
+        fm = x @ x.transpose(1, 2) @ layer.fmb.fm.y
+        fmb = layer.fmb.mlp(_ln(fm.flatten(1), layer.fmb.norm)).view(x.shape[0], -1, x.shape[2])
+        res = x if isinstance(layer.residual, nn.Identity) else _mix(layer.residual.weight, x)
+        x = _ln(torch.cat([fmb, _mix(layer.lcb.weight, x)], dim=1) + res, layer.norm)
+    return m.head(x.flatten(1))[:, 0]
+
+
+def _dlrm(m: nn.Module, x: Tensor) -> Tensor:
+    # top_mlp([processed dense, dot products of all distinct pairs]) (Naumov et al. 2019).
+    return m.top_mlp(torch.cat([x[:, 0], _pairs(x)], dim=1))[:, 0]
+
+
+def _cross(layers: nn.ModuleList, x0: Tensor) -> Tensor:
+    # x_{l+1} = x_0 ⊙ (U_l V_lᵀ x_l + b_l) + x_l (Wang et al. 2021, low rank).
+    x = x0
+    for down, up in layers:
+        x = x0 * (x @ down.weight.T @ up.weight.T + up.bias) + x
+    return x
+
+
+def _dcnv2(m: nn.Module, x: Tensor) -> Tensor:
+    return m.out(m.deep(_cross(m.cross.layers, x.flatten(1))))[:, 0]  # stacked
+
+
+def _finalmlp(m: nn.Module, x: Tensor) -> Tensor:
+    # o_s = MLP_s(E ⊙ 2σ(gate_s(context_s))); Σ_h BF(o_1h, o_2h) (Mao et al. 2023).
+    o = [
+        mlp(x.flatten(1) * 2 * torch.sigmoid(gate.gate(x[:, gate.context].flatten(1))))
+        for gate, mlp in zip(m.gates, m.streams, strict=True)
+    ]
+    f, heads = m.fusion, m.fusion.heads
+    o1, o2 = (t.view(t.shape[0], heads, -1) for t in o)
+    bilinear = sum(torch.einsum("bi,ij,bj->b", o1[:, h], f.w_xy[h], o2[:, h]) for h in range(heads))
+    return f.w_x(o[0])[:, 0] + f.w_y(o[1])[:, 0] + bilinear
+
+
+def _autoint(m: nn.Module, x: Tensor) -> Tensor:
+    # e_m = ReLU(⊕_h Σ_k softmax_k(<W_q^h e_m, W_k^h e_k>) W_v^h e_k + W_res e_m) (Song et al. 2019), + DNN.
+    h = x
+    for att in m.attention:
+        wq, wk, wv = att.qkv.weight.chunk(3)
+        heads = []
+        for s in range(att.heads):
+            rows = slice(s * att.head_dim, (s + 1) * att.head_dim)
+            q, k, v = h @ wq[rows].T, h @ wk[rows].T, h @ wv[rows].T
+            heads.append(torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v)
+        h = torch.relu(torch.cat(heads, dim=-1) + h @ att.residual.weight.T)
+    return m.attention_out(h.flatten(1))[:, 0] + m.dnn(x.flatten(1))[:, 0]
+
+
+def _masknet(m: nn.Module, x: Tensor) -> Tensor:
+    # MaskBlock: ReLU(LN(W (mask(V_emb) ⊙ V_in))), V_in = LN_EMB(X0) per field (Wang et al. 2021), parallel.
+    v_emb, v_in = x.flatten(1), _ln(x, m.emb_norm).flatten(1)
+    outs = []
+    for block in m.blocks:
+        linear, norm = block.hidden[0], block.hidden[1]
+        outs.append(torch.relu(_ln(linear(block.mask(v_emb) * v_in), norm)))
+    return m.head(torch.cat(outs, dim=1))[:, 0]
+
+
+def _xdeepfm(m: nn.Module, x0: Tensor) -> Tensor:
+    # CIN: X^k_h = Σ_ij W^{k,h}_ij (X^{k-1}_i ∘ X^0_j), sum-pooled over d; half on, half out (Lian et al. 2018).
+    xk, pooled = x0, []
+    for conv, half in zip(m.cin.convs, m.cin.halves, strict=True):
+        w = conv.weight[..., 0].view(conv.out_channels, xk.shape[1], x0.shape[1])
+        z = torch.einsum("hij,bid,bjd->bhd", w, xk, x0) + conv.bias[:, None]
+        xk, out = z.chunk(2, dim=1) if half else (z, z)
+        pooled.append(out.sum(-1))
+    flat = x0.flatten(1)
+    return (m.linear(flat) + m.cin_out(torch.cat(pooled, dim=1)) + m.dnn(flat))[:, 0]
+
+
+def _fm(m: nn.Module, x: Tensor) -> Tensor:
+    return m.linear(x.flatten(1))[:, 0] + _pairs(x).sum(1)  # w·x + Σ_{i<j} <v_i, v_j> (Rendle 2010)
+
+
+PAPER_FORMS: list[tuple[str, dict[str, Any], Callable[[Any, Tensor], Tensor]]] = [
+    ("wukong", {**SMALL["wukong"], "n_f": 2}, _wukong),  # a projected residual, then the identity
+    ("dlrm", SMALL["dlrm"], _dlrm),
+    ("dcnv2", {**SMALL["dcnv2"], "structure": "stacked", "low_rank": 3}, _dcnv2),
+    ("finalmlp", {**SMALL["finalmlp"], "fs1_context": ["user"], "fs2_context": ["item", "tags"]}, _finalmlp),
+    ("autoint", SMALL["autoint"], _autoint),
+    ("masknet", SMALL["masknet"], _masknet),
+    ("xdeepfm", SMALL["xdeepfm"], _xdeepfm),
+    ("fm", SMALL["fm"], _fm),
+]
+
+
+@pytest.mark.parametrize(("name", "params", "reference"), PAPER_FORMS, ids=[p[0] for p in PAPER_FORMS])
+def test_interaction_is_the_papers_equation(
+    name: str, params: dict[str, Any], reference: Callable[[Any, Tensor], Tensor]
+) -> None:
+    """Each model's X0 -> logit against its paper's equations written out with the model's own weights."""
+    torch.manual_seed(0)
+    model = build(name, params).double().eval()
+    x0 = torch.randn(3, model.embedding.num_outputs, model.embedding.dim, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model.interact(x0), reference(model, x0))
