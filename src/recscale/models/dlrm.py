@@ -2,7 +2,9 @@
 
 The bottom MLP is the embedding layer's dense MLP (``EmbeddingConfig.dense_hidden``), so the dense
 embeddings are the first ``num_dense_outputs`` rows of X0. The top MLP sees the dense embeddings
-concatenated with the dot products of all distinct pairs of embeddings (dense ones included).
+concatenated with the dot products of all distinct pairs of embeddings (dense ones included; no
+self-products, the reference code's default). The bottom MLP ends in a plain Linear, as it does for every
+model here, where the reference code's (and TorchRec's ``DenseArch``, FuxiCTR's) applies ReLU to its output.
 
 Without dense features the top MLP sees only dot products, whose gradient with respect to one
 embedding is the other: at the zoo's default ``init_std`` of 1e-4 both factors are tiny and training
