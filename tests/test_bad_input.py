@@ -176,7 +176,7 @@ CASES = [
     Case(
         "--resume on no run",
         lambda c: ["train", "--resume", "--out", str(c.tmp / "new")],
-        ("not a recscale run directory",),
+        ("new does not exist", "start a new run without it"),
     ),
     Case(
         "--resume changes the model",

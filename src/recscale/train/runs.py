@@ -145,7 +145,14 @@ def check_resume(run_dir: Path, cfg: RunConfig) -> None:
 
 def _resumable(run_dir: Path) -> RunConfig:
     if not (Path(run_dir) / "config.yaml").is_file():
-        raise RecscaleError(f"{RESUME}: {run_dir} is not a recscale run directory (no config.yaml)")
+        what = (
+            "does not exist"
+            if not os.path.lexists(run_dir)
+            else "is not a recscale run directory (no config.yaml)"
+        )
+        raise RecscaleError(
+            f"{RESUME}: {run_dir} {what}; name the directory of the run to continue, or start a new run without it"
+        )
     return run_config(run_dir)
 
 
