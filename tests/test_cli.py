@@ -1,6 +1,7 @@
 """User mistakes reach the user as one line on stderr and exit code 2, never a traceback."""
 
 import argparse
+import io
 import json
 import subprocess
 import sys
@@ -764,3 +765,23 @@ def test_a_permission_error_says_to_fix_permissions_first():
         "runs/x/best/.metadata: Permission denied (permission denied; fix its permissions "
         "(an output: or choose a path you may write))"
     )
+
+
+TINY = ["data.synthetic.rows={train: 512, valid: 128, test: 128}", "data.num_workers=0", "model.embedding.dim=8",
+        "model.num_layers=1", "train.batch_size=64", "train.max_steps=2", "train.progress=false"]  # fmt: skip
+
+
+def test_the_report_prints_where_stdout_cannot_encode_it(tmp_path, monkeypatch):
+    """In an ASCII locale (LC_ALL=C with PYTHONUTF8=0) the report's '·' raised UnicodeEncodeError once the run
+    had trained: 'internal error', exit code 1. What stdout cannot encode is escaped, as on stderr; a file
+    name's undecodable byte (a surrogate) is written as that byte."""
+    raw = io.BytesIO()
+    ascii_out = io.TextIOWrapper(raw, encoding="ascii", errors="surrogateescape", write_through=True)
+    monkeypatch.setattr(sys, "stdout", ascii_out)
+    assert main(["train", str(CONFIGS / "demo.yaml"), "--out", str(tmp_path / "r"), *TINY]) == 0
+    assert "model wukong  \\xb7  2 steps" in raw.getvalue().decode("ascii")
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="utf-8", write_through=True))
+    assert main(["--help"]) == 0
+    print("runs/\udce9 \u00b7")
+    assert raw.getvalue().endswith(b"runs/\xe9 \xc2\xb7\n")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import errno
+import io
 import json
 import math
 import os
@@ -864,7 +866,27 @@ def _os_error_line(e: OSError) -> str:
     return f"{where}{e.strerror or e} ({hint})"
 
 
+def _unencodable(e: UnicodeError) -> tuple[str | bytes, int]:
+    """A character stdout's encoding lacks: a file name's byte no encoding decoded (a surrogate) as that byte,
+    anything else escaped (``\\xb7``), as stderr writes it."""
+    try:
+        return codecs.lookup_error("surrogateescape")(e)
+    except UnicodeError:
+        return codecs.lookup_error("backslashreplace")(e)
+
+
+codecs.register_error("recscale.stdout", _unencodable)
+
+
+def _stdout_never_fails_to_encode() -> None:
+    """In a locale whose encoding lacks a character printed (LC_ALL=C with PYTHONUTF8=0, PYTHONIOENCODING=ascii),
+    the report's '·' raised UnicodeEncodeError once the run had trained: 'internal error', exit code 1."""
+    if isinstance(sys.stdout, io.TextIOWrapper) and sys.stdout.errors in ("strict", "surrogateescape"):
+        sys.stdout.reconfigure(errors="recscale.stdout")
+
+
 def main(argv: list[str] | None = None) -> int:
+    _stdout_never_fails_to_encode()
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv  # accepted anywhere on the line, not only before the command
