@@ -3,6 +3,7 @@
 import argparse
 import io
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -785,3 +786,13 @@ def test_the_report_prints_where_stdout_cannot_encode_it(tmp_path, monkeypatch):
     assert main(["--help"]) == 0
     print("runs/\udce9 \u00b7")
     assert raw.getvalue().endswith(b"runs/\xe9 \xc2\xb7\n")
+
+
+def test_a_command_started_with_stderr_closed_runs(tmp_path):
+    """`recscale train ... 2>&-` (or a daemon's setup): Python leaves sys.stderr None, on which the progress
+    check called isatty(): 'internal error AttributeError' before the first step."""
+    argv = ["train", str(CONFIGS / "demo.yaml"), "--out", str(tmp_path / "r"), *TINY, "train.progress=true"]
+    done = subprocess.run([sys.executable, "-m", "recscale.cli", *argv], stdout=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: os.close(2), timeout=300)  # fmt: skip
+    assert done.returncode == 0 and "run directory:" in done.stdout, done.stdout
+    assert (tmp_path / "r" / "report.json").is_file()

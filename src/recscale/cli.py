@@ -885,7 +885,26 @@ def _stdout_never_fails_to_encode() -> None:
         sys.stdout.reconfigure(errors="recscale.stdout")
 
 
+def _closed_streams_to_devnull() -> None:
+    """stdout or stderr closed when the command started (``2>&-``, a daemon's setup): Python leaves ``sys.stderr``
+    None, on which training's progress check called isatty() ('internal error AttributeError' before the first
+    step), and the descriptor free for the next file opened, into which C++ libraries' messages would go. Both
+    write to /dev/null instead, as the user asked of a closed stream."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        if getattr(sys, name) is not None:
+            continue
+        try:
+            os.fstat(fd)  # a file this process opened since has it: left alone
+        except OSError:
+            null = os.open(os.devnull, os.O_WRONLY)  # the lowest free descriptor: ``fd`` itself, or below
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+        setattr(sys, name, open(os.devnull, "w"))  # the process's stream, open while it lives
+
+
 def main(argv: list[str] | None = None) -> int:
+    _closed_streams_to_devnull()
     _stdout_never_fails_to_encode()
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
