@@ -644,6 +644,24 @@ def test_scratch_dirs_of_killed_commands_are_removed_by_the_next(tmp_path, monke
         os.close(lock)
 
 
+def test_a_full_temporary_directory_is_one_line_naming_tmpdir(ctx: Ctx, tmpfs, monkeypatch, capsys) -> None:
+    """eval and predict copy the file they score into a temporary directory: a full TMPDIR said 'free space or
+    choose another --out', which eval has not. The line says what the directory is for and names TMPDIR."""
+    import tempfile
+
+    scratch = tmpfs("scratch", size="64k")
+    _fill(scratch)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    for argv in (["eval", str(ctx.run), "--data", str(ctx.good)],
+                 ["predict", str(ctx.run), "--data", str(ctx.good), "--out", str(ctx.tmp / "scores.csv")]):  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "No space left on device" in err[0] and "--out" not in err[0], err
+        assert f"a temporary directory in {scratch} first" in err[0] and "set TMPDIR" in err[0], err
+    assert sorted(p.name for p in scratch.iterdir()) == ["filler"]
+    assert not (ctx.tmp / "scores.csv").exists()
+
+
 def test_a_full_disk_under_tensorboard_is_one_line_naming_tb(tmp_path, tmpfs, capfd) -> None:
     """TensorBoard writes from a thread of its own: a disk that filled under tb/ printed that thread's
     traceback, then a line naming no file. The line names tb/ now, and the thread's traceback is not printed."""

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from recscale.errors import RecscaleError
+from recscale.errors import RecscaleError, ResourceError
 
 
 def _umask() -> int:
@@ -201,6 +201,16 @@ def scratch_dir(prefix: str) -> Iterator[Path]:
         fcntl.flock(held, fcntl.LOCK_EX)
         _remove_unheld(tmp.parent, re.compile(rf"{re.escape(prefix)}[a-z0-9_]{{8}}"), tmp)
         yield tmp
+    except OSError as e:
+        # The disk of TMPDIR, not of an output the user named: the CLI's hint said "choose another --out",
+        # which eval has not.
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        if not full or e.filename is None or not Path(os.fsdecode(e.filename)).is_relative_to(tmp):
+            raise
+        raise ResourceError(
+            f"{e.filename}: {e.strerror}: the file read is copied into a temporary directory in {tmp.parent} "
+            "first; free space there, or set TMPDIR to a directory on a disk with room for it"
+        ) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         os.close(held)
