@@ -87,6 +87,29 @@ def test_the_launcher_kills_the_hung_workers_of_its_own_agents_only(tmp_path):
         other.wait()
 
 
+def test_ranks_share_the_cores_this_process_may_use(monkeypatch):
+    """--nproc gave each rank the machine's cores // N threads: 2 ranks confined to 2 of 64 cores (taskset, a
+    container's cpuset) ran 32 threads each. They share the cores the process may run on, as torch counts."""
+    from recscale.distributed import launch as launch_module
+
+    class Started(Exception):
+        pass
+
+    seen: dict[str, str] = {}
+
+    def popen(cmd: list[str], env: dict[str, str]) -> None:
+        seen.update(env)
+        raise Started
+
+    monkeypatch.setattr(launch_module.subprocess, "Popen", popen)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    with pytest.raises(Started):
+        launch(["-c", "pass"], 2, None, 0)
+    assert seen["OMP_NUM_THREADS"] == "1"
+
+
 def test_the_launcher_acts_on_a_hang_in_each_attempt(tmp_path, monkeypatch):
     """Rank 0 times out in attempt 0 and again, after a restart, in attempt 1: the launcher reads both verdicts.
     Both were written to rank0.json, which it had already read, so the second hung rank lived on and the job's

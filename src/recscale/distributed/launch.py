@@ -58,13 +58,20 @@ def host_split(nproc: int, local_world_size: int | None) -> tuple[int, int]:
     return nproc // local, local
 
 
+def rank_threads(nproc: int) -> int:
+    """Threads per rank, as torchrun does but shared out: N processes on C cores get C // N each. C is the
+    cores this process may run on (taskset, a container's cpuset), as torch counts them: the machine's count
+    gave 2 ranks on 2 of 64 cores 32 threads each."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // nproc)
+
+
 def launch(command: list[str], nproc: int, local_world_size: int | None, max_restarts: int) -> None:
     """Run ``python *command`` (e.g. ``-m recscale.cli train ...``) as ``nproc`` ranks,
     ``local_world_size`` of them per host."""
     hosts, local = host_split(nproc, local_world_size)
     env = dict(os.environ)
-    # As torchrun does, but shared out: N processes on C cores get C // N threads each.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    env.setdefault("OMP_NUM_THREADS", str(rank_threads(nproc)))
     port, run_id = free_port(), uuid.uuid4().hex[:12]
     with tempfile.TemporaryDirectory(prefix="recscale-launch-") as tmp:
         summaries = [Path(tmp) / f"host{h}.json" for h in range(hosts)]
