@@ -307,6 +307,37 @@ def _job_processes(run_dir: Path) -> list[int]:
     return pids
 
 
+def _as_nohup() -> None:
+    ctrl_c_as_in_a_terminal()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+@dist_mark
+def test_a_job_under_nohup_outlives_the_terminal(tmp_path):
+    """torch elastic's agents stop the job on SIGHUP even where it started ignored: `nohup recscale train --nproc
+    2` died when the terminal hung up ('the hosts' agents exited with codes [129]'). The agents leave ignored
+    what the launcher ignores; SIGTERM still stops the job."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "recscale.cli", "train", str(CONFIGS / "demo.yaml"), *LONG, "train.epochs=1000",
+           "train.max_steps=100000", "--out", str(run_dir), "--nproc", "2"]  # fmt: skip
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(cmd, stderr=stderr, cwd=REPO, start_new_session=True, preexec_fn=_as_nohup)
+    try:
+        _wait_for_step(run_dir, 3, proc)
+        os.killpg(proc.pid, signal.SIGHUP)  # the hang-up, to the job's process group
+        time.sleep(5)
+        assert proc.poll() is None, log.read_text()[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()[-2000:]
+    finally:
+        for pid in _job_processes(run_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+
+
 def test_sigterm_stops_a_training_with_one_line_and_a_resume_continues_it(tmp_path, capsys):
     """SIGTERM ended `recscale train` with no word (rc -15). It stops as Ctrl-C does, wherever it lands (a
     write in progress dropped whole), says where with the command that continues the run, and exits 143."""

@@ -240,6 +240,11 @@ def _agent(args: argparse.Namespace) -> int:
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    # torch elastic stops the job on SIGINT, SIGHUP and SIGQUIT even where they were ignored when it started: a
+    # job under nohup died when the terminal hung up. A signal the launcher ignores (passed on to this process)
+    # is left ignored; SIGTERM is how the launcher stops its agents (_stop).
+    stops = ("SIGINT", "SIGHUP", "SIGQUIT")
+    handled = ["SIGTERM", *(n for n in stops if signal.getsignal(getattr(signal, n)) != signal.SIG_IGN)]
     config = LaunchConfig(
         min_nodes=args.hosts,
         max_nodes=args.hosts,
@@ -250,6 +255,7 @@ def _agent(args: argparse.Namespace) -> int:
         run_id=args.run_id,
         max_restarts=args.max_restarts,
         shutdown_timeout=_WORKER_GRACE_S,
+        signals_to_handle=",".join(handled),
     )
     try:
         elastic_launch(config, entrypoint=sys.executable)(*args.command)
