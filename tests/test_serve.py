@@ -430,9 +430,14 @@ def test_a_request_cancelled_while_it_waits_does_not_stop_the_batcher(scorer, tr
         batcher.stop()
 
 
-def _start_serve(trained, *extra: str, workers: int = 1) -> tuple[subprocess.Popen, str]:
+def _as_nohup() -> None:
+    ctrl_c_as_in_a_terminal()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+def _start_serve(trained, *extra: str, workers: int = 1, nohup: bool = False) -> tuple[subprocess.Popen, str]:
     """``recscale serve`` on a free port (--port 0: the first line names it), once each of its
-    ``workers`` processes has answered /readyz."""
+    ``workers`` processes has answered /readyz. ``nohup``: SIGHUP ignored, in a process group of its own."""
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     argv = ["serve", str(_export(trained)), "--port", "0", "--workers", str(workers), *extra]
     proc = subprocess.Popen(
@@ -441,7 +446,8 @@ def _start_serve(trained, *extra: str, workers: int = 1) -> tuple[subprocess.Pop
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=ctrl_c_as_in_a_terminal,
+        preexec_fn=_as_nohup if nohup else ctrl_c_as_in_a_terminal,
+        process_group=0 if nohup else None,
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -522,6 +528,25 @@ def test_serve_workers_each_load_the_model_and_score_alike(trained, scorer):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_serve_workers_under_nohup_outlive_the_terminal(trained):
+    """uvicorn's supervisor takes over every signal it knows, ignored ones too: under nohup a hang-up killed the
+    workers (SIGHUP's default action, which they started with) and the supervisor restarted them, dropping what
+    they were serving. A signal ignored when the server started stays ignored; SIGTERM still stops it."""
+    proc, _ = _start_serve(trained, workers=2, nohup=True)
+    try:
+        workers = _workers_of(proc.pid)
+        os.killpg(proc.pid, signal.SIGHUP)  # the hang-up, to the server's process group
+        time.sleep(3)
+        assert proc.poll() is None and _workers_of(proc.pid) == workers
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGTERM and "died" not in err, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _workers_of(pid: int) -> list[int]:

@@ -360,7 +360,14 @@ def serve(
 
     class Supervisor(Multiprocess):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
+            # uvicorn takes over every signal it knows, ignored ones too: under nohup a hang-up killed the
+            # workers (SIGHUP's default action, which they started with) and the supervisor restarted them. A
+            # signal ignored when the server started stays ignored, in it and its workers; SIGTERM stops it.
+            ignored = [s for s in signal.valid_signals() if signal.getsignal(s) == signal.SIG_IGN]
             super().__init__(*args, **kwargs)
+            for sig in ignored:
+                if sig != signal.SIGTERM:
+                    signal.signal(sig, signal.SIG_IGN)
             self.stopped_by: list[int] = []
 
         def handle_int(self) -> None:
