@@ -796,3 +796,19 @@ def test_a_command_started_with_stderr_closed_runs(tmp_path):
                           preexec_fn=lambda: os.close(2), timeout=300)  # fmt: skip
     assert done.returncode == 0 and "run directory:" in done.stdout, done.stdout
     assert (tmp_path / "r" / "report.json").is_file()
+
+
+def test_a_name_an_ascii_locale_cannot_express_is_one_line(tmp_path):
+    """Under LC_ALL=C with PYTHONUTF8=0 file names are ASCII: a config whose base: names bäse.yaml failed with
+    'internal error UnicodeEncodeError' (exit 1). The line says to run under a UTF-8 locale."""
+    (tmp_path / "bäse.yaml").write_text(f"base: {CONFIGS / 'demo.yaml'}\n")
+    (tmp_path / "run.yaml").write_text("base: bäse.yaml\n")
+    env = os.environ | {"LC_ALL": "C", "PYTHONUTF8": "0"}
+    argv = ["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "r")]
+    done = subprocess.run(
+        [sys.executable, "-m", "recscale.cli", *argv], env=env, capture_output=True, timeout=300
+    )
+    err = done.stderr.decode("ascii").strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1, err
+    assert "holds '\\xe4', which this locale's encoding (ascii) cannot express" in err[0], err
+    assert "run under a UTF-8 locale" in err[0] and not (tmp_path / "r").exists()

@@ -953,6 +953,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _locale_encoding() -> str | None:
+    """The encoding file names and the terminal are written in, where it is not UTF-8 (else None)."""
+    name = codecs.lookup(sys.getfilesystemencoding()).name
+    return None if name == "utf-8" else name
+
+
 def _error_line(e: Exception) -> tuple[int, str]:
     """The exit code and one line for an exception that ends a command (``--debug`` shows the traceback)."""
     from recscale.distributed.env import lost_peer
@@ -965,6 +971,12 @@ def _error_line(e: Exception) -> tuple[int, str]:
         return 2, "out of memory; lower train.batch_size or the model size, or use more ranks (--nproc)"
     if isinstance(e, RuntimeError) and (line := lost_peer(e)) is not None:
         return LOST_PEER_EXIT, line
+    if isinstance(e, UnicodeEncodeError) and codecs.lookup(e.encoding).name == _locale_encoding():
+        # A name (a config's base:, a data path) the locale cannot write, e.g. LC_ALL=C with PYTHONUTF8=0
+        return 2, (
+            f"the name {e.object[:200]!r} holds {e.object[e.start : e.end]!r}, which this locale's encoding "
+            f"({e.encoding}) cannot express; run under a UTF-8 locale (e.g. LC_ALL=C.UTF-8) or set PYTHONUTF8=1"
+        )
     first = (str(e).strip().splitlines() or [""])[0][:200]
     return (
         1,
