@@ -812,3 +812,12 @@ def test_a_name_an_ascii_locale_cannot_express_is_one_line(tmp_path):
     assert done.returncode == 2 and len(err) == 1, err
     assert "holds '\\xe4', which this locale's encoding (ascii) cannot express" in err[0], err
     assert "run under a UTF-8 locale" in err[0] and not (tmp_path / "r").exists()
+
+
+def test_a_name_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    """An --out of Latin-1 bytes ('r\\xe9') failed with 'internal error UnicodeEncodeError ... surrogates not
+    allowed' (TensorBoard writes only UTF-8 names). The line names it and says to rename it."""
+    out = tmp_path / os.fsdecode(b"r\xe9")
+    code, _, err = run(capsys, "train", str(CONFIGS / "demo.yaml"), "--out", str(out), *TINY)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "r\\xe9" in err and "is not UTF-8" in err and "rename it" in err, err

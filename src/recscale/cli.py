@@ -959,6 +959,11 @@ def _locale_encoding() -> str | None:
     return None if name == "utf-8" else name
 
 
+def _undecoded(text: str) -> bool:
+    """Whether ``text`` is bytes of a file name no encoding decoded (Python's surrogate escapes)."""
+    return all("\udc80" <= c <= "\udcff" for c in text)
+
+
 def _error_line(e: Exception) -> tuple[int, str]:
     """The exit code and one line for an exception that ends a command (``--debug`` shows the traceback)."""
     from recscale.distributed.env import lost_peer
@@ -971,6 +976,10 @@ def _error_line(e: Exception) -> tuple[int, str]:
         return 2, "out of memory; lower train.batch_size or the model size, or use more ranks (--nproc)"
     if isinstance(e, RuntimeError) and (line := lost_peer(e)) is not None:
         return LOST_PEER_EXIT, line
+    if isinstance(e, UnicodeEncodeError) and _undecoded(e.object[e.start : e.end]):
+        # A file name's bytes that are not UTF-8, which TensorBoard cannot write (an --out of Latin-1 bytes)
+        name = os.fsencode(e.object[:200])
+        return 2, f"the name {name!r} is not UTF-8, which a library recscale uses cannot write; rename it"
     if isinstance(e, UnicodeEncodeError) and codecs.lookup(e.encoding).name == _locale_encoding():
         # A name (a config's base:, a data path) the locale cannot write, e.g. LC_ALL=C with PYTHONUTF8=0
         return 2, (
