@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -31,7 +32,11 @@ def test_readme_tour_runs_as_written(tmp_path, shared_data):
         (clone / name).symlink_to(REPO / name)
     (tmp_path / "shared").symlink_to(shared_data.parent)
     script = "set -euo pipefail\n" + "\n".join(lines) + "\n"
-    r = subprocess.run(["bash", "-c", script], cwd=clone, capture_output=True, text=True, timeout=900)
+    # This checkout's code, whichever one the venv's install points at (a venv shared by several clones).
+    env = os.environ | {"PYTHONPATH": str(REPO / "src")}
+    r = subprocess.run(
+        ["bash", "-c", script], cwd=clone, env=env, capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     assert "resumed from" in r.stderr and "(step 10," in r.stderr
