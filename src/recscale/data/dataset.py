@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.data.batch import Batch
 from recscale.data.preprocess import OOV
-from recscale.errors import DataError
+from recscale.errors import DataError, ResourceError
 
 FORMAT_VERSION = 1
 
@@ -274,17 +275,42 @@ class _Gather(IterableDataset):
             yield self.ds.gather_arrays(self.batches[i])
 
 
+PREFETCH = 4  # batches each worker builds ahead
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def _check_shared_memory(ds: ArrayDataset, first: np.ndarray, workers: int) -> None:
+    """Workers hand their batches over in shared memory (/dev/shm). A batch that does not fit is dropped (its
+    worker prints a traceback) and the loader waits for it forever: training on a container's 64 MiB /dev/shm
+    hung. Refused unless the batches in flight fit (those the workers build ahead, and two the reader holds;
+    measured: 1 worker peaked at 5.2 batches), their size taken from the first."""
+    if not SHARED_MEMORY.is_dir():
+        return
+    batches = PREFETCH * workers + 2
+    need = sum(a.nbytes for a in ds.gather_arrays(first)) * batches
+    free = shutil.disk_usage(SHARED_MEMORY).free
+    if need > free:
+        raise ResourceError(
+            f"data.num_workers={workers} hands batches over in shared memory, {SHARED_MEMORY}, where the "
+            f"{batches} batches in flight need about {need / 2**20:.1f} MiB and {free / 2**20:.1f} MiB is free; "
+            "enlarge it (e.g. docker run --shm-size=1g), or lower data.num_workers (0: no workers) or "
+            "train.batch_size"
+        )
+
+
 def iterate(ds: ArrayDataset, batches: list[np.ndarray], num_workers: int = 0) -> Iterator[Batch]:
     """Yield ``Batch`` es for the given index batches, built in ``num_workers`` worker processes."""
     if num_workers == 0 or len(batches) < 2:
         for idx in batches:
             yield ds.gather(idx)
         return
+    workers = min(num_workers, len(batches))
+    _check_shared_memory(ds, batches[0], workers)
     loader = DataLoader(
         _Gather(ds, batches),
         batch_size=None,
-        num_workers=min(num_workers, len(batches)),
-        prefetch_factor=4,
+        num_workers=workers,
+        prefetch_factor=PREFETCH,
         persistent_workers=False,
         # Its own generator for the workers' base seed: drawn from the global one, that seed moved the
         # global RNG (dropout's), so data.num_workers=0 trained another model than 1, and an evaluation
