@@ -69,6 +69,20 @@ def test_an_override_that_is_not_yaml_is_one_line_naming_it(override):
     assert "\n" not in str(e.value)
 
 
+def test_an_override_a_yaml_comment_would_cut_is_refused(tmp_path):
+    """A path holding ' #' (data.train=/data/run #3/train.csv) was read as '/data/run' and a comment: the error
+    then named a file the user never gave. Refused, saying to quote it; quoted, it is the path."""
+    path = f"{tmp_path}/run #3/train.csv"
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "frappe.yaml", [f"data.train={path}"])
+    assert str(e.value) == (
+        f"override 'data.train={path}': ' #' starts a YAML comment, which cut the value to '{tmp_path}/run'; "
+        f"quote the value (the quotes inside the shell's), e.g. 'data.train=\"{path}\"'"
+    )
+    assert load_config(CONFIGS / "frappe.yaml", [f'data.train="{path}"']).data.train == path
+    assert load_config(CONFIGS / "frappe.yaml", ["train.max_steps=7"]).train.max_steps == 7
+
+
 def _holding_itself(items: list) -> list:
     items.append(items)
     return items

@@ -180,5 +180,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                 f"override '{item}': the value is not valid YAML ({yaml_problem(e)}); fix its brackets, or "
                 "quote the whole override for the shell, e.g. 'data.synthetic.rows={train: 1000, valid: 100}'"
             ) from None
+        if re.search(r"\s#", value) and not re.search(r"\s#", str(parsed)):
+            # A path with ' #' in it (``data.train=/data/run #3/train.csv``) was cut to '/data/run' without a word
+            raise ConfigError(
+                f"override '{item}': ' #' starts a YAML comment, which cut the value to {parsed!r}; quote the "
+                f"value (the quotes inside the shell's), e.g. '{key}=\"{value}\"'"
+            )
         set_key(raw, key, parsed, f"override '{item}'")
     return raw
