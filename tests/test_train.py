@@ -908,7 +908,7 @@ def test_trainer_errors_name_the_trainers_arguments_and_the_clis_options(tmp_pat
         e.value
     )
     with pytest.raises(
-        RecscaleError, match=r"^resume=True \(CLI: --resume\): .* not a recscale run directory"
+        RecscaleError, match=r"^resume=True \(CLI: --resume\): .* does not exist; name the directory"
     ):
         Trainer(cfg, tmp_path / "none", resume=True)
     assert not (tmp_path / "none").exists()

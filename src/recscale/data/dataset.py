@@ -106,6 +106,11 @@ class ArrayDataset:
                     "the command that wrote it (train, or data prepare for a data.prepared directory)"
                 )
 
+    def batch_bytes(self, rows: int) -> int:
+        """About the bytes of a batch of ``rows`` rows: the column files' mean bytes per row, times ``rows``."""
+        n = self.meta["rows"]
+        return sum(size * items for _, size, items in self._files(n)) * rows // max(n, 1)
+
     def _files(self, n: int) -> Iterator[tuple[str, int, int]]:
         """(file name, bytes per item, items) of each column file; a multi-id field's ids are counted by
         its last offset, read once its offsets file is known to be whole."""
@@ -279,15 +284,16 @@ PREFETCH = 4  # batches each worker builds ahead
 SHARED_MEMORY = Path("/dev/shm")
 
 
-def _check_shared_memory(ds: ArrayDataset, first: np.ndarray, workers: int) -> None:
+def _check_shared_memory(ds: ArrayDataset, rows: int, workers: int) -> None:
     """Workers hand their batches over in shared memory (/dev/shm). A batch that does not fit is dropped (its
     worker prints a traceback) and the loader waits for it forever: training on a container's 64 MiB /dev/shm
     hung. Refused unless the batches in flight fit (those the workers build ahead, and two the reader holds;
-    measured: 1 worker peaked at 5.2 batches), their size taken from the first."""
+    measured: 1 worker peaked at 5.2 batches) of ``rows`` rows each. Sized from the files, not by building
+    one: the parent builds no batch (a batch's work in the parent is what the workers are there to spare)."""
     if not SHARED_MEMORY.is_dir():
         return
     batches = PREFETCH * workers + 2
-    need = sum(a.nbytes for a in ds.gather_arrays(first)) * batches
+    need = ds.batch_bytes(rows) * batches
     free = shutil.disk_usage(SHARED_MEMORY).free
     if need > free:
         raise ResourceError(
@@ -305,7 +311,7 @@ def iterate(ds: ArrayDataset, batches: list[np.ndarray], num_workers: int = 0) -
             yield ds.gather(idx)
         return
     workers = min(num_workers, len(batches))
-    _check_shared_memory(ds, batches[0], workers)
+    _check_shared_memory(ds, max(map(len, batches)), workers)
     loader = DataLoader(
         _Gather(ds, batches),
         batch_size=None,
