@@ -119,6 +119,19 @@ def test_a_log_windows_rate_counts_the_rows_of_a_training_split_under_one_batch(
     assert len(rates) == 2 and rates == pytest.approx([64 / 1000] * 2, rel=0.01)
 
 
+def test_batch_norm_over_a_training_split_of_one_row_is_refused(tmp_path):
+    """A 1-row training split under train.batch_size 4 is one batch of one row: with model.norm=batch it was
+    'internal error ValueError: Expected more than 1 value per channel' at the first step (the config's
+    check sees only train.batch_size). Found feeding the CLI a 1-row CSV."""
+    rows = "data.synthetic.rows={train: 1, valid: 100}"
+    common = [*SMALL_SYNTH, rows, "train.batch_size=4", "train.max_steps=1"]
+    with pytest.raises(ConfigError, match="the training split has 1 row, its one batch"):
+        Trainer(load_config(CONFIGS / "demo.yaml", [*common, "model.norm=batch"]), tmp_path / "bn")
+    two = "data.synthetic.rows={train: 2, valid: 100}"
+    Trainer(load_config(CONFIGS / "demo.yaml", [*common, two, "model.norm=batch"]), tmp_path / "two").fit()
+    Trainer(load_config(CONFIGS / "demo.yaml", common), tmp_path / "none").fit()
+
+
 def test_aborted_run_leaves_nothing_to_trust(tmp_path, monkeypatch):
     import recscale.train.checkpoint as ck
 

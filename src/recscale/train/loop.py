@@ -225,6 +225,20 @@ class Trainer:
                 f"the training split has {n} row{'s' * (n != 1)}, fewer than the {self.env.world_size} "
                 "ranks: each rank trains on a part of every batch; train on fewer ranks or more rows"
             )
+        if (
+            n < t.batch_size
+            and n // self.env.world_size < 2
+            and getattr(cfg.model.params, "norm", None) == "batch"
+        ):
+            # The one batch of a split under train.batch_size: torch's 'Expected more than 1 value per channel'
+            # at the first step, an internal error (check_world_size sees only the configured batch).
+            w = self.env.world_size
+            each = f", which leaves one of the {w} ranks 1 row" if w > 1 else ""
+            raise ConfigError(
+                f"model.norm=batch normalises over the batch, and the training split has {n} row{'s' * (n != 1)}, "
+                f"its one batch (train.batch_size {t.batch_size} is larger){each}; train on more rows or use "
+                "another model.norm"
+            )
         self.steps_per_epoch = n // t.batch_size + (1 if n % t.batch_size and n < t.batch_size else 0)
         self.total_steps = min(t.epochs * self.steps_per_epoch, t.max_steps or 10**18)
         self.decay_resolved = True  # fp16 tables' decay: see _warn_if_decay_rounds_away
