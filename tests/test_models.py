@@ -319,6 +319,17 @@ def test_dlrm_warns_when_dot_products_cannot_learn() -> None:
         build("dlrm", SMALL["dlrm"], embedding=EmbeddingConfig(dim=8))  # dense features carry the signal
 
 
+def test_dlrm_dot_interaction_over_one_embedding_is_refused() -> None:
+    """One sparse feature and no dense: no pair to take a product of, so the top MLP had 0 inputs and the
+    model trained to a constant (valid AUC 0.5000, exit 0) in the degenerate-data hunt."""
+    one = FeatureSet(sparse=(SparseInput("user", 50),), num_dense=0)
+    embedding = EmbeddingConfig(dim=8, init_std=0.05)
+    with pytest.raises(ValueError, match="set model.interaction=cat or add features"):
+        build("dlrm", SMALL["dlrm"], one, embedding=embedding)
+    build("dlrm", {**SMALL["dlrm"], "interaction": "cat"}, one, embedding=embedding)
+    build("dlrm", SMALL["dlrm"], FeatureSet(sparse=one.sparse, num_dense=1), embedding=embedding)
+
+
 @pytest.mark.parametrize(
     ("name", "key"),
     [

@@ -54,6 +54,12 @@ class DLRM(RecModel):
         super().__init__(features, embedding, device)
         n, d = self.embedding.num_outputs, self.embedding.dim
         cat = params.interaction == "cat"
+        if not cat and n < 2:  # no pair: the top MLP saw 0 inputs and trained a constant (AUC 0.5)
+            raise ValueError(
+                f"the dot interaction takes the products of pairs of embedding vectors, and these features give "
+                f"{n} (one sparse feature and no dense, or every feature packed by small_dim_features), so the top "
+                "MLP would see no input and predict a constant; set model.interaction=cat or add features"
+            )
         if not cat and self.embedding.num_dense_outputs == 0 and embedding.init_std < STALL_INIT_STD:
             warnings.warn(
                 f"dlrm: no dense features and model.embedding.init_std={embedding.init_std:g}: the dot products "
