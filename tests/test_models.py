@@ -355,6 +355,25 @@ def test_layer_widths_below_one_are_config_errors(name: str, key: str, width: in
         params_class(name).model_validate({key: [width]})
 
 
+@pytest.mark.parametrize(
+    ("name", "params", "match"),
+    [
+        ("masknet", {"block_dim": 1}, "give block_dim 2 or more"),
+        ("dlrm", {"top_mlp": [16, 1], "norm": "layer"}, "choose another model.norm"),
+        ("wukong", {"final_mlp": [1], "norm": "layer"}, "choose another model.norm"),
+    ],
+)
+def test_layer_norm_over_one_unit_is_refused(name: str, params: dict[str, Any], match: str) -> None:
+    """LayerNorm of a width-1 layer outputs its bias whatever the input: MaskNet with block_dim 1, and DLRM
+    with top_mlp [1] and norm=layer, trained a constant (valid AUC 0.5000, exit 0) in the degenerate-data hunt."""
+    with pytest.raises((ValueError, ValidationError), match=match):
+        build(name, {**SMALL[name], **params})
+    build(
+        name,
+        {**SMALL[name], **params, "norm": "none"} if "norm" in params else {**SMALL[name], "block_dim": 2},
+    )
+
+
 def test_xdeepfm_needs_a_cin_layer() -> None:
     with pytest.raises(ValidationError, match="cin_layers"):  # it was torch.cat() of no tensors mid-forward
         params_class("xdeepfm").model_validate({"cin_layers": []})

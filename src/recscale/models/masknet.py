@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 from torch import Tensor, nn
 
 from recscale.models.base import ModelParams, RecModel
@@ -28,6 +28,17 @@ class MaskNetParams(ModelParams):
     mlp: Widths = [64]  # hidden widths of the head on the block output(s)
     norm: Norm = "none"
     dropout: float = Field(0.0, ge=0, lt=1)
+
+    @field_validator("block_dim")
+    @classmethod
+    def _block_dim_takes_its_layer_norm(cls, v: int) -> int:
+        # A MaskBlock's output is layer-normed: over one unit it is a constant, and so was the model (AUC 0.5).
+        if v == 1:
+            raise ValueError(
+                "a MaskBlock's output is layer-normed, and over 1 unit that is a constant (one value minus its "
+                "mean is 0); give block_dim 2 or more"
+            )
+        return v
 
 
 @register("masknet", MaskNetParams)

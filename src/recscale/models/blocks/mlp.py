@@ -33,6 +33,12 @@ class MLP(nn.Sequential):
         dropout: float = 0.0,
         device: torch.device | None = None,
     ) -> None:
+        # LayerNorm of one value is its bias: the layer, and a model with no path around it, was a constant.
+        if norm == "layer" and 1 in hidden:
+            raise ValueError(
+                f"model.norm=layer over a hidden layer of width 1 (widths {list(hidden)}) outputs a constant (one "
+                "value minus its mean is 0); widen the layer or choose another model.norm"
+            )
         layers: list[nn.Module] = []
         width = in_features
         for h in hidden:
