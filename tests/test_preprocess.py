@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -139,6 +140,33 @@ def test_fit_counts_across_chunks_and_min_count(tmp_path):
     # q: 4, p: 2, r: 1 -> ordered by frequency.
     assert pre.vocabs["g"].to_pylist() == ["q", "p", "r"]
     assert pre.num_embeddings("a") == 2 and pre.num_embeddings("g") == 4 and pre.num_embeddings("h") == 9
+
+
+def test_an_empty_vocabulary_warns(tmp_path):
+    """Every id under min_count (or every value missing) fits an empty vocabulary: every row is OOV and the
+    feature a constant, which trained without a word (degenerate-data hunt: min_count above every count)."""
+    schema = Schema(sparse=[SparseFeature(name="a", min_count=4), SparseFeature(name="g", multi=True)])
+    batch = pa.record_batch(
+        {
+            "label": pa.array([1, 0, 1], pa.float32()),
+            "a": pa.array(["u", "u", "v"]),
+            "g": pa.array([[], None, []], pa.list_(pa.string())),
+        }  # fmt: skip
+    )
+    with pytest.warns(UserWarning) as caught:
+        pre = fit([batch], tmp_path, schema)
+    said = [str(w.message) for w in caught]
+    assert pre.num_embeddings("a") == 1 and pre.num_embeddings("g") == 1
+    assert said == [
+        "sparse feature 'a': in the training split none of its 2 distinct ids occurs min_count=4 times (the most "
+        "frequent: 2), so its vocabulary is empty and every row maps to the out-of-vocabulary id: the feature "
+        "carries no information; lower its min_count",
+        "sparse feature 'g': in the training split every value is missing, so its vocabulary is empty and every "
+        "row maps to the out-of-vocabulary id: the feature carries no information; check the column",
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit(TRAIN, tmp_path, name="kept")  # "a" keeps "u" at min_count=2
 
 
 def test_one_pass_matches_the_reference_on_mixed_fields(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -62,6 +63,23 @@ def progress_bar(
     from tqdm import tqdm
 
     return tqdm(desc=desc, unit=unit, unit_scale=unit == " rows", total=total, initial=initial, leave=leave)
+
+
+def _warn_empty_vocabulary(f: SparseFeature, spill: _Spill) -> None:
+    """A vocabulary fitted empty maps every row to the OOV id: the feature's one embedding is a constant,
+    which trained without a word (all ids under min_count, or a column of missing values)."""
+    seen = 0 if spill.seen is None else len(spill.seen)
+    why, fix = (
+        (f"none of its {seen} distinct id{'s' * (seen != 1)} occurs min_count={f.min_count} times (the most "
+         f"frequent: {int(spill.counts.max())})", "lower its min_count")
+        if seen
+        else ("every value is missing", "check the column")
+    )  # fmt: skip
+    warnings.warn(
+        f"sparse feature '{f.name}': in the training split {why}, so its vocabulary is empty and every row maps "
+        f"to the out-of-vocabulary id: the feature carries no information; {fix}",
+        stacklevel=2,
+    )
 
 
 class _Spill:
@@ -272,6 +290,8 @@ def materialize(
                     own, ordered_map(lambda f: spills[f.name].fit(f), own), strict=True
                 ):
                     vocabs[f.name], numbers[f.name] = vocab, ids
+                    if not len(vocab):
+                        _warn_empty_vocabulary(f, spills[f.name])
                 vocabs |= {f.name: vocabs[f.vocabulary] for f in vocab_fields if f.vocabulary is not None}
                 pre = Preprocessor(schema, vocabs)
             fitted = pre
