@@ -209,6 +209,22 @@ def test_quotient_remainder_embeddings(op: str) -> None:
         assert (table(layer, "a#r").mean() - 1).abs() < 0.1
 
 
+def test_dense_features_no_layer_reads_are_refused() -> None:
+    """dense_embeddings=0 with dense features in the data: they were read, preprocessed and never used (a run
+    trained on the sparse features alone without a word; the degenerate-data hunt). The converse, dense
+    embeddings without dense features, was refused already."""
+    with pytest.raises(ValueError, match="dense_embeddings=0 but the feature set has 2 dense features"):
+        EmbeddingLayer(
+            FeatureSet(sparse=(SparseInput("a", 10),), num_dense=2), EmbeddingConfig(dense_embeddings=0)
+        )
+    EmbeddingLayer(
+        FeatureSet(sparse=(SparseInput("a", 10),), num_dense=0), EmbeddingConfig(dense_embeddings=0)
+    )
+    EmbeddingLayer(
+        FeatureSet(sparse=(SparseInput("a", 10),), num_dense=2), EmbeddingConfig(dense_embeddings=1)
+    )
+
+
 @pytest.mark.parametrize(
     ("cfg", "match"),
     [

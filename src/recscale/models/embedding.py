@@ -235,6 +235,12 @@ class EmbeddingLayer(nn.Module):
             raise ValueError(
                 f"dense_embeddings={num_dense_outputs} but the feature set has no dense features"
             )
+        if not num_dense_outputs and features.num_dense:  # they were read, preprocessed, and never used
+            raise ValueError(
+                f"dense_embeddings=0 but the feature set has {features.num_dense} dense feature"
+                f"{'s' * (features.num_dense != 1)}, which no layer would read; drop the dense features from the data schema "
+                "or give dense_embeddings 1 or more"
+            )
 
         d = self.dim = cfg.dim
         # Full-dim tables first, then small ones, so the pooled KeyedTensor splits into two blocks.
