@@ -416,6 +416,16 @@ def test_a_sparse_name_that_cannot_name_a_table_and_files_is_refused(name):
         load_config(CONFIGS / "frappe.yaml", [f"data.schema={{sparse: [{{name: '{name}'}}]}}"])
 
 
+def test_a_sparse_name_too_long_to_name_its_files_is_refused():
+    """A 300-character column name (a generated one) failed while materialising with 'File name too long (the
+    path is too long; choose a shorter one)': the run directory's path was fine, the feature's name was not."""
+    with pytest.raises(ConfigError, match=r"is 300 bytes, .* at most 243 bytes; rename the column"):
+        load_config(CONFIGS / "frappe.yaml", [f"data.schema={{sparse: [{{name: {'u' * 300}}}]}}"])
+    with pytest.raises(ConfigError, match=r"is 244 bytes"):  # bytes, not characters: 'é' is 2 in UTF-8
+        load_config(CONFIGS / "frappe.yaml", [f"data.schema={{sparse: [{{name: {'é' * 122}}}]}}"])
+    load_config(CONFIGS / "frappe.yaml", [f"data.schema={{sparse: [{{name: {'u' * 243}}}]}}"])
+
+
 def test_options_for_synthetic_data_are_refused():
     """data.options.delimiter=x on synthetic data was dropped without a word."""
     with pytest.raises(ConfigError, match="data.options: format 'synthetic' reads no file and takes none"):

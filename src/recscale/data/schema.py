@@ -25,6 +25,9 @@ from recscale.settings import Settings
 WEIGHT_SUFFIX = "__w"
 LABEL = "label"
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+# A sparse feature's name is the stem of its split files, the longest NAME.offsets.bin: a file name is at most
+# 255 bytes on common file systems (ext4, XFS, APFS, NTFS).
+MAX_NAME_BYTES = 255 - len(".offsets.bin")
 
 
 class DenseFeature(Settings):
@@ -74,6 +77,13 @@ class SparseFeature(Settings):
             raise ValueError(
                 f"sparse feature name {self.name!r} must be non-empty and hold no '.', '/' or NUL (it names the "
                 "feature's embedding table and files); rename the column in the data"
+            )
+        # Longer, materialising failed with 'File name too long (the path is too long; choose a shorter one)'.
+        if len(self.name.encode()) > MAX_NAME_BYTES:
+            raise ValueError(
+                f"sparse feature name '{self.name[:40]}...' is {len(self.name.encode())} bytes, and it names the "
+                f"feature's files (NAME.offsets.bin), whose names a file system caps at 255 bytes: at most "
+                f"{MAX_NAME_BYTES} bytes; rename the column in the data"
             )
         if self.weighted and not self.multi:
             raise ValueError(f"sparse feature '{self.name}': weighted=true needs multi=true")
