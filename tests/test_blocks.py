@@ -209,6 +209,31 @@ def test_quotient_remainder_embeddings(op: str) -> None:
         assert (table(layer, "a#r").mean() - 1).abs() < 0.1
 
 
+def test_a_feature_named_like_a_qr_half_is_a_plain_feature() -> None:
+    """QR tables were found by their names' suffix: a feature called 'x#r' started its table near 1 (a
+    remainder's init) without any qr_buckets (a CSV column 'a#r' trained other numbers than one called 'a',
+    in the degenerate-data hunt), and one called 'x#q' was combined with the next feature's vector, which
+    was then dropped, once another feature had qr_buckets."""
+    torch.manual_seed(0)
+    features = FeatureSet(
+        sparse=(SparseInput("x#r", 10), SparseInput("x#q", 10), SparseInput("y", 10), SparseInput("a", 9)),
+        num_dense=0,
+    )
+    layer = EmbeddingLayer(features, EmbeddingConfig(dim=4, init_std=0.1, qr_buckets={"a": 3}))
+    assert table(layer, "x#r").mean().abs() < 0.1 and (table(layer, "a#r").mean() - 1).abs() < 0.1
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        ["x#r", "x#q", "y", "a"], torch.tensor([1, 2, 3, 4, 5, 6, 7, 8]), torch.ones(8, dtype=torch.int32)
+    )
+    x0 = layer(torch.empty(2, 0), kjt)
+    assert x0.shape == (2, 4, 4)
+    torch.testing.assert_close(x0[:, 0], table(layer, "x#r")[[1, 2]])
+    torch.testing.assert_close(x0[:, 1], table(layer, "x#q")[[3, 4]])
+    torch.testing.assert_close(x0[:, 2], table(layer, "y")[[5, 6]])
+    torch.testing.assert_close(
+        x0[:, 3], table(layer, "a#q")[[7 // 3, 8 // 3]] * table(layer, "a#r")[[7 % 3, 8 % 3]]
+    )
+
+
 def test_dense_features_no_layer_reads_are_refused() -> None:
     """dense_embeddings=0 with dense features in the data: they were read, preprocessed and never used (a run
     trained on the sparse features alone without a word; the degenerate-data hunt). The converse, dense

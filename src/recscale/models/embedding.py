@@ -258,7 +258,11 @@ class EmbeddingLayer(nn.Module):
         self._full_width = sum(full_counts) * d
         # Positions of the quotient and remainder vectors among the full tables' vectors.
         starts = [0, *itertools.accumulate(full_counts)][:-1]
-        quotient = [i for i, t in zip(starts, full_tables, strict=True) if t.name.endswith(_QUOTIENT)]
+        # By the features qr_buckets names, not by a table name's suffix: a feature called 'x#q' or 'x#r' is
+        # none of these (one called 'x#r' started its table near 1, a remainder's init, without qr_buckets).
+        quotients = {f.name + _QUOTIENT for f in full if f.name in self._qr}
+        remainders = {f.name + _REMAINDER for f in full if f.name in self._qr}
+        quotient = [i for i, t in zip(starts, full_tables, strict=True) if t.name in quotients]
         self.register_buffer("_qr_quotient", torch.tensor(quotient, dtype=torch.long), persistent=False)
         self.register_buffer(
             "_qr_keep",
@@ -278,7 +282,7 @@ class EmbeddingLayer(nn.Module):
         self.ebc = EmbeddingBagCollection(
             tables=[
                 table(EmbeddingBagConfig, f, dim, pooling=PoolingType.SUM)
-                if not (self._qr_op == "mult" and f.name.endswith(_REMAINDER))
+                if not (self._qr_op == "mult" and f.name in remainders)
                 # A remainder table starts near 1, so a product starts as its quotient vector.
                 else table(EmbeddingBagConfig, f, dim, pooling=PoolingType.SUM, init=remainder_init)
                 for f, dim in zip(self._tables, self._table_dims, strict=True)
