@@ -169,6 +169,28 @@ def test_an_empty_vocabulary_warns(tmp_path):
         fit(TRAIN, tmp_path, name="kept")  # "a" keeps "u" at min_count=2
 
 
+def test_a_dense_feature_missing_on_every_row_warns(tmp_path):
+    """A dense column empty on every training row is its fill everywhere: a constant the run trained with
+    without a word (degenerate-data hunt: a CSV column left empty, a Parquet column of nulls)."""
+    schema = Schema(
+        dense=[DenseFeature(name="x", fill=-1.0), DenseFeature(name="y")], sparse=[SparseFeature(name="a")]
+    )
+    batch = pa.record_batch(
+        {
+            "label": pa.array([1, 0], pa.float32()),
+            "x": pa.array([None, None], pa.float32()),
+            "y": pa.array([None, 2.0], pa.float32()),
+            "a": pa.array(["u", "v"]),
+        }
+    )
+    with pytest.warns(UserWarning) as caught:
+        fit([batch, batch], tmp_path, schema)
+    assert [str(w.message) for w in caught] == [
+        "dense feature 'x': in the training split every value is missing, so every row holds its fill (-1) and "
+        "the feature carries no information; check the column"
+    ]
+
+
 def test_one_pass_matches_the_reference_on_mixed_fields(tmp_path):
     assert_matches_reference(tmp_path / "split", TRAIN, SCHEMA, fit(TRAIN, tmp_path))
 

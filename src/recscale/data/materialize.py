@@ -184,6 +184,7 @@ class _Encoded:
     rows: int
     arrays: dict[str, np.ndarray]
     codes: dict[str, tuple[np.ndarray, pa.Array, np.ndarray]]  # field -> (codes, distinct ids, counts)
+    dense_given: np.ndarray  # (n_dense,) the rows whose dense value is not missing, per feature
 
 
 def _encode(batch: pa.RecordBatch, schema: Schema) -> _Encoded:
@@ -209,7 +210,8 @@ def _encode(batch: pa.RecordBatch, schema: Schema) -> _Encoded:
             distinct = enc.dictionary
             c = pc.fill_null(enc.indices, len(distinct)).to_numpy(zero_copy_only=False).astype(np.int32)
             codes[f.name] = (c, distinct, np.bincount(c, minlength=len(distinct) + 1)[:-1])
-    return _Encoded(batch.num_rows, arrays, codes)
+    given = np.array([batch.num_rows - batch.column(d.name).null_count for d in schema.dense], np.int64)
+    return _Encoded(batch.num_rows, arrays, codes, given)
 
 
 def _check_replaceable(out_dir: Path) -> None:
@@ -261,6 +263,7 @@ def materialize(
             files |= {k: stack.enter_context(open(tmp / f"{k}.bin", "wb")) for k in ("label", "dense")}
             spills = {f.name: _Spill(scratch, f.name, stack, pre) for f in vocab_fields}
             offsets_end = {f.name: 0 for f in schema.sparse if f.multi}
+            dense_given = np.zeros(len(schema.dense), np.int64)
             for f in schema.sparse:
                 if f.multi:
                     files[f"{f.name}.offsets"].write(np.zeros(1, np.int64).tobytes())
@@ -277,6 +280,7 @@ def materialize(
                 for name, (codes, distinct, counts) in enc.codes.items():
                     spills[name].add(codes, distinct, counts)
                 rows += enc.rows
+                dense_given += enc.dense_given
                 if bar is not None:
                     bar.update(enc.rows)
             if rows == 0:
@@ -284,6 +288,14 @@ def materialize(
             # Each field is finished on its own (fitted, then mapped to its file), fields side by side.
             numbers: dict[str, np.ndarray] = {}
             if pre is None:
+                for d, given in zip(schema.dense, dense_given, strict=True):
+                    if not given:  # each row its fill: a constant, which trained without a word
+                        warnings.warn(
+                            f"dense feature '{d.name}': in the training split every value is missing, so every "
+                            f"row holds its fill ({d.fill:g}) and the feature carries no information; check the "
+                            "column",
+                            stacklevel=2,
+                        )
                 own = [f for f in vocab_fields if f.vocabulary is None]
                 vocabs = {}
                 for f, (vocab, ids) in zip(
