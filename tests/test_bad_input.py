@@ -757,3 +757,17 @@ def test_run_files_have_normal_permissions(ctx: Ctx) -> None:
     for name in ("config.yaml", "preprocess.json", "report.json"):
         assert (ctx.run / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
     assert (ctx.run / "best").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_the_umask_is_read_without_setting_it(monkeypatch) -> None:
+    """Reading the umask by setting it (os.umask(0), then back) left, for that instant, a file another thread
+    created writable by everyone; Linux shows it in /proc/self/status."""
+    from recscale import io as rio
+
+    real = os.umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", lambda mask: pytest.fail("os.umask called"))
+        assert rio._umask() == 0o027
+    finally:
+        monkeypatch.undo()
+        os.umask(real)

@@ -22,9 +22,15 @@ from recscale.errors import RecscaleError, ResourceError
 
 
 def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    """The process's umask, read where Linux shows it: setting it to read it (os.umask) left, for that
+    instant, files another thread created writable by everyone."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):  # not Linux, or a kernel before 4.7
+        mask = os.umask(0)
+        os.umask(mask)
+        return mask
 
 
 # mkstemp/mkdtemp create 0600/0700 (private temporaries); the renamed result gets what open() and

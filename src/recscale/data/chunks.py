@@ -15,8 +15,16 @@ import pyarrow as pa
 Rows = TypeVar("Rows", pa.RecordBatch, np.ndarray)
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (taskset, a container's cpuset), as torch counts them: the machine's
+    count (os.cpu_count) can be far more."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 # Threads working on pieces side by side: pyarrow and numpy release the GIL in their kernels.
-THREADS = min(4, os.cpu_count() or 1)
+THREADS = min(4, usable_cores())
 
 
 def ordered_map(fn: Callable[[T], R], items: Iterable[T], workers: int = THREADS) -> Iterator[R]:

@@ -37,6 +37,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from recscale.data.chunks import usable_cores
 from recscale.distributed.env import ERRORS_SUBDIR, FAULT_DIR_ENV, crash_site, free_port
 from recscale.errors import RecscaleError, Terminated
 
@@ -62,8 +63,7 @@ def rank_threads(nproc: int) -> int:
     """Threads per rank, as torchrun does but shared out: N processes on C cores get C // N each. C is the
     cores this process may run on (taskset, a container's cpuset), as torch counts them: the machine's count
     gave 2 ranks on 2 of 64 cores 32 threads each."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // nproc)
+    return max(1, usable_cores() // nproc)
 
 
 def launch(command: list[str], nproc: int, local_world_size: int | None, max_restarts: int) -> None:
