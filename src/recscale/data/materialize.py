@@ -12,6 +12,10 @@ vocabulary is sorted in numpy from the counts, and each field's codes become voc
 two numpy takes: no id is hashed again; fields are fitted and mapped side by side in threads. Memory
 holds a few batches, one block per thread and (when fitting) the distinct ids with their counts,
 whatever the file's size.
+
+A scaled dense feature's statistics are likewise known only once the training split is read: its column is
+written filled and transformed, its moments summed per batch, and ``dense.bin`` is scaled in place at the end.
+Other splits are scaled as they are written, with the fitted statistics.
 """
 
 from __future__ import annotations
@@ -33,9 +37,12 @@ from recscale.data.chunks import ordered_map
 from recscale.data.dataset import FORMAT_VERSION
 from recscale.data.preprocess import (
     OOV,
+    DenseMoments,
     Preprocessor,
     dense_matrix,
+    fit_scales,
     hashed_ids,
+    scaled_features,
     values_and_lengths,
     vocabulary_order,
 )
@@ -47,6 +54,8 @@ from recscale.io import atomic_dir
 # Distinct ids numbered per block: big enough to amortise a block's fixed costs (when mapping, building
 # the vocabulary's hash set), small enough to bound memory (~80 MB of ids and numbers).
 BLOCK_IDS = 1 << 22
+# Rows of dense.bin scaled at a time once a training split's statistics are known.
+SCALE_ROWS = 1 << 16
 
 
 def progress_bar(
@@ -185,12 +194,17 @@ class _Encoded:
     arrays: dict[str, np.ndarray]
     codes: dict[str, tuple[np.ndarray, pa.Array, np.ndarray]]  # field -> (codes, distinct ids, counts)
     dense_given: np.ndarray  # (n_dense,) the rows whose dense value is not missing, per feature
+    moments: DenseMoments | None  # fitting: the scaled features' columns, filled and transformed
 
 
-def _encode(batch: pa.RecordBatch, schema: Schema) -> _Encoded:
-    """The per-batch work, run in worker threads (pyarrow and numpy release the GIL)."""
+def _encode(batch: pa.RecordBatch, schema: Schema, pre: Preprocessor | None) -> _Encoded:
+    """The per-batch work, run in worker threads (pyarrow and numpy release the GIL). Fitting (``pre``
+    None), dense values are left unscaled and the scaled columns' moments are taken."""
     label = batch.column(LABEL).to_numpy(zero_copy_only=False).astype(np.float32)
-    arrays = {"label": label, "dense": dense_matrix(batch, schema)}
+    dense = dense_matrix(batch, schema, pre)
+    arrays = {"label": label, "dense": dense}
+    scaled = [j for j, d in enumerate(schema.dense) if d.scale != "none"]
+    moments = DenseMoments.of(dense[:, scaled]) if pre is None and scaled else None
     codes = {}
     for f in schema.sparse:
         ids, lengths = values_and_lengths(batch.column(f.name))
@@ -211,7 +225,39 @@ def _encode(batch: pa.RecordBatch, schema: Schema) -> _Encoded:
             c = pc.fill_null(enc.indices, len(distinct)).to_numpy(zero_copy_only=False).astype(np.int32)
             codes[f.name] = (c, distinct, np.bincount(c, minlength=len(distinct) + 1)[:-1])
     given = np.array([batch.num_rows - batch.column(d.name).null_count for d in schema.dense], np.int64)
-    return _Encoded(batch.num_rows, arrays, codes, given)
+    return _Encoded(batch.num_rows, arrays, codes, given, moments)
+
+
+def _fit_scales(
+    schema: Schema, moments: DenseMoments | None, dense_given: np.ndarray
+) -> dict[str, tuple[float, float]]:
+    """The scaled features' statistics from the training split's ``moments``, warning of a column that is
+    constant there (all its rows are then 0 once scaled; one wholly missing is warned of already)."""
+    if moments is None:
+        return {}
+    scales = fit_scales(schema, moments)
+    given = dict(zip(schema.dense_names, dense_given.tolist(), strict=True))
+    for j, d in enumerate(scaled_features(schema)):
+        if moments.lo[j] == moments.hi[j] and given[d.name]:
+            warnings.warn(
+                f"dense feature '{d.name}': in the training split every value is {moments.lo[j]:g} after fill and "
+                f"transform, so scale: {d.scale} has no spread to divide by and only shifts it (to 0); the feature "
+                "carries no information: check the column, or drop the feature",
+                stacklevel=3,
+            )
+    return scales
+
+
+def _scale_in_place(path: Path, rows: int, pre: Preprocessor) -> None:
+    """Scale a written dense.bin ((rows, n_dense) float32) with ``pre``'s statistics, a block of rows at a
+    time: the training split's values exactly as ``dense_matrix`` maps any other rows."""
+    width = len(pre.schema.dense)
+    dense = np.memmap(path, np.float32, "r+", shape=(rows, width))
+    for start in range(0, rows, SCALE_ROWS):
+        # Finite: a training value is within sqrt(rows) standard deviations of its mean, in [0, 1] for minmax.
+        dense[start : start + SCALE_ROWS] = pre.scale_dense(np.array(dense[start : start + SCALE_ROWS]))
+    dense.flush()
+    del dense
 
 
 def _check_replaceable(out_dir: Path) -> None:
@@ -264,13 +310,15 @@ def materialize(
             spills = {f.name: _Spill(scratch, f.name, stack, pre) for f in vocab_fields}
             offsets_end = {f.name: 0 for f in schema.sparse if f.multi}
             dense_given = np.zeros(len(schema.dense), np.int64)
+            moments: DenseMoments | None = None
             for f in schema.sparse:
                 if f.multi:
                     files[f"{f.name}.offsets"].write(np.zeros(1, np.int64).tobytes())
             bar = progress_bar(progress, f"reading {out_dir.name}")
             if bar is not None:
                 stack.callback(bar.close)
-            for enc in ordered_map(lambda batch: _encode(batch, schema), batches):
+            mapping = pre  # fixed for the pass (``pre`` is the fitted one after it)
+            for enc in ordered_map(lambda batch: _encode(batch, schema, mapping), batches):
                 for name, array in enc.arrays.items():
                     if name.endswith(".offsets"):
                         field = name.removesuffix(".offsets")
@@ -281,6 +329,8 @@ def materialize(
                     spills[name].add(codes, distinct, counts)
                 rows += enc.rows
                 dense_given += enc.dense_given
+                if enc.moments is not None:
+                    moments = enc.moments if moments is None else moments.merge(enc.moments)
                 if bar is not None:
                     bar.update(enc.rows)
             if rows == 0:
@@ -305,7 +355,7 @@ def materialize(
                     if not len(vocab):
                         _warn_empty_vocabulary(f, spills[f.name])
                 vocabs |= {f.name: vocabs[f.vocabulary] for f in vocab_fields if f.vocabulary is not None}
-                pre = Preprocessor(schema, vocabs)
+                pre = Preprocessor(schema, vocabs, scales=_fit_scales(schema, moments, dense_given))
             fitted = pre
 
             def write_ids(f: SparseFeature) -> None:
@@ -322,6 +372,8 @@ def materialize(
                 if map_bar is not None:
                     map_bar.update(1)
         shutil.rmtree(scratch)
+        if fitting and pre.scales:  # the files are closed: dense.bin holds every row, unscaled
+            _scale_in_place(tmp / "dense.bin", rows, pre)
         meta = {
             "version": FORMAT_VERSION,
             "rows": rows,

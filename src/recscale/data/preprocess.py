@@ -1,4 +1,4 @@
-"""Preprocessing fitted on the training split: vocabularies per sparse field, dense transforms.
+"""Preprocessing fitted on the training split: vocabularies per sparse field, dense transforms and scales.
 
 The fitted ``Preprocessor`` is saved as a versioned JSON artifact next to the run, so evaluation and
 serving map ids exactly as training did. Id 0 of every field is reserved for out-of-vocabulary and
@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import stat
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,7 @@ import pyarrow.compute as pc
 from pydantic import ValidationError
 
 from recscale.data.readers.base import ReadStats, as_trained
-from recscale.data.schema import LABEL, WEIGHT_SUFFIX, Schema
+from recscale.data.schema import LABEL, WEIGHT_SUFFIX, DenseFeature, Schema
 from recscale.errors import CheckpointError, DataError, StaleArtifactError
 from recscale.io import atomic_write_text
 
@@ -34,6 +37,8 @@ _ARTIFACT_KEYS = {"version", "schema", "vocabs"}
 # JSON. 1 GiB admits that with room to spare; larger vocabularies call for hash_buckets anyway, and
 # the cap keeps a hostile file from exhausting memory (parsing costs several times the file size).
 MAX_ARTIFACT_BYTES = 1 << 30
+# The statistics each dense scale keeps, as named in the artifact's "scales".
+_SCALE_KEYS = {"standard": ("mean", "std"), "minmax": ("min", "max")}
 OOV = 0
 
 
@@ -76,8 +81,10 @@ def hashed_ids(ids: pa.Array, buckets: int) -> np.ndarray:
     return mapped[pc.fill_null(enc.indices, len(enc.dictionary)).to_numpy(zero_copy_only=False)]
 
 
-def dense_matrix(batch: pa.RecordBatch, schema: Schema) -> np.ndarray:
-    """(N, n_dense) float32: each dense column filled, then transformed."""
+def dense_matrix(batch: pa.RecordBatch, schema: Schema, pre: Preprocessor | None = None) -> np.ndarray:
+    """(N, n_dense) float32: each dense column filled, then transformed, then (``pre`` given) scaled with
+    its fitted statistics. Without ``pre`` a ``scale`` is not applied: the training split is written so,
+    and scaled in place once its statistics are known (``recscale.data.materialize``)."""
     dense = np.empty((batch.num_rows, len(schema.dense)), dtype=np.float32)
     for j, d in enumerate(schema.dense):
         col = pc.fill_null(batch.column(d.name), d.fill).to_numpy(zero_copy_only=False)
@@ -85,11 +92,76 @@ def dense_matrix(batch: pa.RecordBatch, schema: Schema) -> np.ndarray:
             # Criteo's integer counts can be negative; clip at 0 as the DLRM reference does.
             col = np.log1p(np.maximum(col, 0.0))
         dense[:, j] = col
+    if pre is not None:
+        pre.scale_dense(dense)
     if not np.isfinite(dense).all():
         raise DataError(
             "dense features hold NaN or infinite values after preprocessing; check the fill values"
+            + (
+                " and the scaled features' training statistics (preprocess.json)"
+                if pre and pre.scales
+                else ""
+            )
         )
     return dense
+
+
+@dataclass(frozen=True)
+class DenseMoments:
+    """Running statistics of some dense columns, in float64: each (n,) over the columns. Merged batch by
+    batch with Chan, Golub and LeVeque's pairwise update, which stays accurate where a sum of squares
+    cancels (values ~1e3 with a spread ~1)."""
+
+    count: int
+    mean: np.ndarray
+    m2: np.ndarray  # sum of squared deviations from the mean
+    lo: np.ndarray
+    hi: np.ndarray
+
+    @classmethod
+    def of(cls, dense: np.ndarray) -> DenseMoments:
+        """The statistics of an (N, n) float array's columns."""
+        x = dense.astype(np.float64)
+        n = x.shape[1]
+        if not len(x):
+            return cls(0, np.zeros(n), np.zeros(n), np.full(n, np.inf), np.full(n, -np.inf))
+        mean = x.mean(axis=0)
+        return cls(len(x), mean, ((x - mean) ** 2).sum(axis=0), x.min(axis=0), x.max(axis=0))
+
+    def merge(self, other: DenseMoments) -> DenseMoments:
+        """The statistics of both sets of rows together."""
+        if not other.count or not self.count:
+            return self if other.count == 0 else other
+        n = self.count + other.count
+        delta = other.mean - self.mean
+        return DenseMoments(
+            n,
+            self.mean + delta * (other.count / n),
+            self.m2 + other.m2 + delta**2 * (self.count * other.count / n),
+            np.minimum(self.lo, other.lo),
+            np.maximum(self.hi, other.hi),
+        )
+
+
+def scaled_features(schema: Schema) -> list[DenseFeature]:
+    """The dense features with a ``scale``, in schema order."""
+    return [d for d in schema.dense if d.scale != "none"]
+
+
+def fit_scales(schema: Schema, moments: DenseMoments) -> dict[str, tuple[float, float]]:
+    """Each scaled feature's statistics, from ``moments`` of ``scaled_features(schema)``' training columns:
+    (mean, population std) for ``standard``, (min, max) for ``minmax``. A constant column's mean is its value
+    exactly (no rounding can leave its rows off 0 once centred)."""
+    scales = {}
+    for j, d in enumerate(scaled_features(schema)):
+        lo, hi = float(moments.lo[j]), float(moments.hi[j])
+        if d.scale == "minmax":
+            scales[d.name] = (lo, hi)
+        elif lo == hi:
+            scales[d.name] = (lo, 0.0)
+        else:
+            scales[d.name] = (float(moments.mean[j]), math.sqrt(float(moments.m2[j]) / moments.count))
+    return scales
 
 
 def encode(batch: pa.RecordBatch, pre: Preprocessor) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -123,7 +195,7 @@ def encode(batch: pa.RecordBatch, pre: Preprocessor) -> tuple[np.ndarray, np.nda
         elif weighted:
             weights.append(np.ones(int(lens.sum()), np.float32))
     return (
-        dense_matrix(batch, schema),
+        dense_matrix(batch, schema, pre),
         np.concatenate(values) if values else np.zeros(0, np.int64),
         np.concatenate(lengths) if lengths else np.zeros(0, np.int32),
         np.concatenate(weights) if weights else np.zeros(0, np.float32),
@@ -179,11 +251,18 @@ def vocabulary_order(values: pa.Array, counts: np.ndarray) -> np.ndarray:
 
 
 class Preprocessor:
-    """Vocabularies and dense transforms for one ``Schema``, fitted on training data only (by
-    ``recscale.data.materialize``, which counts the ids)."""
+    """Vocabularies, dense transforms and dense scales for one ``Schema``, fitted on training data only
+    (by ``recscale.data.materialize``, which counts the ids and the scaled columns' statistics).
+
+    ``scales`` holds, for each dense feature with a ``scale``, its training statistics: (mean, std) for
+    ``standard``, (min, max) for ``minmax`` (see ``fit_scales``)."""
 
     def __init__(
-        self, schema: Schema, vocabs: dict[str, pa.Array] | None = None, fingerprint: str | None = None
+        self,
+        schema: Schema,
+        vocabs: dict[str, pa.Array] | None = None,
+        fingerprint: str | None = None,
+        scales: dict[str, tuple[float, float]] | None = None,
     ) -> None:
         self.schema = schema
         self.vocabs: dict[str, pa.Array] = dict(vocabs or {})
@@ -191,6 +270,23 @@ class Preprocessor:
             if f.vocabulary is not None and f.vocabulary in self.vocabs:
                 self.vocabs[f.name] = self.vocabs[f.vocabulary]
         self.fingerprint = fingerprint  # of the inputs it was fitted from, as saved (None: not recorded)
+        self.scales: dict[str, tuple[float, float]] = dict(scales or {})
+        if self.scales.keys() != {d.name for d in scaled_features(schema)}:
+            raise ValueError(
+                f"scales given for {sorted(self.scales)}, the schema scales {[d.name for d in scaled_features(schema)]}"
+            )
+
+    def scale_dense(self, dense: np.ndarray) -> np.ndarray:
+        """Scale the filled and transformed (N, n_dense) float32 ``dense`` in place with the fitted statistics
+        (in float64, then rounded to float32); returns it. A column constant in training is only shifted."""
+        for j, d in enumerate(self.schema.dense):
+            if d.scale == "none":
+                continue
+            a, b = self.scales[d.name]
+            shift, spread = (a, b) if d.scale == "standard" else (a, b - a)
+            col = dense[:, j].astype(np.float64) - shift
+            dense[:, j] = col / spread if spread > 0 else col
+        return dense
 
     def num_embeddings(self, name: str) -> int:
         """Table size of a sparse field, including the OOV id 0."""
@@ -227,6 +323,8 @@ class Preprocessor:
             h.update((offsets - offsets[0]).astype("<i8").tobytes())
             if s.buffers()[2] is not None:
                 h.update(memoryview(s.buffers()[2])[offsets[0] : offsets[-1]])
+        for name in sorted(self.scales):  # none without a scaled feature: such a digest is as it always was
+            h.update(f"\0scale\0{name}\0".encode() + np.array(self.scales[name], "<f8").tobytes())
         return h.hexdigest()
 
     # ---------------------------------------------------------------- artifact
@@ -238,7 +336,13 @@ class Preprocessor:
                 continue
             kind = "int" if pa.types.is_integer(v.type) else "str"
             vocabs[name] = {"type": kind, "values": v.to_pylist()}
-        return {"version": ARTIFACT_VERSION, "schema": self.schema.model_dump(), "vocabs": vocabs}
+        obj = {"version": ARTIFACT_VERSION, "schema": self.schema.model_dump(), "vocabs": vocabs}
+        if self.scales:  # absent without a scaled feature, so such an artifact is as it always was
+            obj["scales"] = {
+                d.name: dict(zip(_SCALE_KEYS[d.scale], self.scales[d.name], strict=True))
+                for d in scaled_features(self.schema)
+            }
+        return obj
 
     @classmethod
     def from_json(cls, obj: Any) -> Preprocessor:
@@ -258,9 +362,9 @@ class Preprocessor:
             raise bad(
                 f"has version {_short(repr(obj.get('version')))}, this recscale reads version {ARTIFACT_VERSION}"
             )
-        if not _ARTIFACT_KEYS <= obj.keys() <= _ARTIFACT_KEYS | {"fingerprint"}:
+        if not _ARTIFACT_KEYS <= obj.keys() <= _ARTIFACT_KEYS | {"fingerprint", "scales"}:
             raise bad(
-                f"has keys {_short(sorted(obj))}, expected {sorted(_ARTIFACT_KEYS)} and an optional fingerprint"
+                f"has keys {_short(sorted(obj))}, expected {sorted(_ARTIFACT_KEYS)} and optional fingerprint and scales"
             )
         fingerprint = obj.get("fingerprint")
         if fingerprint is not None and type(fingerprint) is not str:
@@ -290,7 +394,9 @@ class Preprocessor:
                 vocabs[name] = pa.array(v["values"], type=pa.int64() if kind is int else pa.string())
             except (pa.ArrowException, OverflowError, UnicodeError) as e:  # ids beyond int64, lone surrogates
                 raise bad(f"has vocabulary {_short(repr(name))} with unusable values ({_short(e)})") from None
-        return cls(schema, vocabs, fingerprint=fingerprint)
+        return cls(
+            schema, vocabs, fingerprint=fingerprint, scales=_scales_from_json(obj.get("scales"), schema, bad)
+        )
 
     def save(self, path: Path, fingerprint: str | None = None) -> None:
         """Write atomically; ``fingerprint`` (stored when given) identifies the inputs it was fitted from."""
@@ -336,6 +442,32 @@ class Preprocessor:
         if expect_fingerprint is not None and pre.fingerprint != expect_fingerprint:
             raise StaleArtifactError(f"{path}: fitted from other data or settings")
         return pre
+
+
+def _scales_from_json(
+    obj: Any, schema: Schema, bad: Callable[[str], CheckpointError]
+) -> dict[str, tuple[float, float]]:
+    """The ``scales`` of an artifact (absent: none), checked against its schema's scaled features."""
+    wanted = {d.name: d.scale for d in scaled_features(schema)}
+    if obj is None and not wanted:
+        return {}
+    if type(obj) is not dict or obj.keys() != wanted.keys():
+        got = sorted(obj) if type(obj) is dict else "none"
+        raise bad(f"has scales for {_short(got)}, its schema scales {_short(sorted(wanted))}")
+    scales = {}
+    for name, kind in wanted.items():
+        keys, v = _SCALE_KEYS[kind], obj[name]
+        if type(v) is not dict or v.keys() != set(keys):
+            raise bad(
+                f"has scale {_short(repr(name))} not of the form {{{', '.join(map(repr, keys))}: number}}"
+            )
+        a, b = (v[k] for k in keys)
+        if not all(type(x) in (int, float) and math.isfinite(x) for x in (a, b)) or not (
+            b >= 0 if kind == "standard" else b >= a
+        ):
+            raise bad(f"has scale {_short(repr(name))} with unusable statistics {_short(v)}")
+        scales[name] = (float(a), float(b))
+    return scales
 
 
 def _short(x: object, limit: int = 120) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
 from recscale.settings import Settings
 
@@ -32,11 +32,26 @@ MAX_NAME_BYTES = 255 - len(".offsets.bin")
 
 class DenseFeature(Settings):
     """A float feature. ``transform`` is applied after ``fill`` replaces missing values: ``log1p`` is
-    log(1 + max(x, 0)), a negative value counting as 0 (Criteo's counts; the DLRM reference clips so)."""
+    log(1 + max(x, 0)), a negative value counting as 0 (Criteo's counts; the DLRM reference clips so).
+
+    ``scale`` is applied last, with statistics of the filled and transformed values fitted on the training
+    split only (kept in the fitted ``Preprocessor``): ``standard`` is (x - mean) / std (population std),
+    ``minmax`` is (x - min) / (max - min), training values then in [0, 1]. A column constant in training
+    is only shifted (0 on the training rows), with a warning."""
 
     name: str
     transform: Literal["none", "log1p"] = "none"
     fill: float = 0.0
+    scale: Literal["none", "standard", "minmax"] = "none"
+
+    @model_serializer(mode="wrap")
+    def _omit_no_scale(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # Dumped without ``scale: none``: schemas (config.yaml, preprocess.json, the digests and fingerprints
+        # made from them) read the same as before the key existed, so earlier runs and splits stay valid.
+        out: dict[str, object] = handler(self)
+        if self.scale == "none":
+            out.pop("scale", None)
+        return out
 
     @field_validator("fill")
     @classmethod
