@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -581,3 +582,171 @@ def test_a_loader_worker_never_collects_the_parents_garbage(tmp_path):
             os.killpg(p.pid, signal.SIGKILL)  # the hung worker too
             pytest.fail("the loader's worker hung collecting the parent's garbage")
     assert p.returncode == 0 and out.split() == ["3"], err[-2000:]
+
+
+# ---------------------------------------------------------------- dense scales
+SCALED = Schema(
+    dense=[
+        DenseFeature(name="x", transform="log1p", fill=2.0, scale="standard"),
+        DenseFeature(name="y", scale="minmax"),
+        DenseFeature(name="z"),  # unscaled beside them: kept as read
+    ],
+    sparse=[SparseFeature(name="a")],
+)
+
+
+def _dense_batches(seed: int, shift: float, sizes: tuple[int, ...] = (50, 1, 80)) -> list[pa.RecordBatch]:
+    """Batches of raw rows with x ~ 1e3 (some missing), y ~ 1e3 wide, z ~ 1e4: statistics a sum of squares
+    in float32 would get wrong. ``shift`` moves every value (another split's own statistics)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in sizes:
+        x = (1000 + shift + rng.normal(0, 3, n)).astype(np.float32)
+        out.append(
+            pa.record_batch(
+                {
+                    "label": pa.array(rng.integers(0, 2, n).astype(np.float32)),
+                    "x": pa.array(x, pa.float32(), mask=rng.random(n) < 0.2),
+                    "y": pa.array((shift + rng.uniform(-500, 2500, n)).astype(np.float32)),
+                    "z": pa.array((shift + 1e4 * rng.random(n)).astype(np.float32)),
+                    "a": pa.array(rng.integers(0, 5, n).astype(str)),
+                }
+            )
+        )
+    return out
+
+
+def _filled(batches: list[pa.RecordBatch]) -> np.ndarray:
+    """(N, 3) float32 columns x, y, z after fill and transform, as numpy computes them."""
+    x = np.concatenate([pc.fill_null(b.column("x"), 2.0).to_numpy() for b in batches])
+    y = np.concatenate([b.column("y").to_numpy() for b in batches])
+    z = np.concatenate([b.column("z").to_numpy() for b in batches])
+    return np.stack([np.log1p(x), y, z], axis=1).astype(np.float32)
+
+
+def _dense(split) -> np.ndarray:
+    return np.fromfile(split / "dense.bin", np.float32).reshape(-1, 3)
+
+
+def test_scales_are_numpys_statistics_of_the_training_rows_and_map_every_split(tmp_path):
+    train, valid = _dense_batches(0, 0.0), _dense_batches(1, 700.0, (40,))
+    pre = fit(train, tmp_path, SCALED)
+    raw = _filled(train).astype(np.float64)
+    x, y = raw[:, 0], raw[:, 1]
+    assert pre.scales.keys() == {"x", "y"}
+    np.testing.assert_allclose(pre.scales["x"], (x.mean(), x.std()), rtol=1e-12)
+    assert pre.scales["y"] == (y.min(), y.max())
+    scaled = _dense(tmp_path / "split")
+    np.testing.assert_allclose(scaled[:, 0], (x - x.mean()) / x.std(), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(scaled[:, 1], (y - y.min()) / (y.max() - y.min()), rtol=0, atol=1e-6)
+    assert np.array_equal(scaled[:, 2], _filled(train)[:, 2])  # z: no scale, as read
+    assert abs(scaled[:, 0].mean()) < 1e-5 and scaled[:, 1].min() == 0 and scaled[:, 1].max() == 1
+    # valid is scaled with the training statistics, not its own (its values sit 700 higher)
+    materialize(iter(valid), SCALED, tmp_path / "valid", pre=pre)
+    v = _filled(valid).astype(np.float64)
+    got = _dense(tmp_path / "valid")
+    np.testing.assert_allclose(got[:, 0], (v[:, 0] - x.mean()) / x.std(), rtol=1e-6)
+    np.testing.assert_allclose(got[:, 1], (v[:, 1] - y.min()) / (y.max() - y.min()), rtol=1e-6)
+    own = (v[:, 0] - v[:, 0].mean()) / v[:, 0].std()
+    assert np.abs(got[:, 0] - own).min() > 0.1 and got[:, 1].max() > 1
+    # the training rows mapped again (as eval and serving map rows) are the written split, bit for bit
+    materialize(iter(train), SCALED, tmp_path / "again", pre=pre)
+    assert np.array_equal(_dense(tmp_path / "again"), scaled)
+
+
+def test_scales_round_trip_through_preprocess_json_and_change_the_digest(tmp_path):
+    pre = fit(_dense_batches(0, 0.0), tmp_path, SCALED)
+    pre.save(tmp_path / "preprocess.json", fingerprint="fp")
+    saved = json.loads((tmp_path / "preprocess.json").read_text())
+    assert saved["scales"].keys() == {"x", "y"} and saved["scales"]["y"].keys() == {"min", "max"}
+    back = Preprocessor.load(tmp_path / "preprocess.json")
+    assert back.scales == pre.scales and back.digest() == pre.digest()
+    mean, std = pre.scales["x"]
+    other = Preprocessor(SCALED, pre.vocabs, scales={**pre.scales, "x": (mean, std * (1 + 1e-12))})
+    assert other.digest() != pre.digest()  # a statistic is part of the mapping: split fingerprints change
+
+
+@pytest.mark.parametrize(
+    "scales, words",
+    [
+        (None, "has scales for none, its schema scales ['x', 'y']"),
+        ({"x": {"mean": 1.0, "std": 1.0}}, "has scales for ['x'], its schema scales ['x', 'y']"),
+        ({"x": {"mean": 1.0, "std": -1.0}, "y": {"min": 0.0, "max": 1.0}}, "unusable statistics"),
+        ({"x": {"mean": 1.0, "std": 1.0}, "y": {"min": 2.0, "max": 1.0}}, "unusable statistics"),
+        ({"x": {"mean": "1", "std": 1.0}, "y": {"min": 0.0, "max": 1.0}}, "unusable statistics"),
+        ({"x": {"min": 1.0, "max": 1.0}, "y": {"min": 0.0, "max": 1.0}}, "not of the form {'mean', 'std'"),
+    ],
+)
+def test_an_artifact_with_bad_scales_is_one_line(tmp_path, scales, words):
+    obj = Preprocessor(SCALED, {"a": pa.array(["1"])}, scales={"x": (0.0, 1.0), "y": (0.0, 1.0)}).to_json()
+    obj = {k: v for k, v in obj.items() if k != "scales"} | ({"scales": scales} if scales is not None else {})
+    (tmp_path / "p.json").write_text(json.dumps(obj))
+    with pytest.raises(CheckpointError) as e:
+        Preprocessor.load(tmp_path / "p.json")
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("scale", ["standard", "minmax"])
+def test_a_constant_scaled_column_warns_and_is_zero(tmp_path, scale):
+    schema = Schema(dense=[DenseFeature(name="c", scale=scale, fill=0.1)], sparse=[SparseFeature(name="a")])
+    batches = [pa.record_batch({"label": pa.array([0.0, 1.0, 0.0], pa.float32()),
+                                "c": pa.array([0.1, None, 0.1], pa.float32()), "a": pa.array(["u", "v", "u"])})]  # fmt: skip
+    with pytest.warns(
+        UserWarning, match=rf"dense feature 'c': in the training split every value is 0.1 .*{scale}"
+    ):
+        pre = fit(batches, tmp_path, schema)
+    assert pre.scales["c"][0] == np.float32(0.1)  # exactly the value: its rows are exactly 0
+    assert np.array_equal(np.fromfile(tmp_path / "split" / "dense.bin", np.float32), np.zeros(3, np.float32))
+
+
+# sha256 of what the code before dense scales wrote for SCHEMA and TRAIN (golden: scale none is unchanged).
+_BEFORE_SCALES = {
+    "digest": "07ae1fd0e6445f790abef7b279e0749238074a35d7c8aaf7def22bb29e9c2752",
+    "preprocess.json": "871cd02037e847bb1eedc12045eb303de1c3f161720a707fee02b4aed1b9295f",
+    "dense.bin": "6e70dacd8740b23396e5491b12f8e5a88609f8af6ef23ebdfd243f89036f7bbd",
+    "meta.json": "82852e560eadaada13da88e100033b139ffb5bc0293b2c0590be17ad52cb11e9",
+}
+
+
+def test_without_a_scale_the_artifact_digest_and_split_are_as_before(tmp_path):
+    import hashlib
+
+    def sha(path):
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    pre = materialize(iter(TRAIN), SCHEMA, tmp_path / "train", fingerprint=lambda p: p.digest())
+    pre.save(tmp_path / "preprocess.json", fingerprint="fp")
+    assert "scale" not in json.dumps(SCHEMA.model_dump(mode="json")) and not pre.scales
+    got = {"digest": pre.digest(), "preprocess.json": sha(tmp_path / "preprocess.json")}
+    got |= {name: sha(tmp_path / "train" / name) for name in ("dense.bin", "meta.json")}
+    assert got == _BEFORE_SCALES
+
+
+def test_standard_scaling_trains_fm_on_values_near_1e3(tmp_path):
+    """FM on raw values ~1e3 took LogLoss into the hundreds in one step; standardised, it stays near ln 2."""
+    from recscale.cli import main
+
+    rng = np.random.default_rng(0)
+    for name, rows in (("train", 200), ("valid", 80)):
+        lines = ["label,u,i,x,y,c"] + [
+            f"{rng.integers(2)},{rng.integers(20)},{rng.integers(20)},{1000 + 50 * rng.random():.3f},"
+            f"{3000 * rng.random():.1f},7"
+            for _ in range(rows)
+        ]
+        (tmp_path / f"{name}.csv").write_text("\n".join(lines) + "\n")
+    loss = {}
+    for scale in ("none", "standard"):
+        out = tmp_path / f"run-{scale}"
+        argv = ["train", str(Path(__file__).resolve().parents[1] / "configs" / "frappe.yaml"), "--out", str(out),
+                f"data.train={tmp_path / 'train.csv'}", f"data.valid={tmp_path / 'valid.csv'}",
+                f"data.schema={{label: label, dense: [{{name: x, scale: {scale}}}, {{name: y, scale: {scale}}}, "
+                f"{{name: c, scale: {scale}}}], sparse: [{{name: u}}, {{name: i}}]}}",
+                "model.name=fm", "train.max_steps=1", "train.epochs=1", "train.batch_size=64",
+                "train.progress=false", "data.num_workers=0"]  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main(argv) == 0
+        constant = [w for w in caught if "dense feature 'c'" in str(w.message)]
+        assert bool(constant) == (scale != "none")  # the constant column warns, and trains
+        loss[scale] = json.loads((out / "report.json").read_text())["valid"]["logloss"]
+    assert np.isfinite(loss["standard"]) and loss["standard"] < 1.0 and loss["none"] > 10 * loss["standard"]
