@@ -35,12 +35,12 @@ SCHEMA = ("data.schema={label: label, dense: [{name: x, transform: log1p}], spar
           "{name: country}, {name: city}, {name: tags, multi: true}]}")  # fmt: skip
 
 
-def _csv(path: Path, rows: int, seed: int, ids: int) -> Path:
+def _csv(path: Path, rows: int, seed: int, ids: int, x_from: float = 0.0) -> Path:
     rng = random.Random(seed)
     lines = [HEADER]
     for _ in range(rows):
         sparse = [str(rng.randrange(ids)) for _ in range(10)]
-        x = "" if rng.random() < 0.1 else f"{rng.random() * 50:.3f}"
+        x = "" if rng.random() < 0.1 else f"{x_from + rng.random() * 50:.3f}"
         tags = "|".join(str(rng.randrange(ids)) for _ in range(rng.randrange(4)))
         lines.append(",".join([str(rng.randrange(2)), *sparse, x, tags]))
     path.write_text("\n".join(lines) + "\n")
@@ -103,6 +103,45 @@ def test_exported_fp32_scores_equal_the_trained_model(trained):
     body = json.dumps({"rows": _rows(trained["valid"])}).encode()
     np.testing.assert_allclose(scorer.probabilities(scorer.parser.parse(body)), expected, atol=1e-5, rtol=0)
     assert len(labels) == 120 and expected.std() > 0  # the model is not constant: the check can fail
+
+
+def test_a_scaled_run_scores_new_files_and_exports_as_it_evaluated(tmp_path, capsys):
+    """x ~ 1e3 with scale: standard: eval and predict of a new file, and the exported Scorer (file and JSON
+    rows), map it with the training statistics exactly as the run's own evaluation of the same rows did."""
+    from recscale.data.dataset import ArrayDataset
+    from recscale.train.evaluate import predict
+    from recscale.train.runs import load_trained
+
+    train, valid = (
+        _csv(tmp_path / "train.csv", 300, 0, 30, 1e3),
+        _csv(tmp_path / "valid.csv", 100, 1, 40, 1e3),
+    )
+    run, new = tmp_path / "run", tmp_path / "new.csv"
+    argv = ["train", str(CONFIGS / "frappe.yaml"), "--out", str(run), f"data.train={train}", f"data.valid={valid}",
+            f"data.test={valid}", SCHEMA.replace("transform: log1p", "scale: standard"), "train.max_steps=4",
+            "train.batch_size=64", "train.progress=false", "model.num_layers=1", "model.dropout=0"]  # fmt: skip
+    assert main(argv) == 0
+    shutil.copy(valid, new)
+    cfg, pre, built = load_trained(run)
+    mean, std = pre.scales["x"]
+    assert 500 < mean < 1050 and std > 100  # the training statistics (its missing x filled with 0)
+    logits = predict(built.module, ArrayDataset(run / "data" / "test"), 64, 0).numpy()
+    expected = torch.sigmoid(torch.from_numpy(logits)).numpy()
+    assert expected.std() > 0  # the model is not constant: the checks can fail
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", str(new)]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(printed) == json.loads((run / "report.json").read_text())["test"]
+    assert main(["predict", str(run), "--data", str(new), "--out", str(tmp_path / "p.csv")]) == 0
+    scores = np.loadtxt(tmp_path / "p.csv", delimiter=",", skiprows=1, usecols=0)
+    np.testing.assert_allclose(scores, expected, atol=1e-7, rtol=0)
+    assert main(["export", str(run), "--out", str(tmp_path / "model")]) == 0
+    scorer = Scorer(tmp_path / "model")
+    assert scorer.pre.scales == pre.scales
+    got, _ = scorer.score_file(new)
+    np.testing.assert_allclose(got, logits, atol=1e-5, rtol=0)
+    body = json.dumps({"rows": _rows(new)}).encode()
+    np.testing.assert_allclose(scorer.probabilities(scorer.parser.parse(body)), expected, atol=1e-5, rtol=0)
 
 
 def test_a_bf16_run_exported_in_fp32_scores_as_its_eval(trained, tmp_path):
