@@ -674,6 +674,8 @@ def test_scales_round_trip_through_preprocess_json_and_change_the_digest(tmp_pat
         ({"x": {"mean": 1.0, "std": -1.0}, "y": {"min": 0.0, "max": 1.0}}, "unusable statistics"),
         ({"x": {"mean": 1.0, "std": 1.0}, "y": {"min": 2.0, "max": 1.0}}, "unusable statistics"),
         ({"x": {"mean": "1", "std": 1.0}, "y": {"min": 0.0, "max": 1.0}}, "unusable statistics"),
+        ({"x": {"mean": 10**400, "std": 1.0}, "y": {"min": 0.0, "max": 1.0}}, "unusable statistics"),
+        ([1.0], "has scales for none (list)"),
         ({"x": {"min": 1.0, "max": 1.0}, "y": {"min": 0.0, "max": 1.0}}, "not of the form {'mean', 'std'"),
     ],
 )

@@ -452,7 +452,7 @@ def _scales_from_json(
     if obj is None and not wanted:
         return {}
     if type(obj) is not dict or obj.keys() != wanted.keys():
-        got = sorted(obj) if type(obj) is dict else "none"
+        got = sorted(obj) if type(obj) is dict else "none" if obj is None else f"none ({type(obj).__name__})"
         raise bad(f"has scales for {_short(got)}, its schema scales {_short(sorted(wanted))}")
     scales = {}
     for name, kind in wanted.items():
@@ -462,9 +462,11 @@ def _scales_from_json(
                 f"has scale {_short(repr(name))} not of the form {{{', '.join(map(repr, keys))}: number}}"
             )
         a, b = (v[k] for k in keys)
-        if not all(type(x) in (int, float) and math.isfinite(x) for x in (a, b)) or not (
-            b >= 0 if kind == "standard" else b >= a
-        ):
+        # An int beyond float64's range (JSON allows any) would overflow float(): compared exactly instead.
+        numbers = all(
+            type(x) is float and math.isfinite(x) or type(x) is int and abs(x) < 2**1023 for x in (a, b)
+        )
+        if not numbers or not (b >= 0 if kind == "standard" else b >= a):
             raise bad(f"has scale {_short(repr(name))} with unusable statistics {_short(v)}")
         scales[name] = (float(a), float(b))
     return scales
