@@ -667,12 +667,13 @@ def test_a_full_temporary_directory_is_one_line_naming_tmpdir(ctx: Ctx, tmpfs, m
 def test_workers_on_a_small_dev_shm_are_refused_not_hung(tmp_path) -> None:
     """DataLoader workers hand batches over in /dev/shm: on a container's small one a batch that did not fit was
     dropped (a traceback from the worker's feeder thread) and training waited for it forever. Refused with one
-    line (root only: a 2 MiB /dev/shm of the command's own, in a mount namespace)."""
+    line (root only: a 1 MiB /dev/shm of the command's own, in a mount namespace)."""
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
     argv = ["train", str(demo), "--out", str(tmp_path / "r"), "data.num_workers=1", "train.batch_size=4096",
             "data.synthetic.rows={train: 40000, valid: 256}", "data.synthetic.num_sparse=4", "data.synthetic.num_multi=1",
             "model.embedding.dim=8", "model.num_layers=1", "train.max_steps=10"]  # fmt: skip
-    script = f"mount -t tmpfs -o size=2m tmpfs /dev/shm && exec {shlex.join([sys.executable, '-m', 'recscale.cli', *argv])}"
+    # 1 MiB: the 4096-row batches take ~0.4 MiB each, so the ~6 in flight need ~2.3 MiB, far over it.
+    script = f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {shlex.join([sys.executable, '-m', 'recscale.cli', *argv])}"
     probe = subprocess.run(["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "tmpfs", "/dev/shm"],
                            capture_output=True)  # fmt: skip
     if probe.returncode:
@@ -681,7 +682,7 @@ def test_workers_on_a_small_dev_shm_are_refused_not_hung(tmp_path) -> None:
         done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
                               capture_output=True, text=True, timeout=120)  # fmt: skip
     except subprocess.TimeoutExpired:
-        pytest.fail("training with a worker on a 2 MiB /dev/shm hung")
+        pytest.fail("training with a worker on a 1 MiB /dev/shm hung")
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(err) == 1, done.stderr[-2000:]
     assert "in shared memory, /dev/shm" in err[0] and "--shm-size" in err[0], err

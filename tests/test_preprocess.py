@@ -125,6 +125,9 @@ def assert_matches_reference(split, batches, schema: Schema, pre: Preprocessor) 
     assert sorted(expected) == sorted(arrays)
     for name, want in expected.items():
         np.testing.assert_array_equal(np.asarray(arrays[name]), want.astype(arrays[name].dtype), err_msg=name)
+    # The /dev/shm check's size of a batch, from the files alone, is what gathering builds (over every row: exact).
+    built = sum(a.nbytes for a in ds.gather_arrays(np.arange(len(ds))))
+    assert abs(ds.batch_bytes(len(ds)) - built) <= 1, (ds.batch_bytes(len(ds)), built)
 
 
 def fit(batches, tmp_path, schema: Schema = SCHEMA, name: str = "split") -> Preprocessor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,9 +108,15 @@ class ArrayDataset:
                 )
 
     def batch_bytes(self, rows: int) -> int:
-        """About the bytes of a batch of ``rows`` rows: the column files' mean bytes per row, times ``rows``."""
-        n = self.meta["rows"]
-        return sum(size * items for _, size, items in self._files(n)) * rows // max(n, 1)
+        """About the bytes of the arrays ``gather_arrays`` builds for ``rows`` rows (a multi-id field's ids
+        counted at the split's mean per row), from the column files' sizes: no batch is built."""
+        a, n = self._open(), max(self.meta["rows"], 1)
+        per_row = a["dense"].itemsize * self.meta["num_dense"] + a["label"].itemsize
+        for f in self.meta["sparse"]:
+            ids = a[f"{f['name']}.values"]
+            per_id = ids.itemsize + (4 if self._weighted else 0)  # a float32 weight per id of every field
+            per_row += 4 + per_id * (len(ids) / n if f["multi"] else 1)  # an int32 length per row and field
+        return math.ceil(per_row * rows)
 
     def _files(self, n: int) -> Iterator[tuple[str, int, int]]:
         """(file name, bytes per item, items) of each column file; a multi-id field's ids are counted by
