@@ -466,3 +466,21 @@ def test_label_names_the_label_column_and_the_schema_trains(tmp_path, capsys):
         inspect_file(path, label="y")
     with pytest.raises(DataError, match="--label names a csv or parquet column; a criteo file's label"):
         inspect_file(write(tmp_path / "day_0", [criteo_line()]), label="click")
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_inspect_refuses_a_file_without_data_rows(tmp_path, capsys, fmt):
+    """A header and no rows was reported as 'rows: 0' with a guessed schema, where training refuses the
+    file with 'has no data rows': inspect now says so too, in one line, exit 2."""
+    from recscale.cli import main
+
+    if fmt == "csv":
+        path = write(tmp_path / "empty.csv", ["label,a,b"])
+    else:
+        path = tmp_path / "empty.parquet"
+        pq.write_table(pa.table({"label": pa.array([], pa.int64()), "a": pa.array([], pa.float64())}), path)
+    with pytest.raises(DataError, match="has no data rows"):
+        inspect_file(path)
+    code = main(["data", "inspect", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "has no data rows" in err, err

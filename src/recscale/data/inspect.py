@@ -547,6 +547,8 @@ def inspect_file(
         else:  # every row as the reader converts it, bad ones too, so that max_rows counts them
             chunks = _reader_chunks(path, fmt, schema, options)
             rows = _scan(_take(chunks, max_rows), columns, BadRows(path, "line", "skip", stats))
+    if not rows and not stats.skipped and max_rows != 0:
+        raise DataError(f"{path} has no data rows")  # as training refuses it (a header alone, say)
     config_schema, left_out = _config_schema(columns, fixed, label)
     label_column = next((c for c in columns if c.kind == LABEL), None)
     return {
