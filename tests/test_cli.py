@@ -3,6 +3,7 @@
 import argparse
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -821,3 +822,19 @@ def test_a_name_that_is_not_utf8_is_one_line(tmp_path, capsys):
     code, _, err = run(capsys, "train", str(CONFIGS / "demo.yaml"), "--out", str(out), *TINY)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "r\\xe9" in err and "is not UTF-8" in err and "rename it" in err, err
+
+
+def test_bayes_floor_line_leaves_out_an_undefined_ne(capsys):
+    """A valid split of one class printed the synthetic teacher's floor as 'ne nan'; ne is left out there
+    (the split's note says why), and printed where defined."""
+    from recscale.cli import print_report
+
+    valid = {"auc": math.nan, "logloss": 0.1, "ne": math.nan, "calibration": 0.9, "rows": 8}
+    report = {"model": "lr", "steps": 2, "examples_per_s": 10, "parameters": {"dense": 1, "sparse": 2},
+              "mflops_per_example": 0.001, "valid": valid, "run_dir": "r"}  # fmt: skip
+    print_report(report | {"bayes_logloss": 0.05, "bayes_ne": math.nan})
+    out = capsys.readouterr().out
+    assert "Bayes floor (synthetic teacher): logloss 0.0500\n" in out, out
+    assert "note: valid auc, ne are null: all 8 rows are positive" in out, out
+    print_report(report | {"bayes_logloss": 0.05, "bayes_ne": 0.5})
+    assert "Bayes floor (synthetic teacher): logloss 0.0500  ne 0.5000\n" in capsys.readouterr().out

@@ -56,9 +56,9 @@ def print_report(report: dict) -> None:
                      "weights are kept; give data.valid (or data.test) to measure the model")  # fmt: skip
     lines += notes
     if "bayes_logloss" in report:
-        lines.append(
-            f"Bayes floor (synthetic teacher): logloss {report['bayes_logloss']:.4f}  ne {report['bayes_ne']:.4f}"
-        )
+        # ne is left out where undefined (a split of one class), as the note above the line says of the split's
+        ne = f"  ne {_fmt(report['bayes_ne'])}" if math.isfinite(report["bayes_ne"]) else ""
+        lines.append(f"Bayes floor (synthetic teacher): logloss {_fmt(report['bayes_logloss'])}{ne}")
     if report.get("skipped_rows"):
         lines.append(
             "skipped bad rows: " + ", ".join(f"{k} {v:,}" for k, v in report["skipped_rows"].items())
