@@ -10,6 +10,7 @@ from recscale.train.metrics import (
     ctr_metrics,
     group_auc,
     normalized_entropy,
+    rows_are,
     undefined_note,
 )
 
@@ -108,6 +109,8 @@ def test_logloss_of_infinite_logits_is_zero_when_right_and_infinite_when_wrong()
     [
         ([0.0, 1.0], [0.0, 1.0], None),
         ([0.0, 1.0], [0.0, 0.0], "auc, ne, calibration are null: none of the 2 rows is positive"),
+        ([0.0], [0.0], "auc, ne, calibration are null: its 1 row is not positive (AUC"),
+        ([0.0, 1.0], [1.0, 1.0], "auc, ne are null: all 2 rows are positive (AUC"),
         ([float("nan"), 1.0], [0.0, 1.0], "auc, logloss, ne, calibration are null: the model scored NaN"),
         ([-math.inf, 1.0], [1.0, 0.0], "logloss, ne are null: the model scored an infinite logit"),
     ],
@@ -127,7 +130,7 @@ def test_undefined_note_covers_the_group_auc():
     )
     one = ctr_metrics(torch.tensor([0.0]), torch.tensor([1.0])) | {"gauc": math.nan, "gauc_by": "user"}
     note = undefined_note(one)
-    assert note is not None and note.startswith("auc, ne are null: all 1 rows are positive")
+    assert note is not None and note.startswith("auc, ne are null: its 1 row is positive")
     assert "; gauc is null: no user id the run knows" in note
 
 
@@ -161,3 +164,13 @@ def test_group_auc_is_the_row_weighted_mean_of_each_groups_auc(seed):
         used,
         rows,
     )
+
+
+def test_rows_are_pluralises():
+    """Messages said 'whose 1 rows are of one class' (train's early-stopping warning)."""
+    assert [rows_are(n) for n in (0, 1, 2, 1234)] == [
+        "0 rows are",
+        "1 row is",
+        "2 rows are",
+        "1,234 rows are",
+    ]

@@ -61,6 +61,7 @@ from recscale.train.checkpoint import (
 from recscale.train.data import prepare_run_data
 from recscale.train.evaluate import bayes_floor, eval_batch_size, evaluate, predict, scored
 from recscale.train.memory import freed_memory_kept, keep_freed_memory, release_freed_memory
+from recscale.train.metrics import rows_are
 from recscale.train.optim import lr_factor
 from recscale.train.precision import autocast, warn_if_emulated
 from recscale.train.regularizers import DenseEMA, EmbeddingL2, TableDecay
@@ -567,7 +568,7 @@ class Trainer:
                     why = (
                         f"no {t.group_by} of its rows the run knows holds both classes"
                         if es.metric == "gauc"
-                        else f"whose {m['rows']:,} rows are of one class"
+                        else f"whose {rows_are(int(m['rows']))} of one class"
                     )
                     warnings.warn(
                         f"train.early_stopping.metric={es.metric} is undefined on the valid split, {why}: early "

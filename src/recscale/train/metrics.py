@@ -91,21 +91,27 @@ def group_auc(logits: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor) 
     return {"gauc": ((aucs * n[both]).sum() / rows).item(), "groups": int(both.sum().item()), "rows": rows}
 
 
+def rows_are(n: int) -> str:
+    """``n`` rows and their verb, for a message: '1 row is', '8 rows are'."""
+    return f"{n:,} row{'s' * (n != 1)} {'is' if n == 1 else 'are'}"
+
+
 def undefined_note(m: dict[str, float]) -> str | None:
     """Why ``ctr_metrics``' result ``m`` (with ``evaluate``'s gauc, if any) holds a non-finite value (JSON writes
     it as null), or None: a one-class split or a diverged model must not read as a metric merely left out."""
     notes = []
     bad = [k for k in ("auc", "logloss", "ne", "calibration") if not math.isfinite(m[k])]
     if bad:
-        rows = m["rows"]
+        rows = int(m["rows"])
         if math.isnan(m["logloss"]):
             why = "the model scored NaN (a diverged model)"
         elif math.isinf(m["logloss"]):
             why = "the model scored an infinite logit on a row of the other class (a diverged model)"
         elif math.isnan(m["calibration"]):
-            why = f"none of the {rows:,} rows is positive (AUC and NE need both classes, calibration a positive)"
+            none = f"none of the {rows:,} rows is" if rows != 1 else "its 1 row is not"
+            why = f"{none} positive (AUC and NE need both classes, calibration a positive)"
         else:
-            why = f"all {rows:,} rows are positive (AUC and NE need both classes)"
+            why = f"{'all' if rows != 1 else 'its'} {rows_are(rows)} positive (AUC and NE need both classes)"
         notes.append(f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} null: {why}")
     if "gauc" in m and not math.isfinite(m["gauc"]) and math.isfinite(m["logloss"]):
         who = f"{m['gauc_by']} id" if "gauc_by" in m else "group (train.group_by)"
