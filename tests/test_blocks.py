@@ -270,3 +270,30 @@ def test_embedding_config_errors(cfg: dict, match: str) -> None:
         EmbeddingLayer(features, EmbeddingConfig(**cfg))
     with pytest.raises(ValidationError):
         EmbeddingConfig(unknown_key=1)
+
+
+def test_a_feature_named_as_another_features_extra_table_is_refused() -> None:
+    """A feature 's0#q' beside a QR feature 's0' failed with "Duplicate table name t_s0#q" (no fix
+    hint); likewise a sequence 'item#seq' beside the table the sequences of 'item' share. Both are now
+    refused naming the two features and the fix."""
+    with pytest.raises(
+        ValueError, match=r"sparse features 's0' and 's0#q' clash: .*qr_buckets gives 's0'; rename one"
+    ):
+        EmbeddingLayer(
+            FeatureSet(sparse=(SparseInput("s0", 10), SparseInput("s0#q", 10)), num_dense=0),
+            EmbeddingConfig(dim=4, qr_buckets={"s0": 3}),
+        )
+    shared = (SparseInput("item", 20), SparseInput("h", 20, "mean", False, 6, vocabulary="item"))
+    with pytest.raises(ValueError, match=r"sparse features 'item' and 'item#seq' clash: .* rename one"):
+        EmbeddingLayer(
+            FeatureSet(sparse=(*shared, SparseInput("item#seq", 20, "mean", False, 6)), num_dense=0),
+            EmbeddingConfig(dim=4),
+        )
+    # Without qr_buckets (or beside a pooled 'item#seq', another collection's table) the names are free.
+    EmbeddingLayer(
+        FeatureSet(sparse=(SparseInput("s0", 10), SparseInput("s0#q", 10)), num_dense=0),
+        EmbeddingConfig(dim=4),
+    )
+    EmbeddingLayer(
+        FeatureSet(sparse=(*shared, SparseInput("item#seq", 20)), num_dense=0), EmbeddingConfig(dim=4)
+    )

@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -203,6 +203,36 @@ def check_feature_options(names: list[str], cfg: EmbeddingConfig) -> None:
             raise ValueError(f"features {both} are in both {a} and {b}")
 
 
+def check_table_names(sparse: Sequence[SparseInput], cfg: EmbeddingConfig) -> None:
+    """No sparse feature is named as another feature's extra table: a QR feature's quotient and remainder
+    (``<name>#q``, ``<name>#r``: keys and tables of their own), or the sequence table ``<name>#seq`` shared
+    by the sequences of a pooled feature's vocabulary (beside a sequence's own table of that name).
+
+    Raises ValueError naming both features (TorchRec said only 'Duplicate table name t_<name>#q').
+    """
+    names = {f.name for f in sparse}
+    sequences = {f.name for f in sparse if f.max_len is not None}
+    taken = {  # a name -> (its owner, what it names, the features it clashes with)
+        f + suffix: (f, f"one of the QR tables model.embedding.qr_buckets gives {f!r}", names)
+        for f in cfg.qr_buckets
+        for suffix in (_QUOTIENT, _REMAINDER)
+    }
+    taken |= {
+        f.vocabulary + _SHARED: (
+            f.vocabulary,
+            f"the table the sequences of {f.vocabulary!r} share",
+            sequences,
+        )
+        for f in sparse
+        if f.max_len is not None and f.vocabulary is not None and f.vocabulary not in sequences
+    }
+    for name, (owner, what, clashes) in taken.items():
+        if name in clashes:
+            raise ValueError(
+                f"sparse features {owner!r} and {name!r} clash: {name!r} also names {what}; rename one of them"
+            )
+
+
 class EmbeddingLayer(nn.Module):
     """(dense (B, n_dense) float, sparse KJT) -> X0 (B, n, d) float32.
 
@@ -227,6 +257,7 @@ class EmbeddingLayer(nn.Module):
         if not names:
             raise ValueError("the embedding layer needs at least one sparse feature that is not a sequence")
         check_feature_options(names, cfg)
+        check_table_names(features.sparse, cfg)
         small_names = set(cfg.small_dim_features)
         num_dense_outputs = (
             cfg.dense_embeddings if cfg.dense_embeddings is not None else int(features.num_dense > 0)

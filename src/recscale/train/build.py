@@ -37,7 +37,7 @@ from recscale.distributed.sharding import shard_model
 from recscale.errors import ConfigError, ResourceError
 from recscale.models.base import RecModel, TrainableModel, count_parameters
 from recscale.models.blocks.sequence import SequenceConfig, SequenceEncoder
-from recscale.models.embedding import FeatureSet, SparseInput, check_feature_options
+from recscale.models.embedding import FeatureSet, SparseInput, check_feature_options, check_table_names
 from recscale.models.quant import quantize_model
 from recscale.models.registry import build_model
 from recscale.train.memory import failed_allocation
@@ -104,6 +104,7 @@ def check_features(cfg: RunConfig, features: FeatureSet) -> None:
     emb = cfg.model.embedding
     try:
         check_feature_options([f.name for f in features.sparse if f.max_len is None], emb)
+        check_table_names(features.sparse, emb)
     except ValueError as e:
         raise ConfigError(f"model.embedding: {e}") from None
     sequences = [f.name for f in features.sparse if f.max_len is not None]
