@@ -74,12 +74,11 @@ def test_inspect_reports_pooling_and_histogram(tmp_path):
 
 
 def test_inspect_histogram_of_no_ids_is_all_zeros(tmp_path):
-    """A file with no rows (or an id column all missing) reported [1.0, 0, ...]: shares of no ids."""
-    (tmp_path / "empty.csv").write_text("label,user,tags\n")
+    """An id column all missing reported [1.0, 0, ...]: shares of no ids. (A file with no rows is refused
+    by inspect now, as by train.)"""
     (tmp_path / "missing.csv").write_text("label,user,tags\n1,,\n0,,\n")
-    for name in ("empty.csv", "missing.csv"):
-        cols = {c["name"]: c for c in inspect_file(tmp_path / name, tables=True)["columns"]}
-        assert cols["user"]["access_histogram"] == cols["tags"]["access_histogram"] == [0.0] * HIST_BINS
+    cols = {c["name"]: c for c in inspect_file(tmp_path / "missing.csv", tables=True)["columns"]}
+    assert cols["user"]["access_histogram"] == cols["tags"]["access_histogram"] == [0.0] * HIST_BINS
     # The planner's features stay shares summing to 1 (its cost models know no other histogram).
     assert access_histogram(np.array([], dtype=np.int64)) == (1.0,) + (0.0,) * (HIST_BINS - 1)
 
