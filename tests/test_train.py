@@ -628,6 +628,46 @@ def test_nan_metrics_are_written_as_json_null(tmp_path, capsys):
     assert json.loads(strict_json(nested)) == {"a": [1.0, None, [None, 2]], "b": {"c": None}, "s": "NaN"}
 
 
+def test_a_diverged_training_stops_fails_and_keeps_no_nan_weights(tmp_path, capsys):
+    """A learning rate that blows the loss up to NaN trained on to the last step, saved NaN checkpoints, kept
+    a calibrated NaN model in best/ and exited 0 with null metrics. It stops at the first NaN window, writes
+    no checkpoint of those weights, and the command fails naming the step and the fix."""
+    out = tmp_path / "r"
+    args = ["train", str(CONFIGS / "demo.yaml"), "--out", str(out), *SMALL_SYNTH, "train.max_steps=20",
+            "train.eval_every=5", "train.calibrate=true", "train.dense_optimizer.lr=1e30",
+            "train.sparse_optimizer.lr=1e30"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    step = report["diverged_at_step"]
+    assert step < 5 and report["steps"] == step  # stopped at once, before the first evaluation
+    assert f"error: training diverged: its loss was NaN or infinite by step {step}, where it stopped" in err
+    assert "(nothing usable was kept); lower the learning rates" in err
+    assert not (out / "ckpt").exists() and not (out / "best").exists()
+    assert report["valid"]["auc"] is None
+
+
+def test_a_run_that_diverges_after_a_kept_best_reports_that_model(tmp_path, monkeypatch):
+    """The ranks stop together where a window's loss is NaN, also between two log lines (checked before
+    an evaluation): the kept best model is the one the report scores."""
+    cfg = load_config(CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.log_every=7", "train.eval_every=4",
+                                              "train.max_steps=40"])  # fmt: skip
+    step_once = Trainer.train_step
+
+    def nan_from_step_9(self, batch, global_size=None):
+        loss = step_once(self, batch, global_size)
+        return loss * math.nan if self.progress.step >= 9 else loss
+
+    monkeypatch.setattr(Trainer, "train_step", nan_from_step_9)
+    report = Trainer(cfg, tmp_path / "r").fit()
+    assert report["diverged_at_step"] == 12 and report["steps"] == 12  # the check before step 12's evaluation
+    assert report["best_step"] == 8 and math.isfinite(report["valid"]["auc"])
+    assert sorted(p.name for p in (tmp_path / "r" / "ckpt").iterdir()) == ["step_00000004", "step_00000008"]
+    from recscale.cli import diverged_line
+
+    assert "(the report scores the best model, of step 8)" in diverged_line(report)
+
+
 def test_fp16_table_storage_trains_resumes_and_is_refused_for_replicated_tables(tmp_path):
     """model.embedding.storage=fp16: fbgemm's fused kernel stores and updates fp16 rows (its row-wise
     Adagrad state stays fp32), the checkpoint holds fp16 tables and resumes; replicated tables refuse it."""

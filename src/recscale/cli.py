@@ -69,6 +69,20 @@ def print_report(report: dict) -> None:
     print("\n".join(lines))
 
 
+def diverged_line(report: dict) -> str:
+    """Why a training that diverged (report ``diverged_at_step``) failed, and what to change."""
+    kept = report["best_step"] < report["diverged_at_step"]
+    scored = (
+        f"the report scores the best model, of step {report['best_step']}"
+        if kept
+        else "nothing usable was kept"
+    )
+    return (
+        f"training diverged: its loss was NaN or infinite by step {report['diverged_at_step']}, where it stopped "
+        f"({scored}); lower the learning rates (train.dense_optimizer.lr, train.sparse_optimizer.lr) and train again"
+    )
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from recscale.config import load_config
     from recscale.distributed.dmt.assignment import resolve_assignment
@@ -118,6 +132,8 @@ def cmd_train(args: argparse.Namespace) -> None:
             report = trainer.fit()
             if trainer.main:
                 print_report(report)
+            if "diverged_at_step" in report:
+                raise RecscaleError(diverged_line(report))
     except (Terminated, KeyboardInterrupt) as e:
         shutdown()
         raise _stopped(e, args, out, trainer.progress.step if trainer is not None else None) from None

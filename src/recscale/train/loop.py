@@ -248,6 +248,7 @@ class Trainer:
         rate = cfg.data.negative_sampling_rate
         self.logit_offset = -math.log(rate) if rate is not None else 0.0
         self.said_watched = False  # early stopping's LogLoss in place of an undefined AUC/NE, said once
+        self.diverged_at: int | None = None  # the step whose training loss was first seen NaN or inf
         if t.warmup_steps > self.total_steps and self.main:
             warnings.warn(
                 f"train.warmup_steps={t.warmup_steps} is longer than the run's {self.total_steps} steps: the "
@@ -494,10 +495,18 @@ class Trainer:
                         if bar is not None:
                             bar.set_postfix(loss=f"{loss:.4f}")
                         counted = 0
+                        if not math.isfinite(loss):
+                            self.diverged_at = p.step
                     if p.batch >= self.steps_per_epoch:  # end of epoch
                         p.epoch, p.batch = p.epoch + 1, 0
                     hit_max = p.step >= self.total_steps
-                    if (t.eval_every and p.step % t.eval_every == 0) or p.batch == 0 or hit_max:
+                    evaluates = (t.eval_every and p.step % t.eval_every == 0) or p.batch == 0 or hit_max
+                    if evaluates and self.diverged_at is None and not self._window_finite():
+                        self.diverged_at = p.step
+                    if self.diverged_at is not None:  # no checkpoint of NaN weights: the last one stays good
+                        done = True
+                        break
+                    if evaluates:
                         if self._evaluate_and_checkpoint() or hit_max:
                             done = True
                             break
@@ -530,6 +539,15 @@ class Trainer:
                 for b in batches
             ]
         return zip(iterate(self.train_ds, batches, self.cfg.data.num_workers), sizes, strict=True)
+
+    def _window_finite(self) -> bool:
+        """Whether the loss of the open log window is finite on every rank (a diverged run's is NaN or inf).
+        Asked where every rank is (before an evaluation), so the ranks stop together."""
+        loss = torch.tensor([self.progress.window_loss], dtype=torch.float64)
+        if self.env.world_size > 1:
+            loss = loss.to(self.env.device)
+            dist.all_reduce(loss)
+        return math.isfinite(loss.item())
 
     def _log_window(self, counted: int) -> float:
         """Log the window of steps that ends now (``Progress.window_*``): mean loss over all ranks,
@@ -637,7 +655,8 @@ class Trainer:
         kept = self.load_best()
         if not kept and self.ema:  # no best kept: report the average, as evaluated
             self.ema.apply()
-        calibrate = self.cfg.train.calibrate
+        # Not of diverged weights: best/ would keep a NaN model as the one to ship.
+        calibrate = self.cfg.train.calibrate and (kept or self.diverged_at is None)
         calibration, calibrated_valid = (
             self._calibrate(p.best_step if kept else p.step) if calibrate else (None, None)
         )
@@ -662,6 +681,8 @@ class Trainer:
             # order can move the step early stopping keeps.
             "torch_threads": torch.get_num_threads(),
         }
+        if self.diverged_at is not None:  # training stopped there: its loss was NaN or infinite
+            report["diverged_at_step"] = self.diverged_at
         if calibration is not None:
             report["calibration"] = calibration
         if (
