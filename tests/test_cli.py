@@ -838,3 +838,33 @@ def test_bayes_floor_line_leaves_out_an_undefined_ne(capsys):
     assert "note: valid auc, ne are null: all 8 rows are positive" in out, out
     print_report(report | {"bayes_logloss": 0.05, "bayes_ne": 0.5})
     assert "Bayes floor (synthetic teacher): logloss 0.0500  ne 0.5000\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"RANK": "1"}, "the environment sets RANK=1 but not WORLD_SIZE, as a launcher sets both"),
+        ({"WORLD_SIZE": "2"}, "the environment sets WORLD_SIZE=2 but not RANK"),
+        ({"RANK": "1", "WORLD_SIZE": "1"}, "the environment's RANK=1 WORLD_SIZE=1 is no rank of a job"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"},
+            "the environment variable LOCAL_RANK='x' is not a",
+        ),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2"},
+            "the environment sets RANK and WORLD_SIZE, as torchrun does, but not MASTER_ADDR",
+        ),
+    ],
+)
+def test_a_rank_left_in_the_environment_is_one_line(tmp_path, monkeypatch, capsys, env, said):
+    """RANK=1 left in the shell failed a local train inside gloo ('rank < size. 1 vs 1', an internal error),
+    RANK and WORLD_SIZE without torchrun's MASTER_ADDR inside torch's rendezvous, and made eval print
+    nothing (rank 0 alone prints): every command says what is wrong with the environment first."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["train", str(CONFIGS / "demo.yaml"), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {said}") and err.count("\n") == 1
+    assert "unset them for a run in one process" in err and not (tmp_path / "r").exists()

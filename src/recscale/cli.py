@@ -946,6 +946,9 @@ def main(argv: list[str] | None = None) -> int:
     args.debug = debug  # the ranks of train --nproc show their tracebacks too
     quiet_upstream()
     try:
+        from recscale.distributed.env import launch_env
+
+        launch_env()  # a RANK left in the shell would make every command act as a rank of a job
         args.fn(args)
     except KeyboardInterrupt as e:  # train, data prepare and sweep say where they stopped and how to go on
         print(e.args[0] if e.args and isinstance(e.args[0], str) else "interrupted", file=sys.stderr)

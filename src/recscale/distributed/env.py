@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from recscale.distributed.topology import Topology
+from recscale.errors import RecscaleError
 
 FAULT_DIR_ENV = "RECSCALE_FAULT_DIR"  # set by recscale's launcher: where ranks leave hang verdicts
 ERRORS_SUBDIR = "errors"  # ...and, in this folder of it, their one-line errors (``record_error``)
@@ -98,11 +99,7 @@ def init_distributed(timeout_s: float | None = None) -> DistEnv:
     waiting forever (a peer that dies is noticed at once, by its closed connections).
     """
     global _heartbeat, _groups_formed
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    launched, rank, world, local_rank, local_world = launch_env()
     Topology(world, local_world)  # fails early on an impossible layout
     if torch.cuda.is_available():
         device, backend = torch.device("cuda", local_rank), "nccl"
@@ -132,6 +129,36 @@ def init_distributed(timeout_s: float | None = None) -> DistEnv:
             store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return DistEnv(rank, world, local_world, device, backend, restarts)
+
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def launch_env() -> tuple[bool, int, int, int, int]:
+    """(launched by torchrun, rank, world size, local rank, local world size) from the environment. A RANK
+    or WORLD_SIZE left in the shell (another launcher's, an `export` in a script) made a local run fail
+    inside gloo ("rank < size. 1 vs 1") or torch's rendezvous ("MASTER_ADDR expected"): said in one line."""
+    env = {k: os.environ[k] for k in _LAUNCH_VARS if k in os.environ}
+    fix = "launch ranks with `recscale train --nproc N` (or torchrun), or unset them for a run in one process"
+    for k, v in env.items():
+        if not v.strip().isdigit():
+            raise RecscaleError(f"the environment variable {k}={v!r} is not a whole number; {fix}")
+    launched = "RANK" in env and "WORLD_SIZE" in env
+    if ("RANK" in env or "WORLD_SIZE" in env) and not launched:
+        given = " and ".join(f"{k}={env[k]}" for k in ("RANK", "WORLD_SIZE") if k in env)
+        raise RecscaleError(f"the environment sets {given} but not {'WORLD_SIZE' if 'RANK' in env else 'RANK'}, "
+                            f"as a launcher sets both; {fix}")  # fmt: skip
+    world = int(env.get("WORLD_SIZE", 1))
+    rank, local_rank = int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    if world < 1 or rank >= world or local_rank >= local_world:
+        raise RecscaleError(f"the environment's {' '.join(f'{k}={v}' for k, v in env.items())} is no rank of "
+                            f"a job (each rank is below its size); {fix}")  # fmt: skip
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if launched and k not in os.environ]
+    if missing:
+        raise RecscaleError(f"the environment sets RANK and WORLD_SIZE, as torchrun does, but not "
+                            f"{' or '.join(missing)}, where the ranks meet; {fix}")  # fmt: skip
+    return launched, rank, world, local_rank, local_world
 
 
 def _dump_stacks_on_crash() -> None:
