@@ -63,6 +63,23 @@ def test_a_timed_out_rank_names_the_ranks_that_did_not_time_out(tmp_path, monkey
     assert lost_peer(RuntimeError("DataLoader timed out after 5 seconds")) is None
 
 
+def test_a_run_in_one_process_binds_its_own_store_port():
+    """A run in one process asked for a free port, closed it, then bound it for its store: a port taken in
+    between (another run starting beside it) failed the run ('address already in use')."""
+    code = (
+        "import socket; from recscale.distributed import env\n"
+        "taken = socket.socket(); taken.bind(('127.0.0.1', 0)); taken.listen()\n"
+        "env.free_port = lambda: taken.getsockname()[1]  # the port found free, taken since\n"
+        "e = env.init_distributed(20); print('rank', e.rank, 'of', e.world_size); env.shutdown()\n"
+    )
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "rank 0 of 1"
+
+
 def test_heartbeat_is_a_no_op_in_a_world_of_one(monkeypatch):
     monkeypatch.setattr(dist_env, "_heartbeat", None)
     dist_env.heartbeat(1)  # nothing to write to, and no error

@@ -87,6 +87,7 @@ _crash_file: object = None  # open for faulthandler while the process lives (``_
 
 
 def free_port() -> int:
+    """A port free now, for the launcher to tell its agents (each binds it later)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -126,7 +127,8 @@ def init_distributed(timeout_s: float | None = None) -> DistEnv:
                 _heartbeat.beat(None)
         else:
             os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # TorchRec's planner reads it
-            store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
+            # Port 0: the store binds a free port itself (a port found free, then bound, can be taken between)
+            store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return DistEnv(rank, world, local_world, device, backend, restarts)
 
