@@ -518,6 +518,32 @@ def test_worker_processes_yield_the_same_batches(tmp_path):
     assert a == b
 
 
+def test_a_worker_that_sends_no_batch_is_one_line_not_a_hang(tmp_path, monkeypatch):
+    """A worker whose batch does not fit in /dev/shm drops it; /dev/shm filling during a run (the check
+    before it passed) left the loader waiting for it forever. The reader gives up after a time and says why."""
+    import time
+
+    from recscale.data import dataset
+    from recscale.errors import ResourceError
+
+    fit(TRAIN, tmp_path)
+    ds = ArrayDataset(tmp_path / "split")
+    gather = ArrayDataset.gather_arrays
+
+    def dropped_third(self, idx):  # in the worker: the batch of row 4 never arrives
+        if 4 in idx:
+            time.sleep(30)
+        return gather(self, idx)
+
+    monkeypatch.setattr(ArrayDataset, "gather_arrays", dropped_third)
+    monkeypatch.setattr(dataset, "WORKER_TIMEOUT_S", 1.0)
+    got = []
+    with pytest.raises(ResourceError, match=r"the data workers sent no batch for 1 s; a worker whose batch did "
+                                            r"not fit in shared memory \(/dev/shm, .* MiB free now\) drops it"):  # fmt: skip
+        got += iterate(ds, [np.array([0, 1]), np.array([2, 3]), np.array([4])], num_workers=1)
+    assert len(got) == 2
+
+
 @pytest.mark.parametrize("num_workers", [0, 1, 2])
 def test_worker_processes_leave_the_global_rng_alone(tmp_path, num_workers):
     """The loader's worker seed came from the global torch RNG (dropout's): data.num_workers=0 vs 1

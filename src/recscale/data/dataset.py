@@ -289,6 +289,8 @@ class _Gather(IterableDataset):
 
 PREFETCH = 4  # batches each worker builds ahead
 SHARED_MEMORY = Path("/dev/shm")
+# Seconds the reader waits for a worker's next batch (built in milliseconds) before it calls the workers stuck
+WORKER_TIMEOUT_S = 300.0
 
 
 def _check_shared_memory(ds: ArrayDataset, rows: int, workers: int) -> None:
@@ -329,6 +331,7 @@ def iterate(ds: ArrayDataset, batches: list[np.ndarray], num_workers: int = 0) -
         # global RNG (dropout's), so data.num_workers=0 trained another model than 1, and an evaluation
         # in workers (valid over one eval batch) changed the masks of the steps after it.
         generator=torch.Generator(),
+        timeout=WORKER_TIMEOUT_S,
     )
     # The workers fork with the parent's objects frozen, so their garbage collection never runs a finalizer
     # of an object the parent held: one that takes a lock another parent thread held at the fork (TensorBoard's
@@ -338,5 +341,20 @@ def iterate(ds: ArrayDataset, batches: list[np.ndarray], num_workers: int = 0) -
         arrays_of = iter(loader)
     finally:
         gc.unfreeze()
-    for arrays in arrays_of:
+    while True:
+        try:
+            arrays = next(arrays_of)
+        except StopIteration:
+            return
+        except RuntimeError as e:
+            if not str(e).startswith("DataLoader timed out"):
+                raise
+            # /dev/shm filled during the run (another job's files): the worker's batch was dropped, as
+            # _check_shared_memory says, and the loader waited for it forever.
+            free = shutil.disk_usage(SHARED_MEMORY).free / 2**20 if SHARED_MEMORY.is_dir() else math.nan
+            raise ResourceError(
+                f"the data workers sent no batch for {WORKER_TIMEOUT_S:.0f} s; a worker whose batch did not fit "
+                f"in shared memory ({SHARED_MEMORY}, {free:.1f} MiB free now) drops it: free or enlarge it, or set "
+                "data.num_workers=0"
+            ) from None
         yield ds.to_batch(arrays)
