@@ -92,7 +92,8 @@ def test_inspect_csv_infers_types(tmp_path):
     assert report["positive_rate"] == pytest.approx(2 / 3)
     cols = columns(report)
     assert [c["type"] for c in report["columns"]] == ["label", "dense", "sparse", "multi", "sparse"]
-    assert cols["price"] == {"name": "price", "type": "dense", "cardinality": 2, "missing": 1}
+    assert cols["price"] == {"name": "price", "type": "dense", "cardinality": 2, "missing": 1,
+                             "range": {"min": 1.5, "max": 2.0, "mean": 1.75, "std": 0.25}}  # fmt: skip
     assert cols["user"]["cardinality"] == 2 and cols["user"]["missing"] == 0
     assert cols["tags"]["cardinality"] == 3 and cols["tags"]["missing"] == 1  # distinct ids a, b, c
     assert cols["note"]["cardinality"] == 2 and cols["note"]["missing"] == 1
@@ -182,7 +183,13 @@ def test_inspect_parquet(tmp_path):
     assert report["positive_rate"] == 0.25
     assert report["columns"] == [
         {"name": "label", "type": "label", "cardinality": 2, "missing": 0},
-        {"name": "x", "type": "dense", "cardinality": 2, "missing": 1},
+        {
+            "name": "x",
+            "type": "dense",
+            "cardinality": 2,
+            "missing": 1,
+            "range": {"min": 0.5, "max": 1.5, "mean": pytest.approx(7 / 6), "std": pytest.approx(2**0.5 / 3)},
+        },
         {"name": "id", "type": "sparse", "cardinality": 2, "missing": 1},
         {
             "name": "t",
@@ -272,7 +279,8 @@ def test_inspect_counts_rows_as_training_reads_them(tmp_path):
     assert _as_training_reads(path, "csv", report) == (2, 5, report["bad_row_examples"])
     # Every statistic covers the rows training reads, no others.
     assert report["positive_rate"] == 0.5
-    assert columns(report)["price"] == {"name": "price", "type": "dense", "cardinality": 2, "missing": 0}
+    assert columns(report)["price"] == {"name": "price", "type": "dense", "cardinality": 2, "missing": 0,
+                                        "range": {"min": 0.25, "max": 1.5, "mean": 0.875, "std": 0.625}}  # fmt: skip
     assert columns(report)["user"]["cardinality"] == 2
 
     # max_rows: the first rows only, a parser-rejected row after the cut not counted.
@@ -410,14 +418,18 @@ def test_inspect_gives_the_schema_that_trains_on_the_file(tmp_path):
     from recscale.train.loop import Trainer
 
     # The first column a pandas index, whose empty name training refuses: left out of the schema (it was
-    # null), and named so.
+    # null), and named so. A dense column reaching beyond +-10 (price, to 1575.5) is suggested standardised.
     path = write(
         tmp_path / "t.csv",
-        [",label,price,user,tags"] + [f"{i},{i % 2},{i / 4},{i % 5},a|{i % 3}" for i in range(64)],
+        [",label,price,ratio,user,tags"]
+        + [f"{i},{i % 2},{i * 25 + 0.5},{i / 8 - 4},{i % 5},a|{i % 3}" for i in range(64)],
     )
     report = inspect_file(path)
+    assert (
+        columns(report)["ratio"]["range"]["min"] == -4 and columns(report)["ratio"]["range"]["max"] == 3.875
+    )
     assert report["schema"] == {
-        "dense": [{"name": "price"}],
+        "dense": [{"name": "price", "scale": "standard"}, {"name": "ratio"}],
         "sparse": [{"name": "user"}, {"name": "tags", "multi": True}],
     }
     assert report["schema_left_out"] == [""]
