@@ -4,6 +4,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -169,7 +170,12 @@ def test_a_run_that_keeps_no_best_reports_its_last_step(tmp_path, setting):
     cfg = load_config(
         CONFIGS / "demo.yaml", [*SMALL_SYNTH, "train.max_steps=3", "train.eval_every=2", setting]
     )
-    assert Trainer(cfg, tmp_path / "r").fit()["best_step"] == 3
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert Trainer(cfg, tmp_path / "r").fit()["best_step"] == 3
+    # Early stopping set (the demo's) without a valid split was ignored without a word.
+    stops = [str(w.message) for w in said if "train.early_stopping watches the valid split" in str(w.message)]
+    assert len(stops) == (setting != "train.early_stopping=null")
 
 
 def test_eval_scores_the_best_model_that_a_kill_left_set_aside(tmp_path):

@@ -249,6 +249,12 @@ class Trainer:
         self.logit_offset = -math.log(rate) if rate is not None else 0.0
         self.said_watched = False  # early stopping's LogLoss in place of an undefined AUC/NE, said once
         self.diverged_at: int | None = None  # the step whose training loss was first seen NaN or inf
+        if t.early_stopping is not None and self.valid_ds is None and self.main:
+            warnings.warn(
+                "train.early_stopping watches the valid split, which this run has none of: it trains every "
+                "epoch and keeps the last step's weights; give data.valid (or set train.early_stopping=null)",
+                stacklevel=2,
+            )
         if t.warmup_steps > self.total_steps and self.main:
             warnings.warn(
                 f"train.warmup_steps={t.warmup_steps} is longer than the run's {self.total_steps} steps: the "
