@@ -169,3 +169,14 @@ def test_a_resume_may_change_the_balance(tmp_path):
     assert report["steps"] == 4
     with pytest.raises(ConfigError, match="changes model.num_layers"):  # what shapes the model still may not
         Trainer(load_config(CONFIGS / "demo.yaml", [*longer, "model.num_layers=2"]), run, resume=True)
+
+
+def test_balance_with_batch_norm_is_refused():
+    """Batch norm normalises over each rank's rows, which balancing picks by history length: the losses then
+    depend on the split (not those of the even one) and a rank can hold a single row (torch's error)."""
+    lengths = np.array([[200]] + [[1]] * 7)
+    assert [len(p) for p in balanced_parts(lengths, COSTS["tokens2"], 2)] == [1, 7]  # one row on rank 0
+    with pytest.raises(ConfigError, match=r"model.norm=batch normalises over each rank's rows, which "
+                                          r"distributed.balance=tokens picks by history length"):  # fmt: skip
+        load_config(CONFIGS / "demo.yaml", [*SMALL, "distributed.balance=tokens", "model.norm=batch"])
+    load_config(CONFIGS / "demo.yaml", [*SMALL, "distributed.balance=tokens", "model.norm=layer"])

@@ -629,6 +629,14 @@ def validate_config(raw: dict) -> RunConfig:
             "model.norm=batch normalises over the batch, and train.batch_size is 1 (one value per channel); "
             "train with larger batches or another model.norm"
         )
+    if getattr(model_params, "norm", None) == "batch" and cfg.distributed.balance != "none":
+        # Each rank normalises over its own rows, and balancing hands them out by history length: the model
+        # would depend on the split (not the same losses as without it), and a rank can get a single row.
+        raise ConfigError(
+            f"model.norm=batch normalises over each rank's rows, which distributed.balance="
+            f"{cfg.distributed.balance} picks by history length (the model would depend on the split, and a rank "
+            "can hold one row); use model.norm=layer, or distributed.balance=none"
+        )
     if cfg.data.format != "synthetic":  # checked now, not when the first file is read
         validate_options(cfg.data.format, cfg.data.options)
     elif cfg.data.options:  # no reader would ever see them
