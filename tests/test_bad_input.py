@@ -266,6 +266,13 @@ CASES = [
         lambda c: c.train(f"data.valid={c.tmp / 'gone.csv'}"),
         ("data.valid", "gone.csv", "does not exist"),
     ),
+    Case(
+        "relative train path missing",
+        lambda c: c.train("data.train=no/such/gone.csv"),
+        (
+            "data.train: no/such/gone.csv does not exist (relative paths are read from the working directory, ",
+        ),
+    ),
     Case("train file empty", lambda c: c.bad_train(b""), ("bad.csv", "empty")),
     Case("train file header only", lambda c: c.bad_train([]), ("bad.csv", "no data rows")),
     Case(

@@ -49,8 +49,14 @@ def source_fingerprint(fmt: str, path: str | None, split: str, extra: dict[str, 
             check_regular(Path(path))
         p = Path(path).resolve()
         if not p.exists():
+            # A relative path is the working directory's, not the config file's: say which it was read from.
+            where = (
+                ""
+                if Path(path).is_absolute()
+                else f" (relative paths are read from the working directory, {Path.cwd()})"
+            )
             raise DataError(
-                f"data.{split}: {path} does not exist; fix the path in the config or set data.{split}=PATH"
+                f"data.{split}: {path} does not exist{where}; fix the path in the config or set data.{split}=PATH"
             )
         st = os.stat(p)
         info.update(path=str(p), size=st.st_size, mtime_ns=st.st_mtime_ns)
