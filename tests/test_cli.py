@@ -815,6 +815,19 @@ def test_a_name_an_ascii_locale_cannot_express_is_one_line(tmp_path):
     assert "run under a UTF-8 locale" in err[0] and not (tmp_path / "r").exists()
 
 
+def test_an_override_an_ascii_locale_did_not_decode_says_so():
+    """Under LC_ALL=C with PYTHONUTF8=0 the argument 'model.name=wükong' arrives as surrogate escapes, which
+    were reported as 'the value is not valid YAML (unacceptable character #xdcc3 ...)'."""
+    from recscale.config_files import apply_overrides
+    from recscale.errors import ConfigError
+
+    undecoded = "model.name=w\udcc3\udcbckong"  # the UTF-8 bytes of 'ü', as an ASCII locale hands them over
+    with pytest.raises(ConfigError) as e:
+        apply_overrides({}, [undecoded])
+    assert str(e.value).startswith("override 'model.name=wükong' holds characters this locale's encoding")
+    assert str(e.value).endswith("run under a UTF-8 locale (e.g. LC_ALL=C.UTF-8) or set PYTHONUTF8=1")
+
+
 def test_a_name_that_is_not_utf8_is_one_line(tmp_path, capsys):
     """An --out of Latin-1 bytes ('r\\xe9') failed with 'internal error UnicodeEncodeError ... surrogates not
     allowed' (TensorBoard writes only UTF-8 names). The line names it and says to rename it."""

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import errno
+import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +172,12 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             f"overrides: give a list of key=value strings, e.g. [{overrides!r}], not one string"
         )
     for item in overrides:
+        if re.search("[\udc80-\udcff]", item):  # bytes the locale did not decode (Python's surrogate escapes)
+            shown = os.fsencode(item).decode("utf-8", "replace")
+            raise ConfigError(
+                f"override '{shown}' holds characters this locale's encoding ({sys.getfilesystemencoding()}) "
+                "cannot read; run under a UTF-8 locale (e.g. LC_ALL=C.UTF-8) or set PYTHONUTF8=1"
+            )
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"override '{item}': write overrides as key=value, e.g. train.max_steps=100")
