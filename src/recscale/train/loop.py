@@ -249,6 +249,12 @@ class Trainer:
         self.logit_offset = -math.log(rate) if rate is not None else 0.0
         self.said_watched = False  # early stopping's LogLoss in place of an undefined AUC/NE, said once
         self.diverged_at: int | None = None  # the step whose training loss was first seen NaN or inf
+        if cfg.distributed.balance != "none" and self.env.world_size == 1:
+            warnings.warn(
+                f"distributed.balance={cfg.distributed.balance} splits each global batch across ranks, and this run "
+                "has one: it changes nothing here; launch ranks (--nproc N) or set distributed.balance=none",
+                stacklevel=2,
+            )
         if t.early_stopping is not None and self.valid_ds is None and self.main:
             warnings.warn(
                 "train.early_stopping watches the valid split, which this run has none of: it trains every "
