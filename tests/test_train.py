@@ -651,6 +651,11 @@ def test_a_diverged_training_stops_fails_and_keeps_no_nan_weights(tmp_path, caps
     assert "(nothing usable was kept); lower the learning rates" in err
     assert not (out / "ckpt").exists() and not (out / "best").exists()
     assert report["valid"]["auc"] is None
+    assert main(["eval", str(out)]) == 2  # nothing to score, and why: not "train the run first"
+    assert capsys.readouterr().err == (
+        f"error: {out}: no complete checkpoint to evaluate; its training diverged at step {step}, before one was "
+        "written (report.json); train it again with lower learning rates\n"
+    )
 
 
 def test_a_run_that_diverges_after_a_kept_best_reports_that_model(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ reader) and validated; a bad one is a one-line ``CheckpointError`` naming it.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -195,6 +196,15 @@ def check_scoring_ranks(cfg: RunConfig, run_dir: Path, ranks: int) -> None:
         )
 
 
+def _diverged_at(run_dir: Path) -> int | None:
+    """The step where the run's training diverged (its report.json), if it did."""
+    try:
+        step = json.loads((run_dir / "report.json").read_text()).get("diverged_at_step")
+    except (OSError, ValueError, AttributeError):  # no report, or not one of ours
+        return None
+    return step if isinstance(step, int) else None
+
+
 def load_trained(
     run_dir: Path, purpose: str = "to evaluate", flat_only: bool = False
 ) -> tuple[RunConfig, Preprocessor, Built]:
@@ -212,7 +222,14 @@ def load_trained(
     ckpts = list_checkpoints(run_dir / "ckpt")
     source = best if (best / ".metadata").is_file() else (ckpts[-1] if ckpts else None)
     if source is None:
-        raise CheckpointError(f"{run_dir}: no complete checkpoint {purpose}; train the run first")
+        step = _diverged_at(run_dir)
+        why = (
+            f"its training diverged at step {step}, before one was written (report.json); train it again with "
+            "lower learning rates"
+            if step is not None
+            else "train the run first"
+        )
+        raise CheckpointError(f"{run_dir}: no complete checkpoint {purpose}; {why}")
     env = init_distributed()
     check_scoring_ranks(cfg, run_dir, env.world_size)
     # Scores do not depend on the sharding, and a multi-rank run's placements may name ranks this
