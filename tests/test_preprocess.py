@@ -499,6 +499,39 @@ def test_a_damaged_label_is_named_not_scored(tmp_path, label):
         scored(torch.zeros(len(ds)), ds)
 
 
+def test_predict_holds_no_batch_of_scores_until_the_end(tmp_path, monkeypatch):
+    """predict copies each batch's scores into one tensor as it goes. It kept every batch's output tensor to
+    concatenate them at the end, which pinned the allocator's heap between each batch's freed temporaries:
+    `recscale eval` of 3M Criteo rows held ~3.5 GB for 12 MB of scores, growing with the rows."""
+    import weakref
+
+    import torch.distributed as dist
+
+    from recscale.train.evaluate import predict
+
+    fit(TRAIN, tmp_path)
+    ds = ArrayDataset(tmp_path / "split")
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    outputs: list[weakref.ref] = []
+    held = []  # each call's count of earlier outputs still alive
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.full((1,), 2.0))
+
+        def forward(self, dense: torch.Tensor, sparse: object) -> torch.Tensor:
+            held.append(sum(r() is not None for r in outputs))
+            out = dense[:, 0] * self.w
+            outputs.append(weakref.ref(out))
+            return out
+
+    logits = predict(Model(), ds, 1, 0)
+    assert logits.tolist() == pytest.approx((2 * ds.gather(np.arange(len(ds))).dense[:, 0]).tolist())
+    assert len(held) == len(ds) and max(held) <= 1
+
+
 def test_epoch_batches_shard_a_global_batch_across_ranks():
     one = epoch_batches(103, 10, seed=3, epoch=1, drop_last=True)
     parts = [epoch_batches(103, 10, seed=3, epoch=1, drop_last=True, rank=r, world_size=2) for r in (0, 1)]

@@ -32,13 +32,20 @@ def predict(
     was_training = model.training
     model.eval()
     rank, world = dist.get_rank(), dist.get_world_size()
-    out = []
     device = next(model.parameters()).device
-    for b in iterate(ds, eval_batches(len(ds), batch_size, rank, world), num_workers):
+    batches = eval_batches(len(ds), batch_size, rank, world)
+    # Each batch's scores are copied into one tensor allocated up front, not kept to be concatenated at the
+    # end: the kept per-batch tensors, scattered among each batch's freed temporaries, pinned the allocator's
+    # heap, and scoring 3M rows held ~3.5 GB for 12 MB of scores.
+    out = torch.empty(sum(map(len, batches)), dtype=torch.float32, device=device)
+    start = 0
+    for b in iterate(ds, batches, num_workers):
         with autocast(precision, device):
-            out.append(model(b.dense.to(device), b.sparse.to(device)).float())
+            n = len(b.labels)
+            out[start : start + n] = model(b.dense.to(device), b.sparse.to(device))
+        start += n
     model.train(was_training)
-    return gather_scores(torch.cat(out), len(ds), batch_size, world).cpu()  # gathered on the device (NCCL)
+    return gather_scores(out, len(ds), batch_size, world).cpu()  # gathered on the device (NCCL)
 
 
 def evaluate(
