@@ -499,6 +499,32 @@ def test_a_damaged_label_is_named_not_scored(tmp_path, label):
         scored(torch.zeros(len(ds)), ds)
 
 
+@pytest.mark.parametrize(
+    ("vocab", "values"),
+    [
+        (pa.array([f"id{i}" for i in range(400)]), pa.array(["id7", None, "nope", "id399", "id0", "id7"])),
+        (pa.array(range(1000, 1400), pa.int64()), pa.array(["1007", None, "01007", "1399", "7"])),
+        (pa.array(range(1000, 1400), pa.int64()), pa.array([1007, None, 7, 1399], pa.int64())),
+        (pa.array([str(i) for i in range(400)]), pa.array([7, None, 400, 0], pa.int64())),
+    ],
+)
+def test_a_few_ids_are_looked_up_without_hashing_the_whole_vocabulary(monkeypatch, vocab, values):
+    """A scoring request's few ids are mapped through the field's kept VocabIndex, exactly as index_in maps
+    them (text against an int vocabulary too): index_in built a hash set of the whole vocabulary for every
+    request, 4 s a 16-row request against Criteo-shaped vocabularies of 2.5M ids (4 ms with 1000 ids)."""
+    pre = Preprocessor(Schema(sparse=[SparseFeature(name="a")]), {"a": vocab})
+    text_vocab = pc.cast(vocab, pa.string())
+    want = pc.fill_null(pc.add(pc.index_in(pc.cast(values, pa.string()), value_set=text_vocab), 1), OOV)
+    calls = []
+    index_in = pc.index_in
+    monkeypatch.setattr(pc, "index_in", lambda *a, **k: calls.append(1) or index_in(*a, **k))
+    for _ in range(3):  # the index is built once and kept
+        assert pre.lookup("a", values).tolist() == want.to_pylist()
+    assert calls == []
+    assert pre.lookup("a", pa.array(["id1"] * len(vocab))).shape == (len(vocab),)  # many values: index_in
+    assert calls == [1]
+
+
 def test_predict_holds_no_batch_of_scores_until_the_end(tmp_path, monkeypatch):
     """predict copies each batch's scores into one tensor as it goes. It kept every batch's output tensor to
     concatenate them at the end, which pinned the allocator's heap between each batch's freed temporaries:
