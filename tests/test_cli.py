@@ -278,6 +278,41 @@ def test_sparse_optimizer_without_a_cpu_kernel_is_a_clear_error(tmp_path, capsys
     assert code == 2 and "no fused CPU kernel" in err and "rowwise_adagrad" in err
 
 
+def test_a_split_of_more_sparse_fields_than_the_soft_open_file_limit_prepares(tmp_path, capsys):
+    """A split holds two scratch files open per vocabulary field while it is written: with Linux's default
+    soft limit of 1024 open files, ~500 sparse fields failed with "Too many open files (check the path and the
+    disk)". Commands raise the soft limit to the hard one (here: a soft limit of 256, 150 fields)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1024:
+        pytest.skip(f"the hard limit of open files, {hard}, is below what the test needs")
+    names = [f"c{j}" for j in range(150)]
+    rows = [",".join([str(i % 2), *(str((i + j) % 5) for j in range(len(names)))]) for i in range(40)]
+    (tmp_path / "wide.csv").write_text("\n".join([",".join(["label", *names]), *rows]) + "\n")
+    (tmp_path / "wide.yaml").write_text(
+        json.dumps(
+            {
+                "data": {
+                    "format": "csv",
+                    "train": str(tmp_path / "wide.csv"),
+                    "schema": {"label": "label", "sparse": [{"name": n} for n in names]},
+                },
+                "model": {"name": "lr"},
+            }
+        )
+    )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        code, out, err = run(
+            capsys, "data", "prepare", str(tmp_path / "wide.yaml"), "--out", str(tmp_path / "p")
+        )
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert code == 0, err
+    assert "40 rows" in out
+
+
 def test_prepare_once_then_train_runs_on_it(tmp_path, capsys):
     train = frappe_like(tmp_path / "train.csv", GOOD)
     valid = frappe_like(tmp_path / "valid.csv", GOOD[:20])

@@ -872,6 +872,8 @@ _OS_HINTS = {
     errno.EEXIST: "it already exists; remove it or choose another path",
     errno.EFBIG: "the file grew past the size this process may write (ulimit -f); raise the limit",
     errno.ENAMETOOLONG: "the path is too long; choose a shorter one",
+    errno.EMFILE: "this process may open no more files (ulimit -n; a split holds files per sparse field); "
+    "raise the limit",
     errno.EBUSY: "another recscale command is writing there; wait for it to finish or choose another --out",
 }
 
@@ -947,8 +949,10 @@ def main(argv: list[str] | None = None) -> int:
     quiet_upstream()
     try:
         from recscale.distributed.env import launch_env
+        from recscale.io import raise_open_file_limit
 
         launch_env()  # a RANK left in the shell would make every command act as a rank of a job
+        raise_open_file_limit()  # a split of hundreds of sparse fields holds a file open per field
         args.fn(args)
     except KeyboardInterrupt as e:  # train, data prepare and sweep say where they stopped and how to go on
         print(e.args[0] if e.args and isinstance(e.args[0], str) else "interrupted", file=sys.stderr)

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import tempfile
 import time
@@ -193,6 +194,21 @@ def _remove_abandoned(path: Path, own: Path) -> None:
     writer is gone: no process holds their lock. Exports into one --out left a copy of the model each time
     one was killed."""
     _remove_unheld(path.parent, re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}\.tmp"), own)
+
+
+def raise_open_file_limit() -> None:
+    """Raise this process's limit of open files (``ulimit -n``) to its hard limit, as its children inherit it.
+    A split holds files open per sparse field while it is written (two scratch files per vocabulary field, a
+    column file per hashed, multi-id or weighted one) and memory-maps a file per field to read it: with
+    Linux's default soft limit of 1024, ~500 sparse fields failed with "Too many open files"."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # An unlimited hard limit is not a count a soft one may take on every system: a large one instead.
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):  # a system capping it lower (macOS: OPEN_MAX): keep the limit as it is
+            pass
 
 
 @contextmanager
