@@ -104,6 +104,25 @@ def test_eval_of_one_class_says_why_its_metrics_are_null(tmp_path, capsys):
     assert code == 0 and err == "" and json.loads(out)["auc"] is not None
 
 
+def test_eval_and_predict_show_progress_on_a_terminal(tmp_path, capsys, monkeypatch):
+    """eval and predict read, mapped and scored a file with no bar on a terminal, where train and data prepare
+    show one: a Criteo-shaped file of 3M rows took 40 s, a day of Criteo ~10 minutes, without a sign."""
+    import sys
+
+    train = frappe_like(tmp_path / "train.csv", GOOD)
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), "--out", str(tmp_path / "run"),
+                       f"data.train={train}", f"data.valid={train}", "train.max_steps=2", "train.batch_size=16",
+                       "train.progress=false", "model.name=lr")  # fmt: skip
+    assert code == 0, err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = run(capsys, "eval", str(tmp_path / "run"), "--data", str(train))
+    assert code == 0 and json.loads(out)["rows"] == 64
+    assert "reading split" in err and "scoring" in err
+    scores = str(tmp_path / "scores.csv")
+    code, _, err = run(capsys, "predict", str(tmp_path / "run"), "--data", str(train), "--out", scores)
+    assert code == 0 and "reading split" in err and "scoring" in err
+
+
 def test_eval_of_a_file_whose_multi_id_column_is_empty_throughout(tmp_path, capsys):
     """A file where no row held an id of a multi-id field (tags empty in every row of a small eval file)
     crashed eval with "internal error ValueError: cannot mmap an empty file"; it scores as empty bags."""

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recscale.data.dataset import ArrayDataset, iterate
+from recscale.data.materialize import progress_bar
 from recscale.data.preprocess import OOV
 from recscale.data.synthetic import SyntheticSpec, bayes_logloss
 from recscale.distributed.gather import eval_batches, gather_scores
@@ -25,10 +26,15 @@ def eval_batch_size(train_batch_size: int) -> int:
 
 @torch.no_grad()  # not inference_mode: gloo collectives fail inside it
 def predict(
-    model: nn.Module, ds: ArrayDataset, batch_size: int, num_workers: int, precision: Precision = "fp32"
+    model: nn.Module,
+    ds: ArrayDataset,
+    batch_size: int,
+    num_workers: int,
+    precision: Precision = "fp32",
+    progress: bool = False,
 ) -> torch.Tensor:
     """Logits (N,) for every row of ``ds`` in order, on every rank (each rank scores a slice), in
-    float32 whatever the compute ``precision``."""
+    float32 whatever the compute ``precision``; ``progress``: a bar of the rows scored (on this rank)."""
     was_training = model.training
     model.eval()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -39,11 +45,18 @@ def predict(
     # heap, and scoring 3M rows held ~3.5 GB for 12 MB of scores.
     out = torch.empty(sum(map(len, batches)), dtype=torch.float32, device=device)
     start = 0
-    for b in iterate(ds, batches, num_workers):
-        with autocast(precision, device):
-            n = len(b.labels)
-            out[start : start + n] = model(b.dense.to(device), b.sparse.to(device))
-        start += n
+    bar = progress_bar(progress, "scoring", total=len(out))
+    try:
+        for b in iterate(ds, batches, num_workers):
+            with autocast(precision, device):
+                n = len(b.labels)
+                out[start : start + n] = model(b.dense.to(device), b.sparse.to(device))
+            start += n
+            if bar is not None:
+                bar.update(n)
+    finally:
+        if bar is not None:
+            bar.close()
     model.train(was_training)
     return gather_scores(out, len(ds), batch_size, world).cpu()  # gathered on the device (NCCL)
 

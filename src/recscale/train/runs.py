@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -553,10 +554,12 @@ def _scored(
     )
     # libsvm places the label first in every line and MovieLens derives it: their files always have one.
     unlabelled = not labelled and data.format in ("csv", "parquet", "criteo")
+    # Bars on a terminal, as train and data prepare show them: a file of millions of rows takes minutes.
+    progress = sys.stderr.isatty() and dist.get_rank() == 0
     with scratch_dir(f"recscale-{command}-") as tmp:
         try:
             ds, stats = prepare_split(
-                data, pre, split, data_path, Path(tmp) / "split", progress=False,
+                data, pre, split, data_path, Path(tmp) / "split", progress=progress,
                 positions=out is not None, labelled=not unlabelled,
             )  # fmt: skip
         except DataError as e:  # the readers' hints name config keys, which eval takes no overrides for
@@ -565,5 +568,7 @@ def _scored(
                 line.replace("data.format=", "--format ").replace("data.format", "--format")
             ) from None
         # The batches the run's own evaluations used: an fp8 activation's scale is its batch's.
-        logits = predict(built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision)
+        logits = predict(
+            built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision, progress
+        )
         yield _Scores(cfg, pre, data, ds, stats, logits)
