@@ -496,3 +496,26 @@ def test_inspect_refuses_a_file_without_data_rows(tmp_path, capsys, fmt):
     code = main(["data", "inspect", str(path)])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "has no data rows" in err, err
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_inspect_shows_progress_on_a_terminal(tmp_path, capsys, monkeypatch, suffix):
+    """data inspect read a file with no bar on a terminal, where train and data prepare show one: a
+    Criteo-shaped file of 3M rows took 19 s, a day of Criteo minutes, without a sign. Off a terminal: none."""
+    import sys
+
+    from recscale.cli import main
+
+    table = pa.table({"label": [0, 1] * 50, "user": [str(i % 7) for i in range(100)]})
+    path = tmp_path / f"t{suffix}"
+    if suffix == ".csv":
+        path.write_text("label,user\n" + "".join(f"{i % 2},{i % 7}\n" for i in range(100)))
+    else:
+        pq.write_table(table, path)
+    assert main(["data", "inspect", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["rows"] == 100 and err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main(["data", "inspect", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["rows"] == 100 and f"reading {path.name}" in err

@@ -398,8 +398,9 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     )
 
     report = inspect_file(
-        args.path, args.format, options, args.max_rows, args.tables, args.max_len, args.label
-    )
+        args.path, args.format, options, args.max_rows, args.tables, args.max_len, args.label,
+        progress=sys.stderr.isatty(),
+    )  # fmt: skip
     print(strict_json(report, indent=2))
     if report["format"] in ("csv", "parquet") and all(c["type"] != "label" for c in report["columns"]):
         print(

@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from recscale.data.access import histogram_of_counts
+from recscale.data.materialize import progress_bar
 from recscale.data.preprocess import DenseMoments
 from recscale.data.readers import FORMATS, ReadStats, libsvm, read_batches, validate_options
 from recscale.data.readers.base import (
@@ -388,12 +389,23 @@ def _take(chunks: Iterator[_Chunk], max_rows: int | None) -> Iterator[_Chunk]:
         yield chunk
 
 
-def _scan(chunks: Iterator[_Chunk], columns: list[_Column], bad: BadRows | None) -> int:
+def _scan(chunks: Iterator[_Chunk], columns: list[_Column], bad: BadRows | None, bar: Any = None) -> int:
     """Stream the chunks into the columns' statistics; the rows training would drop (``_Column.check``)
     are counted by ``bad`` instead (as training counts them: each example names its position), or
-    with ``bad`` None were dropped by the reader already. Returns the rows kept: those training reads."""
+    with ``bad`` None were dropped by the reader already. Returns the rows kept: those training reads.
+    ``bar`` (a ``progress_bar``, or None) counts the rows read, and is closed at the end."""
+    try:
+        return _scanned(chunks, columns, bad, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _scanned(chunks: Iterator[_Chunk], columns: list[_Column], bad: BadRows | None, bar: Any) -> int:
     rows = 0
     for chunk in chunks:
+        if bar is not None:
+            bar.update(chunk.batch.num_rows + len(chunk.rejected))
         batch = chunk.batch
         if bad is not None:
             problems = chunk.problems
@@ -488,6 +500,7 @@ def inspect_file(
     tables: bool = False,
     max_len: int | None = None,
     label: str = LABEL,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Summarise a data file: format, rows, bad rows, positive rate and per-column statistics.
 
@@ -499,8 +512,13 @@ def inspect_file(
     histogram of one batch as the planner's cost models see it). With ``max_len``, each multi-id column's
     ``length`` also counts the rows a sequence feature of that ``max_len`` would cut (``truncated``).
     ``label`` names a csv or parquet file's label column (the schema's ``label``; default ``label``).
+    ``progress``: a bar of the rows read (a file of millions of rows takes minutes).
     """
     path = Path(path)
+
+    def bar(again: bool = False) -> Any:
+        return progress_bar(progress, f"{'reading again' if again else 'reading'} {path.name}")
+
     options = dict(options or {})
     fmt = fmt or ("csv" if options.keys() & {"delimiter", "quote"} else guess_format(path))  # csv options
     checked = validate_options(fmt, options)
@@ -521,7 +539,7 @@ def inspect_file(
         _check_label(path, label, names)
         columns = [_Column(n, LABEL if n == label else None, tables) for n in names]
         chunks = _take(_csv_chunks(path, names, delimiter, quote), max_rows)
-        rows = _scan(chunks, columns, BadRows(path, "line", "skip", stats))
+        rows = _scan(chunks, columns, BadRows(path, "line", "skip", stats), bar())
         if any(c.kind is None and c.inferred() == "dense" and c.nonfinite for c in columns):
             # A NaN or infinity in a column found dense only now: training drops its row, so read
             # again with every column's kind decided, dropping those rows from every statistic.
@@ -530,7 +548,7 @@ def inspect_file(
             ]
             stats = ReadStats()
             chunks = _take(_csv_chunks(path, names, delimiter, quote), max_rows)
-            rows = _scan(chunks, columns, BadRows(path, "line", "skip", stats))
+            rows = _scan(chunks, columns, BadRows(path, "line", "skip", stats), bar(again=True))
     elif fmt == "parquet":
         file = open_parquet(path)
         _check_label(path, label, file.schema_arrow.names)
@@ -544,7 +562,7 @@ def inspect_file(
             c.arrow_type = str(f.type)
         _pair_weights(columns, file.schema_arrow)
         rows = _scan(
-            _take(_parquet_chunks(path, file), max_rows), columns, BadRows(path, "row", "skip", stats)
+            _take(_parquet_chunks(path, file), max_rows), columns, BadRows(path, "row", "skip", stats), bar()
         )
     else:
         if fmt == "criteo":
@@ -567,10 +585,11 @@ def inspect_file(
             # Its files are read whole, joined and sorted by time: the reader drops (and counts in stats)
             # the bad rows of every file, and max_rows takes the first rows of the sorted ratings.
             batches = read_batches(path, fmt, schema, options, on_bad_row="skip", stats=stats)
-            rows = _scan(_take((_Chunk(b, consecutive(1), []) for b in batches), max_rows), columns, None)
+            chunks = _take((_Chunk(b, consecutive(1), []) for b in batches), max_rows)
+            rows = _scan(chunks, columns, None, bar())
         else:  # every row as the reader converts it, bad ones too, so that max_rows counts them
             chunks = _reader_chunks(path, fmt, schema, options)
-            rows = _scan(_take(chunks, max_rows), columns, BadRows(path, "line", "skip", stats))
+            rows = _scan(_take(chunks, max_rows), columns, BadRows(path, "line", "skip", stats), bar())
     if not rows and not stats.skipped and max_rows != 0:
         raise DataError(f"{path} has no data rows")  # as training refuses it (a header alone, say)
     config_schema, left_out = _config_schema(columns, fixed, label)
