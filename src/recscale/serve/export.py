@@ -181,8 +181,12 @@ def export_run(
         trained = {
             k: v.float() if k.startswith((_TABLES, _SEQUENCE_TABLES)) else v for k, v in trained.items()
         }
+    # The training model (its tables, their optimizer state) and then the assembled tensors are let go as soon
+    # as they are copied: each is as large as the tables, and the file written is one more copy.
+    del built, model, state
     model = inference_model(cfg, pre, "fp32")
     load_weights(model, trained, "fp32", f"{run_dir}'s checkpoint")
+    del trained
     if tables != "fp32":
         quantize_embeddings(model, dtype=_QUANT_DTYPES[tables], inplace=True)
     manifest = Manifest(
