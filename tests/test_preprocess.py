@@ -525,6 +525,32 @@ def test_a_few_ids_are_looked_up_without_hashing_the_whole_vocabulary(monkeypatc
     assert calls == [1]
 
 
+def test_an_id_longer_than_every_vocabulary_id_is_oov_without_being_hashed(monkeypatch):
+    """stable_hash loops over character positions: the VocabIndex hashed a request's 8 MB id 8M times over.
+    One longer than every id of the vocabulary is OOV, known without hashing it."""
+    import recscale.data.preprocess as preprocess
+
+    pre = Preprocessor(
+        Schema(sparse=[SparseFeature(name="a")]), {"a": pa.array([f"id{i}" for i in range(400)])}
+    )
+    hashed: list[int] = []
+    stable_hash = preprocess.stable_hash
+    monkeypatch.setattr(
+        preprocess,
+        "stable_hash",
+        lambda v: hashed.append(pc.max(pc.binary_length(v)).as_py() or 0) or stable_hash(v),
+    )
+    pre.vocab_index("a")
+    assert pre.lookup("a", pa.array(["id3", "x" * 100_000, None, "id399", "id3" + "0" * 50])).tolist() == [
+        4,
+        OOV,
+        OOV,
+        400,
+        OOV,
+    ]
+    assert max(hashed) == len("id399")
+
+
 def test_predict_holds_no_batch_of_scores_until_the_end(tmp_path, monkeypatch):
     """predict copies each batch's scores into one tensor as it goes. It kept every batch's output tensor to
     concatenate them at the end, which pinned the allocator's heap between each batch's freed temporaries:

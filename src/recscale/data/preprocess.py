@@ -263,6 +263,9 @@ class VocabIndex:
 
     def __init__(self, vocab: pa.Array) -> None:
         self.text = vocab if pa.types.is_string(vocab.type) else pc.cast(vocab, pa.string())
+        # stable_hash loops over character positions: a value longer than every id (a request's 8 MB id) is
+        # known absent without hashing it.
+        self.longest = int(pc.max(pc.binary_length(self.text)).as_py() or 0)
         keys = stable_hash(self.text)
         self.order = np.argsort(keys, kind="stable")
         self.keys = keys[self.order]
@@ -275,12 +278,17 @@ class VocabIndex:
         if not len(self.keys):
             return np.full(len(values), OOV, np.int64)
         text = values if pa.types.is_string(values.type) else pc.cast(values, pa.string())
+        short = pc.fill_null(pc.less_equal(pc.binary_length(text), self.longest), False)
+        rows = np.flatnonzero(short.to_numpy(zero_copy_only=False))
+        text = text.take(pa.array(rows))
         hashes = stable_hash(text)
         at = np.minimum(np.searchsorted(self.keys, hashes), len(self.keys) - 1)
         candidate = self.order[at]
-        same = pc.equal(self.text.take(pa.array(candidate)), text)  # null (a missing value): not found
+        same = pc.equal(self.text.take(pa.array(candidate)), text)
         found = (self.keys[at] == hashes) & pc.fill_null(same, False).to_numpy(zero_copy_only=False)
-        return np.where(found, candidate + 1, OOV).astype(np.int64)
+        ids = np.full(len(values), OOV, np.int64)
+        ids[rows[found]] = candidate[found] + 1
+        return ids
 
 
 class Preprocessor:
