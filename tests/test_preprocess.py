@@ -420,6 +420,14 @@ def test_stable_hash_is_fnv1a():
 
     words = ["", "a", "criteo", "0b153874", "日本"]
     assert stable_hash(pa.array(words)).tolist() == [fnv(w) for w in words]
+    # Many values, a few far longer than the rest (whose tails are hashed one value at a time), in any order,
+    # from a slice of a larger array; a null hashes as "".
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(0, 12, 300), rng.integers(200, 3000, 20), [5000]])
+    rng.shuffle(lengths)
+    many = ["".join(rng.choice(list("ab日z9"), n)) for n in lengths]
+    sliced = pa.array(["x", *many, None, "y"]).slice(1)
+    assert stable_hash(sliced).tolist() == [fnv(w) for w in [*many, "", "y"]]
 
 
 def test_materialized_batches(tmp_path):
