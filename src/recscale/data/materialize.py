@@ -10,7 +10,8 @@ counts summed with a bincount; when mapping, looked up in the vocabulary with on
 number of each batch's distinct ids goes to a second scratch file. Once the source is read, the
 vocabulary is sorted in numpy from the counts, and each field's codes become vocabulary ids with
 two numpy takes: no id is hashed again; fields are fitted and mapped side by side in threads. Memory
-holds a few batches, one block per thread and (when fitting) the distinct ids with their counts,
+holds a few batches, up to one block of pending ids per sparse field (``BLOCK_IDS``; a wide schema's
+fields together can hold ~80 MB each at once) and (when fitting) the distinct ids with their counts,
 whatever the file's size.
 
 A scaled dense feature's statistics are likewise known only once the training split is read: its column is
