@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from conftest import ctrl_c_as_in_a_terminal
@@ -916,3 +917,46 @@ def test_score_file_reads_a_movielens_directory_as_eval_does(tmp_path, shared_da
     assert len(logits) == m["rows"] < 80_000
     got = ctr_metrics(torch.from_numpy(logits).double(), torch.from_numpy(labels).double())
     assert got["auc"] == pytest.approx(m["auc"], abs=1e-6)
+
+
+class _HeldScorer:
+    """Scores a batch as its ``v`` column; the first call waits for ``release`` (the batcher's thread is
+    busy while the test queues requests behind it). ``calls``: each batch's request tags, in order."""
+
+    def __init__(self) -> None:
+        self.release, self.busy = threading.Event(), threading.Event()
+        self.calls: list[list[int]] = []
+
+    def probabilities(self, batch: pa.RecordBatch) -> np.ndarray:
+        self.busy.set()
+        self.release.wait(30)
+        v = batch.column("v").to_numpy()
+        self.calls.append(sorted({int(x) // 1000 for x in v}))
+        return v.astype(np.float32)
+
+
+def _request(tag: int, rows: int) -> pa.RecordBatch:
+    return pa.record_batch({"v": pa.array([tag * 1000 + i for i in range(rows)], pa.float32())})
+
+
+def test_a_request_that_does_not_fit_the_batch_is_scored_next_and_on_shutdown():
+    """A request that would overflow the batch being gathered went back to the *end* of the queue: behind
+    every later request (scored last under a steady stream) and behind the stop marker, so a request queued
+    at shutdown was never answered."""
+    scorer = _HeldScorer()
+    batcher = Batcher(scorer, ServeOptions(max_batch=64))  # type: ignore[arg-type]
+    first = batcher.submit(_request(0, 1))
+    assert scorer.busy.wait(30)  # the thread scores request 0 while 1-5 queue
+    sizes = {1: 10, 2: 60, 3: 10, 4: 10, 5: 10}
+    futures = {tag: batcher.submit(_request(tag, n)) for tag, n in sizes.items()}
+    stopping = threading.Thread(target=batcher.stop)
+    stopping.start()  # the stop marker queues behind them
+    time.sleep(0.2)
+    scorer.release.set()
+    stopping.join(30)
+    assert not stopping.is_alive()
+    assert len(first.result(timeout=1)) == 1
+    for tag, fut in futures.items():  # each answered, with its own rows
+        np.testing.assert_array_equal(fut.result(timeout=1), _request(tag, sizes[tag]).column("v").to_numpy())
+    # Request 2 did not fit beside 1: it starts the next batch, before the requests that came after it.
+    assert scorer.calls == [[0], [1], [2], [3, 4, 5]]

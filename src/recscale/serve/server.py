@@ -92,12 +92,13 @@ class Batcher:
         for t in self._threads:
             t.join()
 
-    def _gather(self, first: _Job) -> tuple[list[_Job], bool]:
-        """``first`` and the requests that arrive within the wait, up to ``max_batch`` rows; and whether
-        the stop marker was met."""
+    def _gather(self, first: _Job) -> tuple[list[_Job], _Job | None, bool]:
+        """``first`` and the requests that arrive within the wait, up to ``max_batch`` rows; the request that
+        did not fit (the next batch's first: put back at the end of the queue, it waited behind every later
+        request and behind the stop marker, never answered); and whether the stop marker was met."""
         jobs, rows = [first], first[0].num_rows
         if not self.opts.batching:
-            return jobs, False
+            return jobs, None, False
         deadline = time.perf_counter() + self.opts.max_wait_ms / 1000
         while rows < self.opts.max_batch:
             try:
@@ -105,17 +106,17 @@ class Batcher:
             except queue.Empty:
                 break
             if job is None:
-                return jobs, True
+                return jobs, None, True
             if rows + job[0].num_rows > self.opts.max_batch:
-                self._queue.put(job)  # scored next: this batch is full
-                break
+                return jobs, job, False  # this batch is full
             jobs.append(job)
             rows += job[0].num_rows
-        return jobs, False
+        return jobs, None, False
 
     def _run(self) -> None:
-        while (first := self._queue.get()) is not None:
-            jobs, stop = self._gather(first)
+        held: _Job | None = None
+        while (first := held if held is not None else self._queue.get()) is not None:
+            jobs, held, stop = self._gather(first)
             # A request cancelled while it waited (its handler was cancelled) is not scored: setting its
             # result would raise in this thread and end it, and every later request would hang.
             jobs = [job for job in jobs if job[1].set_running_or_notify_cancel()]
