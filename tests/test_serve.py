@@ -960,3 +960,27 @@ def test_a_request_that_does_not_fit_the_batch_is_scored_next_and_on_shutdown():
         np.testing.assert_array_equal(fut.result(timeout=1), _request(tag, sizes[tag]).column("v").to_numpy())
     # Request 2 did not fit beside 1: it starts the next batch, before the requests that came after it.
     assert scorer.calls == [[0], [1], [2], [3, 4, 5]]
+
+
+def test_score_file_holds_no_chunk_of_scores_until_the_end(scorer, trained, monkeypatch):
+    """score_file copies each chunk's logits and labels into arrays it grows as it goes. It kept every chunk's
+    output to concatenate at the end, which pinned the allocator's heap between each chunk's freed
+    temporaries (Criteo-shaped 3M rows: ~1 GB more resident for 12 MB of scores), as predict once did."""
+    import weakref
+
+    expected, expected_labels = scorer.score_file(trained["valid"])
+    real = scorer.logits
+    outputs: list[weakref.ref] = []
+    held = []  # each call's count of earlier outputs still alive
+
+    def logits(batch: pa.RecordBatch) -> torch.Tensor:
+        held.append(sum(r() is not None for r in outputs))
+        out = real(batch).numpy().copy()
+        outputs.append(weakref.ref(out))
+        return torch.from_numpy(out)
+
+    monkeypatch.setattr(scorer, "logits", logits)
+    got, labels = scorer.score_file(trained["valid"], chunk_rows=16)
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+    np.testing.assert_array_equal(labels, expected_labels)
+    assert len(got) == 120 and len(held) == 8 and max(held) <= 1
