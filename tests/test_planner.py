@@ -494,3 +494,21 @@ def test_learned_shards_become_the_matching_sharding_type(ranks, topology, expec
 if __name__ == "__main__" and sys.argv[1:2] == ["plan_on_each_rank"]:
     _plan_on_each_rank(sys.argv[2])
     exit_rank(0)
+
+
+def test_shard_plan_reads_no_valid_or_test_file(tmp_path, capsys):
+    """Planning needs the vocabularies and a sample of training rows; shard plan prepared every split (a whole
+    valid/test copy in a scratch directory, with no progress shown), so a bad test file failed it."""
+    rows = ["label,user,item", *(f"{i % 3 == 0:d},{i % 7},{i % 11}" for i in range(300))]
+    (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
+    (tmp_path / "test.csv").write_text("label,nothing\n1,2\n")  # no user or item column: training refuses it
+    (tmp_path / "run.yaml").write_text(
+        f"data: {{format: csv, train: {tmp_path / 'train.csv'}, valid: {tmp_path / 'gone.csv'}, "
+        f"test: {tmp_path / 'test.csv'}, num_workers: 0, schema: {{sparse: [{{name: user}}, {{name: item}}]}}}}\n"
+        "model: {name: fm}\ntrain: {batch_size: 32, progress: false}\n"
+    )
+    out = tmp_path / "plan.json"
+    assert main(["shard", "plan", str(tmp_path / "run.yaml"), "--nproc", "2", "--out", str(out)]) == 0, (
+        capsys.readouterr().err
+    )
+    assert set(json.loads(out.read_text())["tables"]) == {"t_user", "t_item"}

@@ -6,6 +6,7 @@ and memory."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,13 @@ def shard_plan(cfg: RunConfig, world: int, local_world: int, out: Path) -> dict[
             "shard plan: the config trains DMT (dmt:), where each host shards its tower's tables by "
             f"dmt.sharding ({cfg.dmt.sharding}) over its own ranks; shard plan plans flat runs: drop dmt"
         )
+    # Planning reads the vocabularies and a sample of training rows: the valid and test files are not read.
+    data = cfg.data
+    if data.format != "synthetic" and data.prepared is None:
+        data = data.model_copy(update={"valid": None, "test": None, "report_fraction": None})
     with scratch_dir("recscale-shard-plan-") as tmp:
-        pre, splits, _ = prepare_run_data(cfg.data, Path(tmp), resume=False, main=True, progress=False)
+        show = cfg.train.progress and sys.stderr.isatty()
+        pre, splits, _ = prepare_run_data(data, Path(tmp), resume=False, main=True, progress=show)
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model.name, feature_set(pre), cfg.model.embedding, cfg.model.params)
         env = DistEnv(0, world, local_world, torch.device("cpu"), "gloo")
