@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -394,29 +395,22 @@ def _scan(chunks: Iterator[_Chunk], columns: list[_Column], bad: BadRows | None,
     are counted by ``bad`` instead (as training counts them: each example names its position), or
     with ``bad`` None were dropped by the reader already. Returns the rows kept: those training reads.
     ``bar`` (a ``progress_bar``, or None) counts the rows read, and is closed at the end."""
-    try:
-        return _scanned(chunks, columns, bad, bar)
-    finally:
-        if bar is not None:
-            bar.close()
-
-
-def _scanned(chunks: Iterator[_Chunk], columns: list[_Column], bad: BadRows | None, bar: Any) -> int:
     rows = 0
-    for chunk in chunks:
-        if bar is not None:
-            bar.update(chunk.batch.num_rows + len(chunk.rejected))
-        batch = chunk.batch
-        if bad is not None:
-            problems = chunk.problems
-            if problems is None:
-                problems = [col.check(batch.column(col.name), batch) for col in columns]
-            keep = bad.keep(batch.num_rows, problems, chunk.locate, chunk.rejected)
-            if keep is not None:
-                batch = batch.filter(pa.array(keep))
-        rows += batch.num_rows
-        for col in columns:
-            col.add(batch.column(col.name))
+    with bar if bar is not None else nullcontext():
+        for chunk in chunks:
+            if bar is not None:
+                bar.update(chunk.batch.num_rows + len(chunk.rejected))
+            batch = chunk.batch
+            if bad is not None:
+                problems = chunk.problems
+                if problems is None:
+                    problems = [col.check(batch.column(col.name), batch) for col in columns]
+                keep = bad.keep(batch.num_rows, problems, chunk.locate, chunk.rejected)
+                if keep is not None:
+                    batch = batch.filter(pa.array(keep))
+            rows += batch.num_rows
+            for col in columns:
+                col.add(batch.column(col.name))
     return rows
 
 

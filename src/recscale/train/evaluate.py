@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -46,7 +48,7 @@ def predict(
     out = torch.empty(sum(map(len, batches)), dtype=torch.float32, device=device)
     start = 0
     bar = progress_bar(progress, "scoring", total=len(out))
-    try:
+    with bar if bar is not None else nullcontext():
         for b in iterate(ds, batches, num_workers):
             with autocast(precision, device):
                 n = len(b.labels)
@@ -54,9 +56,6 @@ def predict(
             start += n
             if bar is not None:
                 bar.update(n)
-    finally:
-        if bar is not None:
-            bar.close()
     model.train(was_training)
     return gather_scores(out, len(ds), batch_size, world).cpu()  # gathered on the device (NCCL)
 
