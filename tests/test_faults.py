@@ -285,17 +285,21 @@ def test_hung_rank_is_named_and_the_job_ends_soon_after_the_timeout(tmp_path):
 
 
 def _stop_with_sigterm(
-    run_dir: Path, *args: str, env: dict[str, str] | None = None, sig: int = signal.SIGTERM
+    run_dir: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    sig: int = signal.SIGTERM,
+    preexec: Callable[[], None] = ctrl_c_as_in_a_terminal,
 ) -> tuple[int, str, list[int]]:
-    """Start a long training into ``run_dir`` (``args``: more of its command line), SIGTERM (or ``sig``) it
-    once it has written a checkpoint; returns its exit code, its stderr and the processes of the job that
-    outlived it (then killed)."""
+    """Start a long training into ``run_dir`` (``args``: more of its command line; ``preexec`` before it
+    runs), SIGTERM (or ``sig``) it once it has written a checkpoint; returns its exit code, its stderr and the
+    processes of the job that outlived it (then killed)."""
     cmd = [sys.executable, "-m", "recscale.cli", "train", str(CONFIGS / "demo.yaml"), *SMALL, "train.eval_every=3",
            "train.epochs=1000", "train.max_steps=100000", "--out", str(run_dir), *args]  # fmt: skip
     # Not a pipe: processes the command leaves behind would hold it open.
     log = run_dir.with_name("stderr.txt")
     with open(log, "w") as stderr:
-        proc = subprocess.Popen(cmd, stderr=stderr, cwd=REPO, env=env, preexec_fn=ctrl_c_as_in_a_terminal)
+        proc = subprocess.Popen(cmd, stderr=stderr, cwd=REPO, env=env, preexec_fn=preexec)
     try:
         deadline = time.monotonic() + 120
         while not list_checkpoints(run_dir / "ckpt"):
@@ -374,6 +378,20 @@ def test_sigterm_stops_a_training_with_one_line_and_a_resume_continues_it(tmp_pa
     assert main(["train", "--resume", "--out", str(run_dir), f"train.max_steps={resumed_to}"]) == 0
     assert f"resumed from {latest} " in capsys.readouterr().err
     assert [r["step"] for r in _logged(run_dir) if r["split"] == "train"] == list(range(1, resumed_to + 1))
+
+
+def _signals_blocked() -> None:
+    ctrl_c_as_in_a_terminal()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_training_started_with_stop_signals_blocked_still_stops(tmp_path, sig):
+    """A parent that left SIGINT and SIGTERM blocked (the mask is inherited across exec) made a training deaf
+    to both until it ended: it now stops as any other does."""
+    code, err, left = _stop_with_sigterm(tmp_path / "run", sig=sig, preexec=_signals_blocked)
+    assert code == (143 if sig == signal.SIGTERM else 130) and left == [], err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("train: stopped by "), err[-2000:]
 
 
 def test_ctrl_c_stops_a_training_saying_how_to_continue(tmp_path):

@@ -922,7 +922,15 @@ def _closed_streams_to_devnull() -> None:
         setattr(sys, name, open(os.devnull, "w"))  # the process's stream, open while it lives
 
 
+def _unblock_stop_signals() -> None:
+    """Let SIGINT, SIGTERM and SIGHUP through where the parent left them blocked: the mask survives exec and
+    Python never clears it, so such a `recscale train` went on through Ctrl-C and SIGTERM until it ended.
+    Signals the parent ignored (nohup, `trap '' INT`) stay ignored: that is their disposition, not the mask."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
+
 def main(argv: list[str] | None = None) -> int:
+    _unblock_stop_signals()
     _closed_streams_to_devnull()
     _stdout_never_fails_to_encode()
     parser = build_parser()
