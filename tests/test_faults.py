@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -220,6 +221,25 @@ def test_a_crashed_rank_is_named_with_where_it_crashed(tmp_path):
         r"rank 1 \(pid \d+\) was killed by SIGABRT in _crash_here \(crash\.py:4\); the other ranks were stopped",
         str(e.value),
     ), str(e.value)
+
+
+@dist_mark
+def test_a_rendezvous_port_taken_before_the_agents_bind_it_starts_the_job_on_another(tmp_path, monkeypatch):
+    """The launcher finds a free port and its first agent binds it seconds later: a port taken in between failed
+    the job ('the hosts' agents exited with codes [1, -15]', a traceback above). It starts again on another."""
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    ports = iter([squatter.getsockname()[1], free_port()])
+    monkeypatch.setattr("recscale.distributed.launch.free_port", lambda: next(ports))
+    program = tmp_path / "ranks.py"
+    program.write_text(
+        "import sys\nfrom recscale.distributed.env import init_distributed\n"
+        "open(sys.argv[0] + '.rank%d' % init_distributed().rank, 'w').close()\n"
+    )
+    with squatter:
+        launch([str(program)], 2, 1, 0)
+    assert sorted(p.name for p in tmp_path.glob("ranks.py.rank*")) == ["ranks.py.rank0", "ranks.py.rank1"]
 
 
 @dist_mark

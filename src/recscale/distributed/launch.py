@@ -47,6 +47,7 @@ _SETTLE_S = 3.0
 # torch elastic's grace between SIGTERM and SIGKILL when stopping workers (its default: 30 s). The
 # trainer does not handle SIGTERM, so a worker that can die dies at once; only a hung one waits it out.
 _WORKER_GRACE_S = 5
+_PORT_TRIES = 3
 
 
 def host_split(nproc: int, local_world_size: int | None) -> tuple[int, int]:
@@ -72,12 +73,25 @@ def launch(command: list[str], nproc: int, local_world_size: int | None, max_res
     hosts, local = host_split(nproc, local_world_size)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(rank_threads(nproc)))
+    # The rendezvous port is found free here and bound seconds later by the first agent, once it has imported
+    # torch: another process can take it in between. The job then starts again on another port.
+    for _ in range(_PORT_TRIES):
+        if _run(command, hosts, local, max_restarts, env):
+            return
+    raise RecscaleError(
+        f"the rendezvous port was taken by another process {_PORT_TRIES} times in a row; retry"
+    )
+
+
+def _run(command: list[str], hosts: int, local: int, max_restarts: int, env: dict[str, str]) -> bool:
+    """One launch of the job's agents on a free port: True once it succeeded, False where the port was taken
+    before the first agent bound it (nothing ran); a failure raises its one line."""
     port, run_id = free_port(), uuid.uuid4().hex[:12]
     with tempfile.TemporaryDirectory(prefix="recscale-launch-") as tmp:
         summaries = [Path(tmp) / f"host{h}.json" for h in range(hosts)]
         faults = Path(tmp) / "faults"
         (faults / ERRORS_SUBDIR).mkdir(parents=True)
-        env[FAULT_DIR_ENV] = str(faults)
+        env = {**env, FAULT_DIR_ENV: str(faults)}
         agents: list[subprocess.Popen] = []
         try:
             for h in range(hosts):
@@ -89,11 +103,14 @@ def launch(command: list[str], nproc: int, local_world_size: int | None, max_res
         except (KeyboardInterrupt, Terminated):  # Ctrl-C, or SIGTERM to `recscale train --nproc` (cli)
             _stop(agents)
             raise
-        if failed:
-            found = [json.loads(p.read_text()) for p in summaries if p.is_file()]
-            raise RecscaleError(
-                f"{_root_cause(faults, found, max_restarts, agents)}; the other ranks were stopped"
-            )
+        if not failed:
+            return True
+        found = [json.loads(p.read_text()) for p in summaries if p.is_file()]
+        if any(f.get("port_taken") for f in found):
+            return False
+        raise RecscaleError(
+            f"{_root_cause(faults, found, max_restarts, agents)}; the other ranks were stopped"
+        )
 
 
 def _root_cause(faults: Path, found: list[dict], final_attempt: int, agents: list[subprocess.Popen]) -> str:
@@ -232,6 +249,7 @@ def _describe(rank: int, failure: object) -> str:
 
 def _agent(args: argparse.Namespace) -> int:
     """One host's elastic agent (the body of ``torchrun --nnodes H --node-rank h``)."""
+    from torch.distributed import DistNetworkError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -268,6 +286,12 @@ def _agent(args: argparse.Namespace) -> int:
             "maybe_consequence": _maybe_consequence(failure.exitcode),
         }
         Path(args.summary).write_text(json.dumps(summary))
+        return 1
+    except DistNetworkError as e:
+        if args.host != 0 or "EADDRINUSE" not in str(e):
+            raise
+        # The rendezvous port, found free by the launcher, was taken before this agent bound it.
+        Path(args.summary).write_text(json.dumps({"port_taken": True}))
         return 1
     except SignalException as e:  # stopped by the launcher (or the user): its workers are stopped too
         return 128 + e.sigval
