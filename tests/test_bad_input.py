@@ -333,9 +333,9 @@ CASES = [
         watch=run_dir,
     ),
     Case(
-        "eval: a directory for a format that reads one file",
+        "eval: a directory with no data files in it",  # a folder of parts is read as one split
         lambda c: ["eval", str(c.run), "--data", str(c.tmp)],
-        ("is a directory", "one file"),
+        ("is a directory with no data files in it", "a folder of them"),
         watch=run_dir,
     ),
     Case(

@@ -46,6 +46,13 @@ def test_guess_format(tmp_path):
         guess_format(write(tmp_path / "a.dat", ["hello"]))
     with pytest.raises(DataError, match="no such file"):
         guess_format(tmp_path / "missing.csv")
+    # A glob pattern, as training takes one: inspected as its one file, or refused naming its files.
+    assert inspect_file(tmp_path / "a.c?v")["rows"] == 1
+    write(tmp_path / "b.csv", ["label,a", "0,3"])
+    with pytest.raises(
+        DataError, match=r"\*\.csv names 2 files; data inspect reads one: give one of them \(a\.csv, b\.csv\)"
+    ):
+        inspect_file(tmp_path / "*.csv")
     # JSON lines were guessed csv by their commas: columns '{"label": 1', ' "a": "x"}' and schema null.
     for lines in (['{"label": 1, "a": "x"}'], ['[{"label": 1, "a": "x"},', '{"label": 0, "a": "y"}]']):
         with pytest.raises(DataError, match=r"a\.jsonl: JSON, which recscale does not read; convert it"):

@@ -1125,3 +1125,68 @@ def test_a_pipe_or_device_as_data_is_named_as_such(tmp_path):
     finally:
         os.close(read)
         os.close(write)
+
+
+# ---------------------------------------------------------------- a split in several files
+
+
+@pytest.mark.parametrize("fmt", ["csv", "criteo", "parquet"])
+def test_a_split_in_parts_reads_as_the_whole_file(tmp_path, fmt):
+    """A split written in parts (Spark's part-*, Criteo 1TB's day_0 ... day_23) read as one: a folder of them
+    (its _SUCCESS and .crc markers left out, an empty part adding no rows) or a glob pattern, in name order."""
+    rng = np.random.default_rng(0)
+    rows = [(int(rng.integers(0, 2)), float(rng.normal()), f"u{rng.integers(0, 50)}") for _ in range(300)]
+    schema = make_schema(dense=["I1"], sparse=["C1"])
+
+    def write_part(path: Path, part: list) -> Path:
+        if fmt == "csv":
+            return write(path, ["label,I1,C1", *(f"{y},{x},{c}" for y, x, c in part)])
+        if fmt == "criteo":
+            pad = "\t" * 12, "\t" * 25
+            return write(path, [f"{y}\t{x}{pad[0]}\t{c}{pad[1]}" for y, x, c in part])
+        cols = list(zip(*part, strict=True)) if part else [[], [], []]
+        table = pa.table({"label": pa.array(cols[0], pa.int64()), "I1": pa.array(cols[1], pa.float64()),
+                          "C1": pa.array(cols[2], pa.string())})  # fmt: skip
+        pq.write_table(table, path)
+        return path
+
+    whole = read_all(write_part(tmp_path / "whole", rows), fmt, schema)
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    for i, (a, b) in enumerate([(0, 120), (120, 120), (120, 300)]):  # the second part is empty
+        write_part(parts / f"part-{i:05d}", rows[a:b])
+    (parts / "_SUCCESS").write_bytes(b"")
+    (parts / ".part-00000.crc").write_bytes(b"\x00crc")
+    stats = ReadStats()
+    assert read_all(parts, fmt, schema, chunk_rows=64, stats=stats).equals(whole)
+    assert stats.rows == 300
+    assert read_all(f"{parts}/part-*", fmt, schema).equals(whole)
+
+
+def test_a_bad_row_in_a_part_names_that_part_and_its_line(tmp_path):
+    for i, body in enumerate(["1,a\n0,b\n", "1,c\n0,d,extra\n"]):
+        (tmp_path / f"day_{i}.csv").write_text("label,user\n" + body)
+    schema = make_schema(sparse=["user"])
+    with pytest.raises(DataError, match=rf"^{tmp_path}/day_1\.csv line 3: has 3 columns"):
+        read_all(tmp_path / "day_*.csv", "csv", schema)
+    # A part whose header lacks a column is refused before any row is read, not once the read reaches it.
+    (tmp_path / "day_1.csv").write_text("label,item\n1,c\n")
+    with pytest.raises(DataError, match=r"day_1\.csv.*'user'"):
+        read_batches(tmp_path / "day_*.csv", "csv", schema)
+    # Scores are joined back to a file's lines: several files are refused there, with how to go on.
+    with pytest.raises(DataError, match=r"names 2 files; .*score them one at a time"):
+        read_batches(tmp_path, "csv", schema, stats=ReadStats(positions=[]))
+
+
+def test_data_paths_that_name_no_data_are_one_line(tmp_path):
+    schema = make_schema(sparse=["user"])
+    with pytest.raises(DataError, match=r"day_\*\.csv: no file matches this pattern; fix the pattern"):
+        read_batches(tmp_path / "day_*.csv", "csv", schema)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "_SUCCESS").write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty is a directory with no data files in it"):
+        read_batches(tmp_path / "empty", "csv", schema)
+    # A file whose name looks like a pattern is that file, not what the pattern would match.
+    write(tmp_path / "run[1].csv", ["label,user", "1,a"])
+    write(tmp_path / "run1.csv", ["label,user", "1,b", "0,c"])
+    assert read_all(tmp_path / "run[1].csv", "csv", schema).num_rows == 1

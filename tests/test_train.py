@@ -1263,3 +1263,45 @@ def test_metrics_jsonl_is_there_for_a_run_that_logged_nothing(tmp_path):
     )  # fmt: skip
     Trainer(cfg, tmp_path / "r").fit()
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == ""
+
+
+def test_a_run_trains_on_a_split_in_parts_and_sees_a_part_rewritten(tmp_path):
+    """data.train a folder of parts and data.valid a glob pattern train as the whole files do; eval takes a
+    pattern too; a part rewritten in place (same size) changes the split's fingerprint (it is read again)."""
+    rng = np.random.default_rng(0)
+    names = ["label", "user", "item"]
+
+    def rows(n: int) -> list[str]:
+        return [f"{rng.integers(0, 2)},u{rng.integers(0, 30)},i{rng.integers(0, 30)}" for _ in range(n)]
+
+    train, valid = rows(900), rows(300)
+
+    def write(path: Path, lines: list[str]) -> None:
+        path.write_text("\n".join([",".join(names), *lines]) + "\n")
+
+    write(tmp_path / "train.csv", train)
+    write(tmp_path / "valid.csv", valid)
+    (tmp_path / "train").mkdir()
+    for i in range(3):
+        write(tmp_path / "train" / f"part-{i}.csv", train[i * 300 : (i + 1) * 300])
+    write(tmp_path / "valid_0.csv", valid[:100])
+    write(tmp_path / "valid_1.csv", valid[100:])
+    common = ["data.schema={label: label, sparse: [{name: user}, {name: item}]}", "model.name=lr",
+              "train.max_steps=6", "train.batch_size=128", "train.eval_every=3", "train.progress=false",
+              "data.num_workers=0"]  # fmt: skip
+    valids = {}
+    for name, tr, va in (("whole", "train.csv", "valid.csv"), ("parts", "train", "valid_*.csv")):
+        cfg = load_config(
+            CONFIGS / "frappe.yaml", [*common, f"data.train={tmp_path / tr}", f"data.valid={tmp_path / va}"]
+        )
+        valids[name] = Trainer(cfg, tmp_path / name).fit()["valid"]
+    assert valids["parts"] == valids["whole"]
+    assert eval_run(tmp_path / "parts", str(tmp_path / "valid_*.csv"))["auc"] == valids["whole"]["auc"]
+    from recscale.data.sources import source_fingerprint
+
+    before = source_fingerprint("csv", str(tmp_path / "train"), "train", {})
+    part = tmp_path / "train" / "part-1.csv"
+    mtime = (tmp_path / "train").stat().st_mtime_ns
+    part.write_text(part.read_text().replace(",u1,", ",u2,"))  # in place, the same size: the folder's stat
+    assert (tmp_path / "train").stat().st_mtime_ns == mtime  # is unchanged
+    assert source_fingerprint("csv", str(tmp_path / "train"), "train", {}) != before

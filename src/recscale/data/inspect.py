@@ -52,6 +52,7 @@ from recscale.data.readers.base import (
     check_sequence,
     consecutive,
     damage_named,
+    data_files,
     is_list,
     list_ids,
     list_weights,
@@ -509,6 +510,14 @@ def inspect_file(
     ``progress``: a bar of the rows read (a file of millions of rows takes minutes).
     """
     path = Path(path)
+    if not path.exists():  # a glob pattern: of one file, that file; of several, which one to give
+        files = data_files(path, "csv")
+        if len(files) > 1:
+            listed = ", ".join(f.name for f in files[:3]) + (", ..." if len(files) > 3 else "")
+            raise DataError(
+                f"{path} names {len(files)} files; data inspect reads one: give one of them ({listed})"
+            )
+        path = files[0]
 
     def bar(again: bool = False) -> Any:
         return progress_bar(progress, f"{'reading again' if again else 'reading'} {path.name}")

@@ -12,7 +12,7 @@ from typing import Any
 import pyarrow as pa
 
 from recscale.data.readers import ReadStats, read_batches
-from recscale.data.readers.base import OnBadRow, check_regular
+from recscale.data.readers.base import OnBadRow, check_regular, data_files, names_data
 from recscale.data.readers.movielens import files_of
 from recscale.data.schema import Schema
 from recscale.data.synthetic import SyntheticSpec, synthetic_batches
@@ -47,8 +47,7 @@ def source_fingerprint(fmt: str, path: str | None, split: str, extra: dict[str, 
     if path is not None:
         if Path(path).exists():  # as named: a pipe's /dev/fd/N resolves to no path (pipe:[N])
             check_regular(Path(path))
-        p = Path(path).resolve()
-        if not p.exists():
+        if not names_data(path):
             # A relative path is the working directory's, not the config file's: say which it was read from.
             where = (
                 ""
@@ -58,11 +57,22 @@ def source_fingerprint(fmt: str, path: str | None, split: str, extra: dict[str, 
             raise DataError(
                 f"data.{split}: {path} does not exist{where}; fix the path in the config or set data.{split}=PATH"
             )
-        st = os.stat(p)
-        info.update(path=str(p), size=st.st_size, mtime_ns=st.st_mtime_ns)
+        p = Path(path).resolve()
         if fmt == "movielens":
+            st = os.stat(p)
+            info.update(path=str(p), size=st.st_size, mtime_ns=st.st_mtime_ns)
             # Its data is the .inter file and the .user/.item beside it: a directory's size and mtime do not
             # change when a file in it is rewritten in place, nor the .inter file's when its .user file is.
             stats = {str(f.path): os.stat(f.path) for f in files_of(p).values()}
             info["files"] = {name: [st.st_size, st.st_mtime_ns] for name, st in stats.items()}
+        else:
+            files = data_files(path, fmt)
+            if len(files) == 1:
+                st = os.stat(files[0].resolve())
+                info.update(path=str(files[0].resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns)
+            else:  # a folder's or a pattern's files: each one's, as a directory's own stat misses a rewrite
+                info["path"] = str(path)
+                info["files"] = {
+                    str(f.resolve()): [(st := os.stat(f)).st_size, st.st_mtime_ns] for f in files
+                }
     return hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode()).hexdigest()

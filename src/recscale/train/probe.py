@@ -33,6 +33,7 @@ from recscale.config import RunConfig
 from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
+from recscale.data.readers.base import names_data
 from recscale.distributed.env import own_group
 from recscale.errors import DataError, RecscaleError
 from recscale.io import scratch_dir
@@ -76,8 +77,8 @@ def calibration_sample(
             else "calibrate on a file with --data"
         )
         raise RecscaleError(f"{root.parent}: the run has no materialised valid split (data/valid); {fix}")
-    # A file, or a directory where the format reads one (MovieLens), as ``recscale eval`` takes it.
-    if not Path(data_path).exists():
+    # A file, a folder of files or a glob pattern matching some, as ``recscale eval`` takes it.
+    if not names_data(data_path):
         raise DataError(f"--data {data_path}: no such file; give the file to calibrate on")
     if cfg.data.format == "synthetic":
         raise RecscaleError(f"{run_dir} was trained on synthetic data, which has no file format to read --data {data_path} with; "

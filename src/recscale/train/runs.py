@@ -28,7 +28,7 @@ from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import NoRows
-from recscale.data.readers.base import SKIP_HINT, OnBadRow, ReadStats, position_unit
+from recscale.data.readers.base import SKIP_HINT, OnBadRow, ReadStats, names_data, position_unit
 from recscale.data.schema import Schema
 from recscale.distributed.dmt.transform import LocalDMT, local_key
 from recscale.distributed.env import init_distributed, own_group
@@ -381,8 +381,8 @@ def check_scoring_args(
                 f"{command}: override '{item}': {command} takes overrides of the reader's options only, "
                 "e.g. \"data.options={delimiter: ','}\" (bad rows: --on-bad-row; the format: --format)"
             )
-    # A file, or a directory where the format reads one (MovieLens); the readers name a wrong kind of path.
-    if data_path is not None and not Path(data_path).exists():
+    # A file, a folder of files or a glob pattern matching some; the readers name a wrong kind of path.
+    if data_path is not None and not names_data(data_path):
         raise DataError(f"--data {data_path}: no such file; give the file to score")
     if out is not None:
         check_run_output(out[0], out[1], run_dir, data_path)

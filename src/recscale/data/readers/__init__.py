@@ -11,6 +11,8 @@ and counted in ``ReadStats`` under ``on_bad_row="skip"``.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import suppress
+from itertools import chain
 from pathlib import Path
 from types import ModuleType
 
@@ -25,6 +27,7 @@ from recscale.data.readers.base import (
     OnBadRow,
     ReadStats,
     as_trained,
+    data_files,
     position_unit,
     raw_arrow_schema,
 )
@@ -96,11 +99,30 @@ def read_batches(
         raise ConfigError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
     if chunk_rows < 1:
         raise ConfigError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    path = Path(path)
     stats = ReadStats() if stats is None else stats
-    bad = BadRows(path, position_unit(fmt), on_bad_row, stats)
     extra = (chunk_rows,) if fmt == "parquet" else ()
-    return _counted(module.read(path, schema, opts, bad, *extra), path, schema, chunk_rows, stats)
+    files = data_files(path, fmt)
+    if len(files) == 1:
+        file = files[0]
+        return _counted(
+            module.read(file, schema, opts, BadRows(file, position_unit(fmt), on_bad_row, stats), *extra),
+            file, schema, chunk_rows, stats,
+        )  # fmt: skip
+    if stats.positions is not None:  # a row's position is a line of one file
+        raise DataError(
+            f"{path} names {len(files)} files; scores are joined to the lines of one file: score them one at a time"
+        )
+    # Every part checked now (its header, its columns), not hours into the read; one holding no rows (an
+    # empty part of a Spark job) adds none.
+    parts = []
+    for file in files:
+        if file.is_file() and file.stat().st_size == 0:
+            continue
+        with suppress(NoRows):
+            parts.append(
+                module.read(file, schema, opts, BadRows(file, position_unit(fmt), on_bad_row, stats), *extra)
+            )
+    return _counted(chain.from_iterable(parts), Path(path), schema, chunk_rows, stats)
 
 
 def _counted(

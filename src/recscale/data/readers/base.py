@@ -6,6 +6,7 @@ a bad row (at most a few per batch), never on the happy path.
 
 from __future__ import annotations
 
+import glob
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -131,6 +132,33 @@ def check_file(path: Path, headerless: bool = False) -> None:
     check_regular(path)
     if path.stat().st_size == 0:
         raise (NoRows if headerless else DataError)(f"{path} is empty (0 bytes)")
+
+
+def names_data(path: str | Path) -> bool:
+    """Whether ``path`` names something to read: a file or directory, or a glob pattern matching a file."""
+    return Path(path).exists() or (glob.has_magic(str(path)) and bool(glob.glob(str(path))))
+
+
+def data_files(path: str | Path, fmt: str) -> list[Path]:
+    """The files a data path names, sorted by name: one file; a glob pattern's matches (``day_*.tsv``, where no
+    file has that very name); or a directory's files (not MovieLens', a directory of one dataset). A split
+    written in parts, as Spark or Hadoop writes them: their marker files (``_SUCCESS``, ``.part-0.crc``) are
+    left out, as are hidden files and a pattern's directories. A path that is none of these is returned as
+    it is, for the reader to name what is wrong with it."""
+    path = Path(path)
+    if path.is_dir() and fmt != "movielens":
+        files = sorted(f for f in path.iterdir() if f.is_file() and not f.name.startswith((".", "_")))
+        if not files:
+            raise DataError(
+                f"{path} is a directory with no data files in it; give a file, or a folder of them"
+            )
+        return files
+    if not path.exists() and glob.has_magic(str(path)):
+        matches = sorted(Path(m) for m in glob.glob(str(path)) if Path(m).is_file())
+        if not matches:
+            raise DataError(f"{path}: no file matches this pattern; fix the pattern or give a file")
+        return matches
+    return [path]
 
 
 def check_regular(path: Path) -> None:
