@@ -63,25 +63,29 @@ def stable_hash(values: pa.Array) -> np.ndarray:
     data = strings.buffers()[2]
     chars = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
     starts, lengths = offsets[:-1], np.diff(offsets)
-    h = np.full(len(strings), 0xCBF29CE484222325, dtype=np.uint64)
     prime = np.uint64(0x100000001B3)
     # Longest first: the values at least pos + 1 long are a prefix of ``order``. Positions are hashed across
-    # values while many are that long; the few longest values' remaining characters one value at a time (a
-    # pass per position over every value cost seconds for one 200 KB value among 65k short ones).
-    order = np.argsort(-lengths, kind="stable")
-    ascending = lengths[order[::-1]]
+    # values while many are that long, on contiguous slices of the values in that order; the few longest
+    # values' remaining characters one value at a time (a pass per position over every value cost seconds
+    # for one 200 KB value among 65k short ones). Lengths that fit 16 bits sort by radix, in linear time.
+    key = lengths.astype(np.int16) if len(lengths) and lengths.max() < 1 << 15 else lengths
+    order = np.argsort(-key, kind="stable")
+    first, size = starts[order], lengths[order]
+    ascending = size[::-1]
+    h = np.full(len(strings), 0xCBF29CE484222325, dtype=np.uint64)  # in ``order``
     pos = 0
     with np.errstate(over="ignore"):
         while (live := len(order) - int(np.searchsorted(ascending, pos, side="right"))) > _FEW_LONG:
-            idx = order[:live]
-            h[idx] = (h[idx] ^ chars[starts[idx] + pos].astype(np.uint64)) * prime
+            h[:live] = (h[:live] ^ chars[first[:live] + pos]) * prime
             pos += 1
-    for i in order[:live].tolist():
+    for i in range(live):
         value = int(h[i])
-        for c in chars[starts[i] + pos : starts[i] + lengths[i]].tobytes():
+        for c in chars[first[i] + pos : first[i] + size[i]].tobytes():
             value = ((value ^ c) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
         h[i] = value
-    return h
+    out = np.empty_like(h)
+    out[order] = h
+    return out
 
 
 _FEW_LONG = 16  # values ``stable_hash`` finishes one at a time
