@@ -24,18 +24,63 @@ from recscale.retrieval.bloom import BloomFilter
 _CHUNK_ROWS = 1 << 15  # item rows dequantized at a time by Int8Index
 
 
+# Seen-item filtering tests a window of each row's best items, ``k + max(k, _SEEN_EXTRA)`` wide at first,
+# then 8x wider for the rows it left short, and hashes a whole row only past that (see ``_top_k``).
+_SEEN_EXTRA = 64
+_SEEN_WIDEN = 8
+_MASK_PAIRS = 1 << 20  # (user, item) pairs hashed at a time by the whole-row fallback (~120 bytes a pair)
+
+
 def _top_k(
     scores: Tensor, ids: Tensor, k: int, users: Tensor | None, seen: BloomFilter | None
 ) -> tuple[Tensor, Tensor]:
-    """scores (Q, C), ids (Q, C) or (C,) -> the k best (scores, ids) per row, seen items masked."""
-    ids = ids.expand_as(scores)
-    if seen is not None:
-        if users is None:
-            raise ValueError("a seen-item filter needs the queries' user ids")
-        scores = scores.masked_fill(seen.might_contain(users[:, None].expand_as(ids), ids), float("-inf"))
+    """scores (Q, C), ids (Q, C) or (C,), users (Q,) -> the k best (scores, ids) (Q, min(k, C)) per row,
+    the items ``seen`` may hold for the row's user scored -inf; a slot scored -inf has id -1.
+
+    Hashing every pair cost 90x the search itself (10^6 items), so the filter tests the best ``width``
+    items of each row only: when ``k`` of them are unseen, or the window reaches the row's -inf scores
+    (all it holds), nothing outside it could enter the top k. Other rows retry a wider window, and past
+    that the whole row is masked, as before. Ties: the window's unseen items keep topk's order (a stable
+    sort puts the seen ones last), so where a row's scores are distinct the result equals masking every
+    pair; among exactly equal scores the order, and which of them takes the last place, is topk's, which
+    the whole-row mask did not fix either.
+    """
+    if seen is not None and users is None:
+        raise ValueError("a seen-item filter needs the queries' user ids")
     k = min(k, scores.shape[1])
-    top, pos = scores.topk(k, dim=1)
-    return top, torch.where(top.isneginf(), -1, ids.gather(1, pos))
+    if seen is None or users is None or k == 0:
+        top, pos = scores.topk(k, dim=1)
+        return top, torch.where(top.isneginf(), -1, ids.expand_as(scores).gather(1, pos))
+    n, c = scores.shape
+    top = scores.new_full((n, k), float("-inf"))
+    out = torch.full((n, k), -1, dtype=torch.long)
+    rows = torch.arange(n)
+    width = k + max(k, _SEEN_EXTRA)
+    while len(rows) and width < c:
+        # All rows the first time: no copy of the whole matrix.
+        sub = scores if len(rows) == n else scores[rows]
+        cand, pos = sub.topk(width, dim=1)  # (R, width), best first
+        cand_ids = (ids if ids.dim() == 1 else ids[rows]).expand(len(rows), c).gather(1, pos)
+        hit = seen.might_contain(users[rows, None].expand_as(cand_ids), cand_ids)
+        order = hit.to(torch.uint8).argsort(dim=1, stable=True)[:, :k]  # the unseen first, in score order
+        kept, kept_hit = cand.gather(1, order), hit.gather(1, order)
+        done = ~kept_hit[:, -1] | cand[:, -1].isneginf()
+        kept = kept.masked_fill(kept_hit, float("-inf"))
+        top[rows[done]] = kept[done]
+        out[rows[done]] = torch.where(kept[done].isneginf(), -1, cand_ids.gather(1, order)[done])
+        rows, width = rows[~done], width * _SEEN_WIDEN
+    if len(rows):
+        sub = scores[rows]  # (R, C), a copy: masked in place a block of columns at a time
+        full_ids = (ids if ids.dim() == 1 else ids[rows]).expand(len(rows), c)
+        step = max(1, _MASK_PAIRS // len(rows))
+        for j in range(0, c, step):
+            block = full_ids[:, j : j + step]
+            sub[:, j : j + step].masked_fill_(
+                seen.might_contain(users[rows, None].expand_as(block), block), float("-inf")
+            )
+        top[rows], pos = sub.topk(k, dim=1)
+        out[rows] = torch.where(top[rows].isneginf(), -1, full_ids.gather(1, pos))
+    return top, out
 
 
 def recall(approx: Tensor, exact: Tensor) -> float:
