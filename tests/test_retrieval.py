@@ -174,6 +174,28 @@ def test_seen_filter_on_few_seen_items_hashes_one_window_a_row(
     assert torch.equal(ids, _seen_by_brute_force(ExactIndex(items), queries, 10, users, seen, len(items))[1])
 
 
+@pytest.mark.parametrize("n_items, nlist", [(500, 32), (20, 10)])  # cdist by matmul; directly (<= 25 rows)
+def test_kmeans_assigns_a_chunk_of_rows_at_a_time_with_the_same_result(
+    n_items: int, nlist: int, monkeypatch
+) -> None:
+    """k-means and the IVF build computed the whole (items, nlist) distance matrix at once: 4 GB at 10^6
+    items and 1,024 lists. They now assign a chunk of rows at a time, with the same centroids and lists."""
+    from recscale.retrieval import index as index_module
+
+    items = latent_data(n_users=1, n_items=n_items, dim=16, per_user=1, n_clusters=8).items
+    whole = IVFIndex(items, nlist=nlist, nprobe=2, iters=5)
+    rows: list[int] = []
+    cdist = torch.cdist
+    monkeypatch.setattr(torch, "cdist", lambda x, y, **kw: rows.append(len(x)) or cdist(x, y, **kw))
+    monkeypatch.setattr(index_module, "_ASSIGN_ROWS", 7, raising=False)
+    chunked = IVFIndex(items, nlist=nlist, nprobe=2, iters=5)
+    assert max(rows) == 7 and sum(rows) == 6 * n_items  # 5 iterations and the final assignment
+    for name in ("centroids", "offsets", "ids", "rows"):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
+    queries = torch.randn(5, 16)
+    assert all(torch.equal(a, b) for a, b in zip(chunked(queries, 10), whole(queries, 10), strict=True))
+
+
 def test_two_tower_trains_and_finds_true_top_items() -> None:
     d = latent_data(n_users=200, n_items=300, dim=8, per_user=20, n_clusters=16, tau=0.05, seed=1)
     ids = lambda n: [torch.arange(1, n + 1)[:, None]]  # one id feature, 0 is padding
