@@ -37,7 +37,7 @@ def _top_k(
     """scores (Q, C), ids (Q, C) or (C,), users (Q,) -> the k best (scores, ids) (Q, min(k, C)) per row,
     the items ``seen`` may hold for the row's user scored -inf; a slot scored -inf has id -1.
 
-    Hashing every pair cost 90x the search itself (10^6 items), so the filter tests the best ``width``
+    Hashing every pair cost 50-90x the search itself at 10^6 items, so the filter tests the best ``width``
     items of each row only: when ``k`` of them are unseen, or the window reaches the row's -inf scores
     (all it holds), nothing outside it could enter the top k. Other rows retry a wider window, and past
     that the whole row is masked, as before. Ties: the window's unseen items keep topk's order (a stable
@@ -78,8 +78,9 @@ def _top_k(
             sub[:, j : j + step].masked_fill_(
                 seen.might_contain(users[rows, None].expand_as(block), block), float("-inf")
             )
-        top[rows], pos = sub.topk(k, dim=1)
-        out[rows] = torch.where(top[rows].isneginf(), -1, full_ids.gather(1, pos))
+        best, pos = sub.topk(k, dim=1)
+        top[rows] = best
+        out[rows] = torch.where(best.isneginf(), -1, full_ids.gather(1, pos))
     return top, out
 
 
