@@ -1190,3 +1190,18 @@ def test_data_paths_that_name_no_data_are_one_line(tmp_path):
     write(tmp_path / "run[1].csv", ["label,user", "1,a"])
     write(tmp_path / "run1.csv", ["label,user", "1,b", "0,c"])
     assert read_all(tmp_path / "run[1].csv", "csv", schema).num_rows == 1
+
+
+def test_a_split_of_more_parts_than_open_files_allowed_reads(tmp_path):
+    """Each part is opened as the read reaches it, not all at the start (a Spark job writes thousands)."""
+    import resource
+
+    for i in range(150):
+        pq.write_table(pa.table({"label": [i % 2], "user": [f"u{i}"]}), tmp_path / f"part-{i:05d}.parquet")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (100, hard))
+    try:
+        table = read_all(tmp_path, "parquet", make_schema(sparse=["user"]))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert table.column("user").to_pylist() == [f"u{i}" for i in range(150)]

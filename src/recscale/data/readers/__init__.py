@@ -11,7 +11,6 @@ and counted in ``ReadStats`` under ``on_bad_row="skip"``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import suppress
 from itertools import chain
 from pathlib import Path
 from types import ModuleType
@@ -112,17 +111,23 @@ def read_batches(
         raise DataError(
             f"{path} names {len(files)} files; scores are joined to the lines of one file: score them one at a time"
         )
-    # Every part checked now (its header, its columns), not hours into the read; one holding no rows (an
-    # empty part of a Spark job) adds none.
-    parts = []
-    for file in files:
-        if file.is_file() and file.stat().st_size == 0:
-            continue
-        with suppress(NoRows):
-            parts.append(
-                module.read(file, schema, opts, BadRows(file, position_unit(fmt), on_bad_row, stats), *extra)
+
+    # Every part checked now (its header, its columns), not hours into the read; then each opened in turn, as
+    # the read reaches it (a Spark job's thousands of parts held open at once could exhaust file handles).
+    # A part holding no rows (an empty part of a Spark job) adds none.
+    def part(file: Path) -> Iterator[pa.RecordBatch]:
+        if file.stat().st_size == 0:
+            return iter(())
+        try:
+            return module.read(
+                file, schema, opts, BadRows(file, position_unit(fmt), on_bad_row, stats), *extra
             )
-    return _counted(chain.from_iterable(parts), Path(path), schema, chunk_rows, stats)
+        except NoRows:
+            return iter(())
+
+    for file in files:
+        part(file)
+    return _counted(chain.from_iterable(part(f) for f in files), Path(path), schema, chunk_rows, stats)
 
 
 def _counted(
