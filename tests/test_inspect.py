@@ -526,3 +526,27 @@ def test_inspect_shows_progress_on_a_terminal(tmp_path, capsys, monkeypatch, suf
     assert main(["data", "inspect", str(path)]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["rows"] == 100 and f"reading {path.name}" in err
+
+
+def test_a_csv_without_a_header_is_noticed_and_inspected_with_its_columns(tmp_path, capsys):
+    """A headerless CSV's first data line was taken for its header: columns '1', 'a', '0.5' and a note to pass
+    --label. The note says line 1 reads as data; --columns names them (data.options.columns) and the schema
+    it reports trains."""
+    from recscale.cli import main
+    from recscale.config import load_config
+    from recscale.train.loop import Trainer
+
+    path = write(tmp_path / "t.csv", ["1,a,0.5", "0,b,1.5", "1,a,2"])
+    assert main(["data", "inspect", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "line 1 reads as data, not a header: name its 3 columns with --columns" in err, err
+    assert main(["data", "inspect", str(path), "--columns", "label,user,price"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["rows"] == 3 and report["options"] == {"columns": ["label", "user", "price"]}
+    assert report["schema"] == {"dense": [{"name": "price"}], "sparse": [{"name": "user"}]}
+    config = (
+        f"data: {{format: csv, train: {path}, num_workers: 0, options: {json.dumps(report['options'])}, "
+        f"schema: {json.dumps(report['schema'])}}}\nmodel: {{name: fm}}\ntrain: {{batch_size: 2, max_steps: 2, progress: false}}\n"
+    )
+    (tmp_path / "run.yaml").write_text(config)
+    assert Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()["steps"] == 2

@@ -1205,3 +1205,23 @@ def test_a_split_of_more_parts_than_open_files_allowed_reads(tmp_path):
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert table.column("user").to_pylist() == [f"u{i}" for i in range(150)]
+
+
+def test_a_csv_without_a_header_names_its_columns_in_the_options(tmp_path):
+    """data.options.columns: a file without a header line (line 1 is data, and errors count from it)."""
+    schema = make_schema(dense=["x"], sparse=["u"])
+    options = {"columns": ["label", "u", "x"]}
+    path = write(tmp_path / "t.csv", ["1,a,0.5", "0,a,", "1,b,2"])  # ids repeat: line 1 is no header
+    assert read_all(path, "csv", schema, options).to_pydict() == {
+        "label": [1.0, 0.0, 1.0], "x": [0.5, None, 2.0], "u": ["a", "a", "b"]
+    }  # fmt: skip
+    with pytest.raises(DataError, match=r"t\.csv line 2: has 2 columns, expected 3"):
+        read_all(write(path, ["1,a,0.5", "0,b"]), "csv", schema, options)
+    with pytest.raises(
+        DataError, match=r"line 1 is a header naming data\.options\.columns; leave out columns"
+    ):
+        read_all(write(path, ["label,u,x", "1,a,0.5"]), "csv", schema, options)
+    with pytest.raises(ConfigError, match=r"data\.options\.columns: names column\(s\) 'u' more than once"):
+        read_all(path, "csv", schema, {"columns": ["label", "u", "u"]})
+    with pytest.raises(DataError, match=r"no column 'x'|'x'"):
+        read_all(write(path, ["1,a"]), "csv", schema, {"columns": ["label", "u"]})

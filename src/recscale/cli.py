@@ -396,6 +396,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     options = ({"delimiter": delimiter} if delimiter is not None else {}) | (
         {"quote": False} if args.no_quote else {}
     )
+    if args.columns is not None:
+        options["columns"] = args.columns.split(",")
 
     report = inspect_file(
         args.path, args.format, options, args.max_rows, args.tables, args.max_len, args.label,
@@ -403,10 +405,29 @@ def cmd_inspect(args: argparse.Namespace) -> None:
     )  # fmt: skip
     print(strict_json(report, indent=2))
     if report["format"] in ("csv", "parquet") and all(c["type"] != "label" for c in report["columns"]):
+        names = [c["name"] for c in report["columns"]]
+        # A CSV's first line that holds numbers is a data row: the file has no header.
+        headerless = (
+            report["format"] == "csv" and "columns" not in report["options"] and any(map(_number, names))
+        )
+        fix = f"name its {len(names)} columns with --columns A,B,... (the label's as --label gives it, default 'label')"
         print(
-            f"note: no label column '{args.label}', so no schema: name yours with --label COLUMN",
+            f"note: no label column '{args.label}', so no schema: "
+            + (
+                f"line 1 reads as data, not a header: {fix}"
+                if headerless
+                else "name yours with --label COLUMN"
+            ),
             file=sys.stderr,
         )
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def cmd_shard_plan(args: argparse.Namespace) -> None:
@@ -763,6 +784,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     i.add_argument("--no-quote", action="store_true",
                    help="csv: '\"' is no quote but a character of its cell, as data.options.quote: false")  # fmt: skip
+    i.add_argument("--columns",
+                   help="csv without a header line: its columns, comma-separated, as data.options.columns (given, the format is csv)")  # fmt: skip
     i.add_argument("--label", default="label",
                    help="csv, parquet: the label column, 0/1 (default: label); the schema names it as data.schema.label")  # fmt: skip
     i.add_argument("--max-rows", type=_int_in(1),

@@ -415,10 +415,10 @@ def _scan(chunks: Iterator[_Chunk], columns: list[_Column], bad: BadRows | None,
     return rows
 
 
-def _csv_chunks(path: Path, names: list[str], delimiter: str, quote: bool) -> Iterator[_Chunk]:
-    """Every column of a CSV as strings."""
+def _csv_chunks(path: Path, names: list[str], delimiter: str, quote: bool, header: bool) -> Iterator[_Chunk]:
+    """Every column of a CSV as strings (``header``: its first line names them, else ``names`` do)."""
     chunks = iter_text_tables(
-        path, names, names, delimiter=delimiter, quote=quote, skip_header=True, skip_undecodable=True
+        path, names, names, delimiter=delimiter, quote=quote, skip_header=header, skip_undecodable=True
     )
     for chunk in chunks:
         cells = column_of(chunk.table)
@@ -523,7 +523,9 @@ def inspect_file(
         return progress_bar(progress, f"{'reading again' if again else 'reading'} {path.name}")
 
     options = dict(options or {})
-    fmt = fmt or ("csv" if options.keys() & {"delimiter", "quote"} else guess_format(path))  # csv options
+    fmt = fmt or (
+        "csv" if options.keys() & {"delimiter", "quote", "columns"} else guess_format(path)
+    )  # csv options
     checked = validate_options(fmt, options)
     if label != LABEL and fmt not in ("csv", "parquet"):
         raise DataError(
@@ -534,14 +536,14 @@ def inspect_file(
     if fmt == "csv":
         check_file(path)
         assert isinstance(checked, CsvOptions)
-        delimiter, quote = checked.delimiter, checked.quote
-        names = read_header(path, delimiter, quote=quote)
-        if len(names) == 1 and (other := delimiter_hint(names[0], delimiter)) is not None:
+        delimiter, quote, header = checked.delimiter, checked.quote, checked.columns is None
+        names = read_header(path, delimiter, quote=quote) if header else list(checked.columns or ())
+        if header and len(names) == 1 and (other := delimiter_hint(names[0], delimiter)) is not None:
             # The file's columns read as one: no schema, no statistics worth reporting.
             raise DataError(f"{path} line 1: {other} (data inspect: pass --delimiter)")
         _check_label(path, label, names)
         columns = [_Column(n, LABEL if n == label else None, tables) for n in names]
-        chunks = _take(_csv_chunks(path, names, delimiter, quote), max_rows)
+        chunks = _take(_csv_chunks(path, names, delimiter, quote, header), max_rows)
         rows = _scan(chunks, columns, BadRows(path, "line", "skip", stats), bar())
         if any(c.kind is None and c.inferred() == "dense" and c.nonfinite for c in columns):
             # A NaN or infinity in a column found dense only now: training drops its row, so read
@@ -550,7 +552,7 @@ def inspect_file(
                 _Column(c.name, c.kind, tables, None if c.kind is not None else c.inferred()) for c in columns
             ]
             stats = ReadStats()
-            chunks = _take(_csv_chunks(path, names, delimiter, quote), max_rows)
+            chunks = _take(_csv_chunks(path, names, delimiter, quote, header), max_rows)
             rows = _scan(chunks, columns, BadRows(path, "line", "skip", stats), bar(again=True))
     elif fmt == "parquet":
         file = open_parquet(path)

@@ -6,7 +6,7 @@ written with a zero fraction (``3.0`` is id ``3``, as a Parquet float 3.0 is: ``
 (``a|b|c``); a weighted one writes ``id:weight`` entries (``a:0.5|b:2``; a bare id weighs 1).
 Cells may be quoted (``"a,b"``) but hold no line breaks (one that does is an error naming the lines);
 ``quote: false`` reads ``"`` as any other character. Errors and dropped rows name 1-based
-file lines (the header is line 1).
+file lines (the header is line 1). A file without a header names its columns in ``columns``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from recscale.data.readers.base import (
     missing_columns_error,
 )
 from recscale.data.readers.text import (
+    first_line,
     iter_converted,
     read_header,
 )
@@ -40,6 +41,9 @@ class Options(Settings):
     # '"' quotes cells ("a,b"); false reads it as any other character (a TSV of free text whose cells
     # may start with a quote, e.g. '"Best deal' of a title, which quoting would run into the next cells).
     quote: bool = True
+    # A file without a header line (as `split` or a database export writes one): its columns, in order. Line 1
+    # is then a data row, and lines are numbered from it.
+    columns: list[str] | None = Field(None, min_length=1)
 
     @field_validator("delimiter", mode="before")
     @classmethod
@@ -52,6 +56,14 @@ class Options(Settings):
             )
         return v
 
+    @field_validator("columns")
+    @classmethod
+    def _unique(cls, v: list[str] | None) -> list[str] | None:
+        twice = sorted({n for n in v if v.count(n) > 1}) if v is not None else []
+        if twice:
+            raise ValueError(f"names column(s) {', '.join(map(repr, twice))} more than once")
+        return v
+
 
 def source_columns(schema: Schema) -> list[str]:
     """The file columns a schema reads: its label column (none for ``unlabelled``), then its features."""
@@ -60,8 +72,17 @@ def source_columns(schema: Schema) -> list[str]:
 
 def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator[pa.RecordBatch]:
     """Check the file and its header now; return the stream of raw-layout batches."""
-    check_file(path)
-    names = read_header(path, options.delimiter, quote=options.quote)
+    if options.columns is None:
+        check_file(path)
+        names = read_header(path, options.delimiter, quote=options.quote)
+    else:
+        check_file(path, headerless=True)
+        names = options.columns
+        # Its first line as text split at the delimiter: a data line need not parse as a header (ids repeat).
+        if first_line(path).decode(errors="replace").split(options.delimiter) == names:
+            raise DataError(
+                f"{path} line 1 is a header naming data.options.columns; leave out columns for a file with a header"
+            )
     wanted = source_columns(schema)
     missing = [c for c in wanted if c not in names]
     if missing:
@@ -93,7 +114,7 @@ def _batches(
         schema,
         delimiter=options.delimiter,
         quote=options.quote,
-        skip_header=True,
+        skip_header=options.columns is None,
         skip_undecodable=bad.on_bad_row == "skip",
     )
     for chunk, arrays, problems in chunks:
