@@ -841,7 +841,15 @@ def test_without_a_scale_the_artifact_digest_and_split_are_as_before(tmp_path):
     pre = materialize(iter(TRAIN), SCHEMA, tmp_path / "train", fingerprint=lambda p: p.digest())
     pre.save(tmp_path / "preprocess.json", fingerprint="fp")
     assert "scale" not in json.dumps(SCHEMA.model_dump(mode="json")) and not pre.scales
-    got = {"digest": pre.digest(), "preprocess.json": sha(tmp_path / "preprocess.json")}
+    # The artifact holds what it held: written in version 1's layout (every id listed), its bytes are as they were.
+    obj = json.loads((tmp_path / "preprocess.json").read_text())
+    loaded = Preprocessor.load(tmp_path / "preprocess.json")
+    obj["version"] = 1
+    obj["vocabs"] = {
+        n: {"type": v["type"], "values": loaded.vocabs[n].to_pylist()} for n, v in obj["vocabs"].items()
+    }
+    (tmp_path / "v1.json").write_text(json.dumps(obj))
+    got = {"digest": pre.digest(), "preprocess.json": sha(tmp_path / "v1.json")}
     got |= {name: sha(tmp_path / "train" / name) for name in ("dense.bin", "meta.json")}
     assert got == _BEFORE_SCALES
 
@@ -874,3 +882,72 @@ def test_standard_scaling_trains_fm_on_values_near_1e3(tmp_path):
         assert bool(constant) == (scale != "none")  # the constant column warns, and trains
         loss[scale] = json.loads((out / "report.json").read_text())["valid"]["logloss"]
     assert np.isfinite(loss["standard"]) and loss["standard"] < 1.0 and loss["none"] > 10 * loss["standard"]
+
+
+def _vocab_pre(n: int) -> Preprocessor:
+    """A string field and an int field of ``n`` distinct ids each (and a field sharing the string one's)."""
+    rng = np.random.default_rng(0)
+    ints = rng.choice(1 << 40, size=n, replace=False)
+    strs = pa.array([f"{x:010x}" for x in ints.tolist()] + ["é😀", ""], pa.string())
+    schema = Schema(
+        sparse=[SparseFeature(name="s"), SparseFeature(name="i"), SparseFeature(name="t", vocabulary="s")]
+    )
+    return Preprocessor(schema, {"s": strs, "i": pa.array(np.append(ints, -3), pa.int64())})
+
+
+def _v1(pre: Preprocessor) -> dict:
+    """``pre`` as version 1 of the artifact wrote it: every id a JSON list element."""
+    vocabs = {
+        name: {
+            "type": "int" if pa.types.is_integer(pre.vocabs[name].type) else "str",
+            "values": pre.vocabs[name].to_pylist(),
+        }
+        for name in ("s", "i")
+    }
+    return {"version": 1, "schema": pre.schema.model_dump(), "vocabs": vocabs}
+
+
+def test_a_saved_vocabulary_loads_without_a_python_object_per_id(tmp_path):
+    """Version 1 listed every id in the JSON: 16M ids parsed into 16M Python objects (~1.8 GB at the peak) in
+    each serving worker, eval and predict. Version 2 keeps a vocabulary in a few strings: loading it allocates
+    a few bytes an id on Python's heap (tracemalloc), the same arrays come back, and ids map alike."""
+    import tracemalloc
+
+    n = 100_000
+    pre = _vocab_pre(n)
+    path = tmp_path / "preprocess.json"
+    pre.save(path)
+    saved = json.loads(path.read_text())
+    assert saved["version"] == 2
+    assert saved["vocabs"]["i"].keys() == {"type", "ids"}  # no list of ids
+    assert saved["vocabs"]["s"].keys() == {"type", "offsets", "text"}
+    assert len(saved["vocabs"]["s"]["text"]) == 2  # in pieces of 2^16 ids
+    tracemalloc.start()
+    try:
+        loaded = Preprocessor.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 45 * 2 * n, f"{peak / (2 * n):.0f} bytes an id"  # version 1: ~70 here
+    for name in ("s", "i", "t"):
+        assert loaded.vocabs[name].type == pre.vocabs[name].type
+        assert loaded.vocabs[name].equals(pre.vocabs[name])
+    assert loaded.digest() == pre.digest()
+    probe = pa.array(
+        ["é😀", "", "-3", "nope", None, *pre.vocabs["s"][:50].to_pylist(), str(pre.vocabs["i"][7])]
+    )
+    for name in ("s", "i", "t"):
+        assert loaded.lookup(name, probe).tolist() == pre.lookup(name, probe).tolist()
+
+
+def test_a_version_1_artifact_still_loads_as_it_did(tmp_path):
+    pre = _vocab_pre(1000)
+    path = tmp_path / "preprocess.json"
+    path.write_text(json.dumps(_v1(pre)))
+    loaded = Preprocessor.load(path)
+    assert loaded.digest() == pre.digest()
+    for name in ("s", "i", "t"):
+        assert loaded.vocabs[name].equals(pre.vocabs[name])
+    loaded.save(path)  # and is written back as version 2
+    assert json.loads(path.read_text())["version"] == 2
+    assert Preprocessor.load(path).digest() == pre.digest()

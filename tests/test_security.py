@@ -8,6 +8,7 @@ same bytes do run code under plain ``pickle`` / plain DCP.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib
 import io
@@ -22,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -490,13 +493,29 @@ SCHEMA = Schema(
 
 
 def _artifact(**edit: Any) -> dict[str, Any]:
-    obj = Preprocessor(SCHEMA, {}).to_json()
+    obj = Preprocessor(SCHEMA, {}).to_json() | {"version": 1}  # version 1's vocabularies, which still load
     obj["vocabs"] = {"a": {"type": "int", "values": [5, 7]}, "b": {"type": "str", "values": ["x", "y"]}}
     return {**obj, **edit}
 
 
 def _vocab(**v: Any) -> dict[str, Any]:
     return _artifact(vocabs={"a": {"type": "int", "values": [5]}, "b": v})
+
+
+def _offsets(*at: int) -> str:
+    return base64.b64encode(np.array(at, "<i4").tobytes()).decode()
+
+
+_V2_STR = {"type": "str", "offsets": _offsets(0, 1, 2), "text": ["xy"]}
+
+
+def _v2(**v: Any) -> dict[str, Any]:
+    return _artifact(version=2, vocabs={"a": {"type": "int", "ids": ""}, "b": {"type": "str", **v}})
+
+
+def test_a_version_2_vocabulary_loads():
+    pre = Preprocessor.from_json(_artifact(version=2, vocabs={"a": {"type": "int", "ids": ""}, "b": _V2_STR}))
+    assert pre.vocabs["b"].to_pylist() == ["x", "y"] and pre.vocabs["a"].type == pa.int64()
 
 
 ARTIFACTS: dict[str, Any] = {
@@ -510,7 +529,8 @@ ARTIFACTS: dict[str, Any] = {
     "extra key": _artifact(__class__="os.system"),
     "version true": _artifact(version=True),
     "version str": _artifact(version="1"),
-    "version 2": _artifact(version=2),
+    "version 2 with version 1 vocabs": _artifact(version=2),
+    "version 3": _artifact(version=3),
     "fingerprint not str": _artifact(fingerprint=5),
     "schema list": _artifact(schema=[]),
     "schema bad field": _artifact(schema={"sparse": [{"name": "a", "min_count": "x"}]}),
@@ -532,6 +552,21 @@ ARTIFACTS: dict[str, Any] = {
         vocabs={"a": {"type": "int", "values": [1 << 70]}, "b": {"type": "str", "values": []}}
     ),
     "vocab nested": _vocab(type="str", values=[["x"]]),
+    # version 2: each vocabulary in a few strings
+    "v2 ids not base64": _artifact(version=2, vocabs={"a": {"type": "int", "ids": "!!"}, "b": _V2_STR}),
+    "v2 ids not 8 bytes each": _artifact(
+        version=2, vocabs={"a": {"type": "int", "ids": "AAAA"}, "b": _V2_STR}
+    ),
+    "v2 ids a list": _artifact(version=2, vocabs={"a": {"type": "int", "ids": [5]}, "b": _V2_STR}),
+    "v2 offsets short of the text": _v2(offsets=_offsets(0, 1), text=["xy"]),
+    "v2 offsets past the text": _v2(offsets=_offsets(0, 3), text=["xy"]),
+    "v2 offsets backwards": _v2(offsets=_offsets(0, 2, 1, 2), text=["xy"]),
+    "v2 offsets not from 0": _v2(offsets=_offsets(1, 2), text=["xy"]),
+    "v2 offsets empty": _v2(offsets="", text=[]),
+    "v2 offsets split a character": _v2(offsets=_offsets(0, 1, 2), text=["\u00e9"]),
+    "v2 text a string": _v2(offsets=_offsets(0, 2), text="xy"),
+    "v2 text lone surrogate": _v2(offsets=_offsets(0, 1), text=["\ud800"]),
+    "v2 extra key": _v2(offsets=_offsets(0, 2), text=["xy"], values=[]),
 }
 RAW_ARTIFACTS: dict[str, bytes] = {
     "empty": b"",

@@ -12,6 +12,7 @@ hash computed with numpy over the Arrow string buffers, so ids do not depend on 
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import math
@@ -32,7 +33,11 @@ from recscale.data.schema import LABEL, WEIGHT_SUFFIX, DenseFeature, Schema
 from recscale.errors import CheckpointError, DataError, StaleArtifactError
 from recscale.io import atomic_write_text
 
-ARTIFACT_VERSION = 1
+# Version 2 keeps each vocabulary as a few strings (``_vocab_to_json``), where version 1 listed every id: a
+# JSON list of 16M ids parses into 16M Python objects, ~110 bytes an id at its peak (~1.8 GB), in every process
+# that loads the artifact (each serving worker, eval, predict). Version 1 still loads.
+ARTIFACT_VERSION = 2
+_READ_VERSIONS = (1, 2)
 _ARTIFACT_KEYS = {"version", "schema", "vocabs"}
 # The artifact is mostly vocabularies: Criteo's 26 fields at min_count 1 hold ~33M ids, ~0.4 GB as
 # JSON. 1 GiB admits that with room to spare; larger vocabularies call for hash_buckets anyway, and
@@ -284,9 +289,17 @@ class VocabIndex:
         # stable_hash loops over character positions: a value longer than every id (a request's 8 MB id) is
         # known absent without hashing it.
         self.longest = int(pc.max(pc.binary_length(self.text)).as_py() or 0)
-        keys = stable_hash(self.text)
-        self.order = np.argsort(keys, kind="stable")
+        # Hashed a slice at a time: stable_hash's temporaries (a large_string copy, several int64 arrays) are
+        # ~50 bytes an id, and every serving worker builds the index on start.
+        step = 1 << 20
+        keys = np.concatenate(
+            [stable_hash(self.text.slice(i, step)) for i in range(0, len(self.text), step)]
+            or [np.zeros(0, np.uint64)]
+        )
+        # int32 positions where they fit: this index is kept for the life of the process.
+        self.order = np.argsort(keys, kind="stable").astype(np.int32 if len(keys) < 1 << 31 else np.int64)
         self.keys = keys[self.order]
+        del keys
         # Two ids of one hash (never seen, but possible) would need more than one comparison: ``lookup``
         # then uses index_in.
         self.unique = bool((self.keys[1:] != self.keys[:-1]).all())
@@ -378,6 +391,15 @@ class Preprocessor:
             index = self._indexes[id(vocab)] = VocabIndex(vocab)
         return index
 
+    def index_vocabularies(self) -> None:
+        """Build every vocabulary's ``VocabIndex`` now (seconds for millions of ids), as a server does before it
+        takes requests, then hand Arrow's freed temporaries back to the system: its allocator keeps them, and
+        each serving worker would hold them for its whole life."""
+        for f in self.schema.sparse:
+            if f.hash_buckets is None:
+                self.vocab_index(f.name)
+        pa.default_memory_pool().release_unused()
+
     def digest(self) -> str:
         """sha256 of the schema and every vocabulary, far cheaper than serialising them: identifies
         the mapping, e.g. in a materialised split's fingerprint."""
@@ -405,8 +427,7 @@ class Preprocessor:
         for name, v in self.vocabs.items():
             if name in shared:  # rebuilt from its source's on load
                 continue
-            kind = "int" if pa.types.is_integer(v.type) else "str"
-            vocabs[name] = {"type": kind, "values": v.to_pylist()}
+            vocabs[name] = _vocab_to_json(v)
         obj = {"version": ARTIFACT_VERSION, "schema": self.schema.model_dump(), "vocabs": vocabs}
         if self.scales:  # absent without a scaled feature, so such an artifact is as it always was
             obj["scales"] = {
@@ -429,9 +450,10 @@ class Preprocessor:
         if type(obj) is not dict:
             json_type = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
             raise bad(f"is a JSON {json_type.get(type(obj), 'null')}, not an object")
-        if type(obj.get("version")) is not int or obj["version"] != ARTIFACT_VERSION:
+        if type(obj.get("version")) is not int or obj["version"] not in _READ_VERSIONS:
             raise bad(
-                f"has version {_short(repr(obj.get('version')))}, this recscale reads version {ARTIFACT_VERSION}"
+                f"has version {_short(repr(obj.get('version')))}, this recscale reads versions "
+                f"{' and '.join(map(str, _READ_VERSIONS))}"
             )
         if not _ARTIFACT_KEYS <= obj.keys() <= _ARTIFACT_KEYS | {"fingerprint", "scales"}:
             raise bad(
@@ -452,19 +474,8 @@ class Preprocessor:
         wanted = {f.name for f in schema.sparse if f.hash_buckets is None and f.vocabulary is None}
         if obj["vocabs"].keys() != wanted:
             raise bad(f"has vocabularies {_short(sorted(obj['vocabs']))} for fields {_short(sorted(wanted))}")
-        vocabs = {}
-        for name, v in obj["vocabs"].items():
-            if type(v) is not dict or v.keys() != {"type", "values"} or v["type"] not in ("int", "str"):
-                raise bad(
-                    f'has vocabulary {_short(repr(name))} not of the form {{"type": "int" or "str", "values": [...]}}'
-                )
-            kind = int if v["type"] == "int" else str
-            if type(v["values"]) is not list or not all(type(x) is kind for x in v["values"]):
-                raise bad(f"has vocabulary {_short(repr(name))} whose values are not all of type {v['type']}")
-            try:
-                vocabs[name] = pa.array(v["values"], type=pa.int64() if kind is int else pa.string())
-            except (pa.ArrowException, OverflowError, UnicodeError) as e:  # ids beyond int64, lone surrogates
-                raise bad(f"has vocabulary {_short(repr(name))} with unusable values ({_short(e)})") from None
+        read = _vocab_from_json if obj["version"] >= 2 else _vocab_from_json_v1
+        vocabs = {name: read(name, v, bad) for name, v in obj["vocabs"].items()}
         return cls(
             schema, vocabs, fingerprint=fingerprint, scales=_scales_from_json(obj.get("scales"), schema, bad)
         )
@@ -489,7 +500,10 @@ class Preprocessor:
                     raise CheckpointError(f"{path}: preprocessing artifact is not a regular file; "
                                           "delete it and re-run training to rebuild it")  # fmt: skip
                 too_big = st.st_size > MAX_ARTIFACT_BYTES
-                data = b"" if too_big else f.read(MAX_ARTIFACT_BYTES + 1)  # +1: it may have grown
+                # The size it has (+1: it may have grown, then up to the cap): read(cap) alone reserves 1 GiB.
+                data = b"" if too_big else f.read(st.st_size + 1)
+                if len(data) > st.st_size:
+                    data += f.read(MAX_ARTIFACT_BYTES + 1 - len(data))
         except FileNotFoundError:
             raise CheckpointError(
                 f"{path}: preprocessing artifact not found; is this a recscale run directory?"
@@ -502,7 +516,12 @@ class Preprocessor:
             raise CheckpointError(f"{path}: preprocessing artifact is larger than {MAX_ARTIFACT_BYTES >> 30} GiB; "
                                   "cap the vocabularies (max_vocab, min_count or hash_buckets)")  # fmt: skip
         try:
-            pre = cls.from_json(json.loads(data.decode("utf-8")))
+            # Each copy let go as soon as the next is made: the bytes, their text, then the parsed object.
+            text = data.decode("utf-8")
+            del data
+            obj = json.loads(text)
+            del text
+            pre = cls.from_json(obj)
         except CheckpointError as e:
             raise CheckpointError(f"{path}: {e}") from None
         except Exception as e:  # UnicodeDecodeError, JSONDecodeError, RecursionError, MemoryError, ...
@@ -513,6 +532,82 @@ class Preprocessor:
         if expect_fingerprint is not None and pre.fingerprint != expect_fingerprint:
             raise StaleArtifactError(f"{path}: fitted from other data or settings")
         return pre
+
+
+def _vocab_to_json(vocab: pa.Array) -> dict[str, str | list[str]]:
+    """A vocabulary as version 2 stores it, in a few strings, never a Python object per id: an int vocabulary
+    as ``{"type": "int", "ids": base64 of the little-endian int64 ids}``, a string one as ``{"type": "str",
+    "offsets": base64 of the little-endian int32 offsets of each id in the text (N + 1, from 0), "text": the
+    ids run together, in a list of pieces}``. Loading them is a base64 decode and an Arrow array over the bytes."""
+    if pa.types.is_integer(vocab.type):
+        ids = vocab.to_numpy(zero_copy_only=False).astype("<i8")
+        return {"type": "int", "ids": base64.b64encode(ids.tobytes()).decode("ascii")}
+    text = pc.cast(vocab, pa.large_string())
+    offsets = np.frombuffer(text.buffers()[1], np.int64)[text.offset : text.offset + len(text) + 1]
+    data = text.buffers()[2]
+    body = memoryview(b"" if data is None else data)
+    # The text in pieces of _TEXT_IDS ids: one non-Latin-1 character makes a Python string 2 or 4 bytes a
+    # character as it is parsed, so only its own piece widens.
+    ends = offsets[::_TEXT_IDS].tolist() + ([int(offsets[-1])] if len(text) % _TEXT_IDS else [])
+    pieces = [bytes(body[a:b]).decode("utf-8") for a, b in zip(ends, ends[1:], strict=False)]
+    return {
+        "type": "str",
+        # int32: the artifact is capped at 1 GiB, so its text is too.
+        "offsets": base64.b64encode((offsets - offsets[0]).astype("<i4").tobytes()).decode("ascii"),
+        "text": pieces,
+    }
+
+
+_TEXT_IDS = 1 << 16  # ids per piece of a string vocabulary's text
+
+
+def _vocab_from_json(name: str, v: Any, bad: Callable[[str], CheckpointError]) -> pa.Array:
+    """A vocabulary as ``_vocab_to_json`` wrote it, checked: int64 or string, as version 1's."""
+    forms = {"int": {"type", "ids"}, "str": {"type", "offsets", "text"}}
+    if type(v) is not dict or v.get("type") not in forms or v.keys() != forms[v["type"]]:
+        raise bad(
+            f'has vocabulary {_short(repr(name))} not of the form {{"type": "int", "ids": "..."}} '
+            'or {"type": "str", "offsets": "...", "text": ["...", ...]}'
+        )
+    text = v.get("text", [])
+    if (
+        not all(type(x) is str for k, x in v.items() if k != "text")
+        or type(text) is not list
+        or not all(type(x) is str for x in text)
+    ):
+        raise bad(f"has vocabulary {_short(repr(name))} whose entries are not strings (text: a list of them)")
+    try:
+        if v["type"] == "int":
+            ids = base64.b64decode(v["ids"], validate=True)
+            if len(ids) % 8:
+                raise ValueError(f"{len(ids)} bytes of ids, not a multiple of 8")
+            return pa.array(np.frombuffer(ids, "<i8").astype(np.int64, copy=False), pa.int64())
+        offsets = base64.b64decode(v["offsets"], validate=True)
+        data = b"".join(piece.encode("utf-8") for piece in text)
+        ends = np.frombuffer(offsets, "<i4")[[0, -1]] if len(offsets) >= 4 and not len(offsets) % 4 else None
+        if ends is None or ends.tolist() != [0, len(data)]:
+            raise ValueError(f"offsets that do not span its text of {len(data)} bytes")
+        n = len(offsets) // 4 - 1
+        text = pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data))
+        text.validate(full=True)  # offsets in order, each id valid UTF-8
+        return text
+    except (ValueError, pa.ArrowException, UnicodeError) as e:  # bad base64, lone surrogates, split UTF-8
+        raise bad(f"has vocabulary {_short(repr(name))} with unusable values ({_short(e)})") from None
+
+
+def _vocab_from_json_v1(name: str, v: Any, bad: Callable[[str], CheckpointError]) -> pa.Array:
+    """A vocabulary as version 1 wrote it (a JSON list of the ids), checked."""
+    if type(v) is not dict or v.keys() != {"type", "values"} or v["type"] not in ("int", "str"):
+        raise bad(
+            f'has vocabulary {_short(repr(name))} not of the form {{"type": "int" or "str", "values": [...]}}'
+        )
+    kind = int if v["type"] == "int" else str
+    if type(v["values"]) is not list or not all(type(x) is kind for x in v["values"]):
+        raise bad(f"has vocabulary {_short(repr(name))} whose values are not all of type {v['type']}")
+    try:
+        return pa.array(v["values"], type=pa.int64() if kind is int else pa.string())
+    except (pa.ArrowException, OverflowError, UnicodeError) as e:  # ids beyond int64, lone surrogates
+        raise bad(f"has vocabulary {_short(repr(name))} with unusable values ({_short(e)})") from None
 
 
 def _scales_from_json(

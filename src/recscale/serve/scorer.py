@@ -33,9 +33,7 @@ class Scorer:
         bf16 = art.manifest.dense == "bf16" or art.config.train.precision == "bf16"
         self.precision: Precision = "bf16" if bf16 else "fp32"
         self.parser = RowParser(art.pre.schema, max_rows)
-        for f in art.pre.schema.sparse:  # indexed now, not by the first request (seconds for millions of ids)
-            if f.hash_buckets is None:
-                art.pre.vocab_index(f.name)
+        art.pre.index_vocabularies()  # now, not by the first request
         self._keys = art.pre.schema.sparse_names
         self._weighted = any(f.weighted for f in art.pre.schema.sparse)
 
