@@ -984,3 +984,39 @@ def test_score_file_holds_no_chunk_of_scores_until_the_end(scorer, trained, monk
     np.testing.assert_allclose(got, expected, atol=1e-6)
     np.testing.assert_array_equal(labels, expected_labels)
     assert len(got) == 120 and len(held) == 8 and max(held) <= 1
+
+
+def test_a_large_request_is_parsed_off_the_event_loop(scorer, trained, monkeypatch):
+    """A 4,096-row request spent ~110 ms parsing on the event loop, and every other request waited for it. Here
+    the large request's parse blocks until a small request sent after it has been answered: on the event loop
+    it would block that answer too (until the 10 s wait gives up)."""
+    from recscale.serve.server import INLINE_PARSE_BYTES
+
+    rows = _rows(trained["valid"]) * 3
+    small = json.dumps({"rows": rows[:1]}).encode()
+    large = json.dumps({"rows": rows[:256]}).encode()
+    assert len(small) <= INLINE_PARSE_BYTES < len(large)
+    parse, started, released = scorer.parser.parse, threading.Event(), threading.Event()
+
+    def slow_parse(body: bytes) -> pa.RecordBatch:
+        if body == large:
+            started.set()
+            released.wait(10)
+        return parse(body)
+
+    monkeypatch.setattr(scorer.parser, "parse", slow_parse)
+    with TestClient(create_app(scorer, ServeOptions())) as c:
+        answers: dict[str, object] = {}
+        big = threading.Thread(target=lambda: answers.update(large=c.post("/score", content=large)))
+        big.start()
+        assert started.wait(10)
+        t0 = time.perf_counter()
+        r = c.post("/score", content=small)
+        waited = time.perf_counter() - t0
+        released.set()
+        big.join(30)
+        assert r.status_code == 200 and waited < 5, waited
+        assert answers["large"].status_code == 200 and len(answers["large"].json()["scores"]) == 256
+        # errors of a large body are the same one line and status as ever
+        r = c.post("/score", content=json.dumps({"rows": rows[:255] + [GOOD | {"x": "1"}]}).encode())
+        assert r.status_code == 422 and r.json()["error"].startswith("rows[255].x: must be"), r.text
