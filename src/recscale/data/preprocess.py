@@ -279,12 +279,22 @@ FEW_VALUES = 16
 
 
 class VocabIndex:
-    """A vocabulary's ids sorted by the 64-bit ``stable_hash`` of their text, kept to look up a few values at a
-    time: a binary search each, then the text compared, where ``pc.index_in`` hashes the whole vocabulary on
-    every call (a 16-row request took 4 s against Criteo-shaped vocabularies of 2.5M ids). Values match ids as
-    ``lookup`` compares them, as text (an int vocabulary's decimal text, as its string ids read)."""
+    """A vocabulary kept to look up a few values at a time, a binary search each, where ``pc.index_in`` hashes
+    the whole vocabulary on every call (a 16-row request took 4 s against Criteo-shaped vocabularies of 2.5M
+    ids). Values match ids as ``lookup`` compares them, as text (an int vocabulary's decimal text, as its string
+    ids read). A string vocabulary is kept sorted by the 64-bit ``stable_hash`` of its ids, the text compared
+    after the search; an int one sorted by id, with no copy of its text: a value is its id where it is an
+    id's decimal text (``7``, not ``007`` or ``+7``)."""
 
     def __init__(self, vocab: pa.Array) -> None:
+        self.size = len(vocab)
+        self.text: pa.Array | None = None
+        if pa.types.is_integer(vocab.type):
+            ids = vocab.to_numpy(zero_copy_only=False).astype(np.int64)
+            self.order = np.argsort(ids, kind="stable").astype(np.int32 if len(ids) < 1 << 31 else np.int64)
+            self.keys = ids[self.order]
+            self.unique = bool((self.keys[1:] != self.keys[:-1]).all())
+            return
         self.text = vocab if pa.types.is_string(vocab.type) else pc.cast(vocab, pa.string())
         # stable_hash loops over character positions: a value longer than every id (a request's 8 MB id) is
         # known absent without hashing it.
@@ -306,20 +316,49 @@ class VocabIndex:
 
     def lookup(self, values: pa.Array) -> np.ndarray:
         """Vocabulary ids (1.., OOV for unknown or null) of ``values``. (N,) int64."""
-        if not len(self.keys):
-            return np.full(len(values), OOV, np.int64)
-        text = values if pa.types.is_string(values.type) else pc.cast(values, pa.string())
-        short = pc.fill_null(pc.less_equal(pc.binary_length(text), self.longest), False)
-        rows = np.flatnonzero(short.to_numpy(zero_copy_only=False))
-        text = text.take(pa.array(rows))
-        hashes = stable_hash(text)
-        at = np.minimum(np.searchsorted(self.keys, hashes), len(self.keys) - 1)
-        candidate = self.order[at]
-        same = pc.equal(self.text.take(pa.array(candidate)), text)
-        found = (self.keys[at] == hashes) & pc.fill_null(same, False).to_numpy(zero_copy_only=False)
         ids = np.full(len(values), OOV, np.int64)
+        if not self.size:
+            return ids
+        if self.text is None:
+            rows, keys = _int_values(values)
+        else:
+            text = values if pa.types.is_string(values.type) else pc.cast(values, pa.string())
+            short = pc.fill_null(pc.less_equal(pc.binary_length(text), self.longest), False)
+            rows = np.flatnonzero(short.to_numpy(zero_copy_only=False))
+            text = text.take(pa.array(rows))
+            keys = stable_hash(text)
+        at = np.minimum(np.searchsorted(self.keys, keys), self.size - 1)
+        candidate = self.order[at]
+        found = self.keys[at] == keys
+        if self.text is not None:
+            found &= pc.fill_null(pc.equal(self.text.take(pa.array(candidate)), text), False).to_numpy(
+                zero_copy_only=False
+            )
         ids[rows[found]] = candidate[found] + 1
         return ids
+
+
+# An int64's decimal text as an int vocabulary's ids read (no sign but a minus, no leading zero), at most 19
+# digits; those of 19 are compared with the int64 bounds as text (equal lengths: text order is number order).
+_INT_TEXT = r"^(0|-?[1-9][0-9]{0,18})$"
+_INT_BOUNDS = ("9223372036854775807", "-9223372036854775808")
+
+
+def _int_values(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of ``values`` (int or text) that are some int64's decimal text, and those int64s."""
+    if pa.types.is_integer(values.type):
+        valid = pc.is_valid(values).to_numpy(zero_copy_only=False)
+        rows = np.flatnonzero(valid)
+        return rows, values.take(pa.array(rows)).to_numpy(zero_copy_only=False).astype(np.int64)
+    text = values if pa.types.is_string(values.type) else pc.cast(values, pa.string())
+    ok = pc.fill_null(pc.match_substring_regex(text, _INT_TEXT), False)
+    for bound in _INT_BOUNDS:
+        at_length = pc.equal(pc.binary_length(text), len(bound))
+        same_sign = pc.equal(pc.starts_with(text, "-"), bound.startswith("-"))
+        beyond = pc.and_(pc.and_(at_length, same_sign), pc.greater(text, bound))
+        ok = pc.and_(ok, pc.invert(pc.fill_null(beyond, False)))
+    rows = np.flatnonzero(ok.to_numpy(zero_copy_only=False))
+    return rows, pc.cast(text.take(pa.array(rows)), pa.int64()).to_numpy(zero_copy_only=False)
 
 
 class Preprocessor:
