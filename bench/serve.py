@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -101,16 +102,18 @@ def start_server(
 def load(
     port: int,
     bodies: list[bytes],
-    expected: list[np.ndarray],
+    right: Callable[[int, bytes], bool],
+    rows: int,
     concurrency: int,
     requests: int,
     seconds: float,
-    tol: float,
     interval: float | None = None,
+    path: str = "/score",
 ) -> dict[str, float]:
-    """``concurrency`` threads, each on its own keep-alive connection, send requests back to back, or
-    (``interval``) each one request every ``interval`` seconds, client i starting i / concurrency of an
-    interval after the clock."""
+    """``concurrency`` threads, each on its own keep-alive connection, send requests (``bodies``, of ``rows``
+    rows each, to ``path``) back to back, or (``interval``) each one request every ``interval`` seconds, client
+    i starting i / concurrency of an interval after the clock. ``right(k, answer)``: whether the 200 answer to
+    body k is right."""
     latencies: list[float] = []
     counts = {"answered": 0, "failed": 0, "wrong": 0}
     next_request = iter(range(requests))
@@ -121,7 +124,7 @@ def load(
 
     def worker(client: int, first: bytes) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        conn.request("POST", "/score", first, HEADERS)
+        conn.request("POST", path, first, HEADERS)
         conn.getresponse().read()
         start.wait()
         for sent, i in enumerate(next_request):
@@ -133,7 +136,7 @@ def load(
                 t0 = clock["t0"] + (client / concurrency + sent) * interval
                 time.sleep(max(0.0, t0 - time.perf_counter()))
             try:
-                conn.request("POST", "/score", bodies[k], HEADERS)
+                conn.request("POST", path, bodies[k], HEADERS)
                 r = conn.getresponse()
                 data = r.read()
             except (OSError, http.client.HTTPException):
@@ -142,12 +145,7 @@ def load(
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
             else:
                 latency = time.perf_counter() - t0
-                if r.status != 200:
-                    outcome = "failed"
-                else:
-                    got = np.asarray(json.loads(data)["scores"], dtype=np.float64)
-                    ok = got.shape == expected[k].shape and np.abs(got - expected[k]).max() <= tol
-                    outcome = "answered" if ok else "wrong"
+                outcome = "failed" if r.status != 200 else "answered" if right(k, data) else "wrong"
                 with lock:
                     latencies.append(latency)
             with lock:
@@ -162,7 +160,7 @@ def load(
     wall = time.perf_counter() - clock["t0"]
     lat = np.array(latencies) * 1000
     sent = sum(counts.values())
-    return {"requests": sent, **counts, "qps": sent / wall, "rows_per_s": sent * len(expected[0]) / wall,
+    return {"requests": sent, **counts, "qps": sent / wall, "rows_per_s": sent * rows / wall,
             "p50_ms": float(np.percentile(lat, 50)), "p95_ms": float(np.percentile(lat, 95)),
             "p99_ms": float(np.percentile(lat, 99))}  # fmt: skip
 
@@ -196,6 +194,11 @@ def main() -> None:
                 n = len(rows) // r
                 bodies = [json.dumps({"rows": rows[i * r : (i + 1) * r]}).encode() for i in range(n)]
                 expected = [probs[i * r : (i + 1) * r] for i in range(n)]
+
+                def right(k: int, data: bytes, expected: list[np.ndarray] = expected) -> bool:
+                    got = np.asarray(json.loads(data)["scores"], dtype=np.float64)
+                    return got.shape == expected[k].shape and np.abs(got - expected[k]).max() <= args.tol
+
                 # The request rows and bodies are a million long-lived objects: a full collection would
                 # pause every client thread for tens of ms and count as server latency.
                 gc.collect()
@@ -203,7 +206,7 @@ def main() -> None:
                 for c, run in itertools.product(args.concurrency, range(1, args.repeat + 1)):
                     # open loop: each of c clients sends r rows every `interval` s
                     interval = c * r / (args.rate * offline_rate) if args.rate else None
-                    m = load(port, bodies, expected, c, args.requests, args.seconds, args.tol, interval)
+                    m = load(port, bodies, right, r, c, args.requests, args.seconds, interval)
                     m = {"batching": mode, "workers": args.workers, "rows_per_request": r, "concurrency": c,
                          "run": run, "offered_rows_per_s": args.rate * offline_rate if args.rate else None, **m,
                          "of_offline": m["rows_per_s"] / offline_rate}  # fmt: skip

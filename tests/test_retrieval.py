@@ -467,3 +467,52 @@ def test_retrieve_rank_scores_a_large_request_a_slice_of_users_at_a_time(
     # The same items; the ranker's logits to float rounding (its matmuls see other batch shapes).
     assert torch.equal(ids2, ids) and torch.allclose(logits2, logits, rtol=0, atol=1e-6)
     assert not seen.might_contain(users[:, None].expand_as(ids), ids).any()
+
+
+def test_the_retrieval_server_answers_concurrent_requests_in_one_forward(monkeypatch) -> None:
+    """The retrieval server answered one request at a time behind a lock, a forward each: requests that queue
+    meanwhile are answered together now (as /score batches rows), each with its own users' items as a query
+    alone gives them; an unknown user fails only its own request."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    import recscale.serve.server as server
+    from recscale.serve.retrieval_artifact import Catalog, recommend
+    from recscale.serve.server import ServeOptions, create_retrieval_app
+
+    torch.manual_seed(0)
+    model = RetrieveRank(
+        Tower([8], 4, [8], 4), ExactIndex(torch.randn(20, 4)), Ranker(20, 4, 4, [8]), 5, 3, None
+    ).eval()
+    catalog = Catalog(
+        [f"u{i}" for i in range(7)], [f"i{j}" for j in range(20)], [torch.arange(1, 8)[:, None]]
+    )
+    alone = {u: recommend(model, catalog, [u])[u] for u in catalog.user_keys}
+    forwards: list[list[str]] = []
+    monkeypatch.setattr(
+        server, "recommend", lambda m, c, users: forwards.append(users) or recommend(m, c, users)
+    )
+    app = create_retrieval_app(model, catalog, 4, ServeOptions(max_wait_ms=300))
+    asked = [["u1", "u2"], ["u3"], ["u2", "u4"], ["nobody"], ["u5", "u6", "u0"]]
+    with TestClient(app) as c:
+        forwards.clear()  # the warm-up query
+        answers: dict[int, object] = {}
+        threads = [
+            threading.Thread(
+                target=lambda i=i: answers.update({i: c.post("/retrieve", json={"users": asked[i]})})
+            )
+            for i in range(len(asked))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for i, users in enumerate(asked):
+        r = answers[i]
+        if users == ["nobody"]:
+            assert r.status_code == 422 and "not in the model's catalog" in r.json()["error"]
+        else:
+            assert r.status_code == 200 and r.json()["items"] == {u: alone[u] for u in users}, (users, r.text)
+    # Some forward answered several requests at once: its users are no one request's.
+    assert any(not any(set(f) <= set(users) for users in asked) for f in forwards), forwards

@@ -26,7 +26,7 @@ from recscale.cli import main
 from recscale.errors import RUN_DIR, CheckpointError, DataError
 from recscale.serve.artifact import MANIFEST, WEIGHTS
 from recscale.serve.scorer import Scorer
-from recscale.serve.server import Batcher, ServeOptions, create_app
+from recscale.serve.server import ServeOptions, create_app, scoring
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 HEADER = "label,user,item,daytime,weekday,isweekend,homework,cost,weather,country,city,x,tags"
@@ -483,7 +483,7 @@ def test_batcher_merges_concurrent_requests_and_answers_each_its_own(scorer, tra
     real = scorer.probabilities
     scorer.probabilities = lambda b: calls.append(b.num_rows) or real(b)  # type: ignore[method-assign]
     try:
-        batcher = Batcher(scorer, ServeOptions(max_batch=64, max_wait_ms=200))
+        batcher = scoring(scorer, ServeOptions(max_batch=64, max_wait_ms=200))
         futures = [batcher.submit(b) for b in batches]
         got = [f.result(timeout=30) for f in futures]
         batcher.stop()
@@ -498,7 +498,7 @@ def test_a_request_cancelled_while_it_waits_does_not_stop_the_batcher(scorer, tr
     """A cancelled request's future cannot take a result: setting it raised in the scoring thread, which
     ended, and every later request waited forever."""
     body = json.dumps({"rows": _rows(trained["valid"])[:3]}).encode()
-    batcher = Batcher(scorer, ServeOptions(max_batch=64, max_wait_ms=300))
+    batcher = scoring(scorer, ServeOptions(max_batch=64, max_wait_ms=300))
     try:
         gone = batcher.submit(scorer.parser.parse(body))
         assert gone.cancel()  # its handler was cancelled while the batch still gathered
@@ -944,7 +944,7 @@ def test_a_request_that_does_not_fit_the_batch_is_scored_next_and_on_shutdown():
     every later request (scored last under a steady stream) and behind the stop marker, so a request queued
     at shutdown was never answered."""
     scorer = _HeldScorer()
-    batcher = Batcher(scorer, ServeOptions(max_batch=64))  # type: ignore[arg-type]
+    batcher = scoring(scorer, ServeOptions(max_batch=64))  # type: ignore[arg-type]
     first = batcher.submit(_request(0, 1))
     assert scorer.busy.wait(30)  # the thread scores request 0 while 1-5 queue
     sizes = {1: 10, 2: 60, 3: 10, 4: 10, 5: 10}

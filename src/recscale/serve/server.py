@@ -33,7 +33,7 @@ from concurrent.futures import Future
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -52,6 +52,9 @@ from recscale.serve.rows import RequestError
 from recscale.serve.scorer import Scorer
 from recscale.train.dcp_safety import one_line
 
+In = TypeVar("In")  # a request, as a Batcher takes it
+Out = TypeVar("Out")  # its answer
+
 
 @dataclass(frozen=True)
 class ServeOptions:
@@ -64,15 +67,15 @@ class ServeOptions:
     torch_threads: int | None = None  # intra-op threads per process (None: torch's default / workers)
 
 
-_Job = tuple[pa.RecordBatch, "Future[np.ndarray]"]
+class Batcher(Generic[In, Out]):
+    """Dynamic batching: ``submit(request)`` returns a future of its answer. ``answer`` answers a list of
+    requests at once (one forward over them all), ``size`` counts a request's rows against ``max_batch``."""
 
-
-class Batcher:
-    """Dynamic batching: ``submit(rows)`` returns a future of their probabilities."""
-
-    def __init__(self, scorer: Scorer, opts: ServeOptions) -> None:
-        self.scorer, self.opts = scorer, opts
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+    def __init__(
+        self, answer: Callable[[list[In]], list[Out]], size: Callable[[In], int], opts: ServeOptions
+    ) -> None:
+        self.answer, self.size, self.opts = answer, size, opts
+        self._queue: queue.Queue[tuple[In, Future[Out]] | None] = queue.Queue()
         self._threads = [
             threading.Thread(target=self._run, name=f"recscale-scorer-{i}", daemon=True)
             for i in range(opts.threads)
@@ -80,23 +83,25 @@ class Batcher:
         for t in self._threads:
             t.start()
 
-    def submit(self, batch: pa.RecordBatch) -> Future[np.ndarray]:
-        fut: Future[np.ndarray] = Future()
-        self._queue.put((batch, fut))
+    def submit(self, request: In) -> Future[Out]:
+        fut: Future[Out] = Future()
+        self._queue.put((request, fut))
         return fut
 
     def stop(self) -> None:
-        """Score every queued request, then end the threads."""
+        """Answer every queued request, then end the threads."""
         for _ in self._threads:
             self._queue.put(None)
         for t in self._threads:
             t.join()
 
-    def _gather(self, first: _Job) -> tuple[list[_Job], _Job | None, bool]:
+    def _gather(
+        self, first: tuple[In, Future[Out]]
+    ) -> tuple[list[tuple[In, Future[Out]]], tuple[In, Future[Out]] | None, bool]:
         """``first`` and the requests that arrive within the wait, up to ``max_batch`` rows; the request that
         did not fit (the next batch's first: put back at the end of the queue, it waited behind every later
         request and behind the stop marker, never answered); and whether the stop marker was met."""
-        jobs, rows = [first], first[0].num_rows
+        jobs, rows = [first], self.size(first[0])
         if not self.opts.batching:
             return jobs, None, False
         deadline = time.perf_counter() + self.opts.max_wait_ms / 1000
@@ -107,38 +112,46 @@ class Batcher:
                 break
             if job is None:
                 return jobs, None, True
-            if rows + job[0].num_rows > self.opts.max_batch:
+            if rows + self.size(job[0]) > self.opts.max_batch:
                 return jobs, job, False  # this batch is full
             jobs.append(job)
-            rows += job[0].num_rows
+            rows += self.size(job[0])
         return jobs, None, False
 
     def _run(self) -> None:
-        held: _Job | None = None
+        held: tuple[In, Future[Out]] | None = None
         while (first := held if held is not None else self._queue.get()) is not None:
             jobs, held, stop = self._gather(first)
-            # A request cancelled while it waited (its handler was cancelled) is not scored: setting its
+            # A request cancelled while it waited (its handler was cancelled) is not answered: setting its
             # result would raise in this thread and end it, and every later request would hang.
             jobs = [job for job in jobs if job[1].set_running_or_notify_cancel()]
             if jobs:
-                self._score(jobs)
+                self._answer(jobs)
             if stop:
                 break
 
-    def _score(self, jobs: list[_Job]) -> None:
+    def _answer(self, jobs: list[tuple[In, Future[Out]]]) -> None:
         try:
-            probs = self.scorer.probabilities(pa.concat_batches([b for b, _ in jobs]))
+            answers = self.answer([request for request, _ in jobs])
         except Exception as e:
-            if len(jobs) > 1:  # one bad request must not fail the others: score each alone
+            if len(jobs) > 1:  # one bad request must not fail the others: answer each alone
                 for job in jobs:
-                    self._score([job])
+                    self._answer([job])
             else:
                 jobs[0][1].set_exception(e)
             return
-        start = 0
-        for batch, fut in jobs:
-            fut.set_result(probs[start : start + batch.num_rows])
-            start += batch.num_rows
+        for (_, fut), answer in zip(jobs, answers, strict=True):
+            fut.set_result(answer)
+
+
+def scoring(scorer: Scorer, opts: ServeOptions) -> Batcher[pa.RecordBatch, np.ndarray]:
+    """A ``Batcher`` of scoring requests (rows): each answered with its rows' probabilities, (rows,)."""
+
+    def answer(batches: list[pa.RecordBatch]) -> list[np.ndarray]:
+        probs = scorer.probabilities(pa.concat_batches(batches))
+        return np.split(probs, np.cumsum([b.num_rows for b in batches])[:-1])
+
+    return Batcher(answer, lambda b: b.num_rows, opts)
 
 
 # Bodies up to this size are parsed on the event loop (~1-2 ms); larger ones in a thread.
@@ -150,11 +163,11 @@ def _error(status: int, reason: str) -> JSONResponse:
 
 
 def create_app(scorer: Scorer, opts: ServeOptions) -> FastAPI:
-    state: dict[str, Batcher | None] = {"batcher": None}
+    state: dict[str, Batcher[pa.RecordBatch, np.ndarray] | None] = {"batcher": None}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        batcher = Batcher(scorer, opts)
+        batcher = scoring(scorer, opts)
         # One forward before reporting ready: the first call pays for lazy initialisation.
         await asyncio.wrap_future(batcher.submit(scorer.parser.parse(_example_body(scorer))))
         # The model and the app are long-lived: keep them out of the collector's full passes, which would
@@ -210,16 +223,34 @@ def create_retrieval_app(
     model: RetrieveRank, catalog: Catalog, max_users: int, opts: ServeOptions
 ) -> FastAPI:
     """``POST /retrieve {"users": [raw id, ...]}`` -> ``{"items": {user: [{"item", "logit"}, ...]}}``: each
-    user's top unseen items (``retrieval_artifact.recommend``); /healthz and /readyz as for scoring."""
-    app = _new_app("recscale retrieval")
-    lock = threading.Lock()  # one query at a time: the model is small and torch parallelises inside it
+    user's top unseen items (``retrieval_artifact.recommend``), the requests batched as /score's rows are (up
+    to ``max_batch`` users a forward); /healthz and /readyz as for scoring."""
 
-    def run(users: list[str]) -> dict:
-        with lock:
-            return recommend(model, catalog, users)
+    def answer(requests: list[list[str]]) -> list[dict]:
+        # The requests gathered meanwhile as one forward: each user's items do not depend on the others'.
+        items = recommend(model, catalog, list(dict.fromkeys(u for users in requests for u in users)))
+        return [{u: items[u] for u in users} for users in requests]
+
+    state: dict[str, Batcher[list[str], dict] | None] = {"batcher": None}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        batcher = Batcher(answer, len, opts)
+        # One query before reporting ready: the first forward pays for lazy initialisation.
+        await asyncio.wrap_future(batcher.submit(catalog.user_keys[:1]))
+        state["batcher"] = batcher
+        try:
+            yield
+        finally:
+            state["batcher"] = None  # not ready: new requests get 503 while the queue drains
+            await asyncio.to_thread(batcher.stop)
+
+    app = _new_app("recscale retrieval", lifespan)
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
+        if state["batcher"] is None:
+            return _error(503, "not ready: the model is loading or the server is shutting down")
         return JSONResponse(
             {"ready": True, "model": "retrieval", "users": len(catalog.user_keys), "pid": os.getpid()}
         )
@@ -240,8 +271,10 @@ def create_retrieval_app(
             )
         if len(users) > max_users:
             return _error(413, f"users: at most {max_users} per request; split it")
+        if (batcher := state["batcher"]) is None:
+            return _error(503, "not ready: the server is starting or shutting down; retry")
         try:
-            return JSONResponse({"items": await asyncio.to_thread(run, [str(u) for u in users])})
+            return JSONResponse({"items": await asyncio.wrap_future(batcher.submit([str(u) for u in users]))})
         except DataError as e:
             return _error(422, one_line(e, 300))
 
