@@ -243,6 +243,20 @@ def test_a_rendezvous_port_taken_before_the_agents_bind_it_starts_the_job_on_ano
 
 
 @dist_mark
+def test_an_error_every_rank_hits_alike_is_not_said_to_have_stopped_the_others(tmp_path):
+    """Every rank failing with one line of its own (a diverged --nproc run: all find it at one step) ended with
+    'the other ranks were stopped', as if one rank's failure had stopped them."""
+    program = tmp_path / "alike.py"
+    program.write_text(
+        "import sys\nfrom recscale.distributed.env import init_distributed, record_error\n"
+        "init_distributed()\nrecord_error('train: the loss diverged', consequence=False)\nsys.exit(2)\n"
+    )
+    with pytest.raises(RecscaleError) as e:
+        launch([str(program)], 2, 1, 0)
+    assert str(e.value) == "train: the loss diverged (on all 2 ranks)"
+
+
+@dist_mark
 def test_one_ranks_error_is_the_jobs_one_line(tmp_path):
     """Rank 0 stops on a bad row (it prepares the data) and rank 1 then loses contact: the job says
     rank 0's line once (each rank used to print its own, then the launcher 'its error is printed above')."""

@@ -108,8 +108,14 @@ def _run(command: list[str], hosts: int, local: int, max_restarts: int, env: dic
         found = [json.loads(p.read_text()) for p in summaries if p.is_file()]
         if any(f.get("port_taken") for f in found):
             return False
+        cause = _root_cause(faults, found, max_restarts, agents)
+        # Every rank failing with this same line of its own (a diverged loss, found by all at one step): none
+        # was stopped for another's failure.
+        alike = [e for e in _errors(faults, max_restarts) if not e["consequence"] and e["error"] == cause]
         raise RecscaleError(
-            f"{_root_cause(faults, found, max_restarts, agents)}; the other ranks were stopped"
+            f"{cause} (on all {hosts * local} ranks)"
+            if len(alike) == hosts * local
+            else f"{cause}; the other ranks were stopped"
         )
 
 
@@ -119,8 +125,7 @@ def _root_cause(faults: Path, found: list[dict], final_attempt: int, agents: lis
     # A hang named by a rank that timed out waiting for it is the cause (its agent may not even have
     # reported). Verdicts and errors of earlier attempts, restarted since, are not.
     verdicts = [v for v in _verdicts(faults) if v["attempt"] == final_attempt]
-    errors = [json.loads(p.read_text()) for p in (faults / ERRORS_SUBDIR).glob("*.json")]
-    errors = [e for e in errors if e["attempt"] == final_attempt]
+    errors = _errors(faults, final_attempt)
     # Otherwise the earliest failure: a rank killed from outside, else a rank's own error; on other ranks
     # the trainer then fails on lost connections (their lines say so) and their agents report exit codes.
     # Agents' failure times are whole seconds, so a rank that died of a lost peer can tie with the cause.
@@ -160,6 +165,12 @@ def _wait(agents: list[subprocess.Popen], faults: Path, final_attempt: int) -> b
         if all(c == 0 for c in codes):
             return False
         time.sleep(_POLL_S)
+
+
+def _errors(faults: Path, attempt: int) -> list[dict]:
+    """The ranks' own error lines (``env.record_error``) of ``attempt``, one per rank that left one."""
+    errors = [json.loads(p.read_text()) for p in (faults / ERRORS_SUBDIR).glob("*.json")]
+    return [e for e in errors if e["attempt"] == attempt]
 
 
 def _verdicts(faults: Path) -> list[dict]:
