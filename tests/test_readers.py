@@ -1173,9 +1173,12 @@ def test_a_bad_row_in_a_part_names_that_part_and_its_line(tmp_path):
     (tmp_path / "day_1.csv").write_text("label,item\n1,c\n")
     with pytest.raises(DataError, match=r"day_1\.csv.*'user'"):
         read_batches(tmp_path / "day_*.csv", "csv", schema)
-    # Scores are joined back to a file's lines: several files are refused there, with how to go on.
-    with pytest.raises(DataError, match=r"names 2 files; .*score them one at a time"):
-        read_batches(tmp_path, "csv", schema, stats=ReadStats(positions=[]))
+    # Each kept row's line is known with its file (predict --predictions joins scores back to them).
+    (tmp_path / "day_1.csv").write_text("label,user\n1,c\n0,d\n1,e\n")
+    stats = ReadStats(positions=[])
+    assert read_all(tmp_path, "csv", schema, stats=stats).num_rows == 5
+    assert [p.tolist() for p in stats.positions] == [[2, 3], [2, 3, 4]]
+    assert stats.position_files == [str(tmp_path / "day_0.csv"), str(tmp_path / "day_1.csv")]
 
 
 def test_data_paths_that_name_no_data_are_one_line(tmp_path):

@@ -1296,7 +1296,14 @@ def test_a_run_trains_on_a_split_in_parts_and_sees_a_part_rewritten(tmp_path):
         )
         valids[name] = Trainer(cfg, tmp_path / name).fit()["valid"]
     assert valids["parts"] == valids["whole"]
-    assert eval_run(tmp_path / "parts", str(tmp_path / "valid_*.csv"))["auc"] == valids["whole"]["auc"]
+    scores = tmp_path / "scores.csv"
+    assert (
+        eval_run(tmp_path / "parts", str(tmp_path / "valid_*.csv"), predictions=scores)["auc"]
+        == valids["whole"]["auc"]
+    )
+    table = pacsv.read_csv(scores).to_pydict()  # each score joined to its file and line
+    assert table["file"] == [str(tmp_path / "valid_0.csv")] * 100 + [str(tmp_path / "valid_1.csv")] * 200
+    assert table["line"] == [*range(2, 102), *range(2, 202)]
     from recscale.data.sources import source_fingerprint
 
     before = source_fingerprint("csv", str(tmp_path / "train"), "train", {})

@@ -340,8 +340,8 @@ def load_training_sample(
     return model.embedding, ds.gather(np.arange(min(rows, len(ds)))), pre
 
 
-def write_columns(path: Path, columns: dict[str, np.ndarray]) -> None:
-    """``columns`` (name -> (N,)) to ``path``: Parquet where its name ends in .parquet or .pq, else CSV; the
+def write_columns(path: Path, columns: dict[str, Any]) -> None:
+    """``columns`` (name -> (N,) array) to ``path``: Parquet where its name ends in .parquet or .pq, else CSV; the
     file appears whole or not at all."""
     table = pa.table(columns)
     sink = pa.BufferOutputStream()
@@ -488,15 +488,17 @@ class _Scores:
     def write(self, path: Path, columns: dict[str, np.ndarray]) -> None:
         """``columns`` and each row's score and position to ``path`` (rank 0: every rank holds every score).
         Rows a skip dropped leave gaps in the position column (a file's line or Parquet row), which joins
-        the scores back to the file."""
+        the scores back to the file; from several files (a folder, a pattern) a ``file`` column names it."""
         if dist.get_rank() != 0:
             return
         probability = torch.sigmoid(self.logits.double()).numpy()  # float64: no two logits merged
-        at = (
-            {position_unit(self.data.format): np.concatenate(self.stats.positions)}
-            if self.stats.positions
-            else {}
-        )
+        at: dict[str, Any] = {}
+        if self.stats.positions:
+            files = self.stats.position_files
+            if len(set(files)) > 1:  # a folder's or a pattern's files: a row is a line of its file
+                counts = [len(p) for p in self.stats.positions]
+                at["file"] = pa.array(files).take(pa.array(np.repeat(np.arange(len(files)), counts)))
+            at[position_unit(self.data.format)] = np.concatenate(self.stats.positions)
         write_columns(path, columns | {"score": probability} | at)
 
 

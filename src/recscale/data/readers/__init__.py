@@ -107,10 +107,6 @@ def read_batches(
             module.read(file, schema, opts, BadRows(file, position_unit(fmt), on_bad_row, stats), *extra),
             file, schema, chunk_rows, stats,
         )  # fmt: skip
-    if stats.positions is not None:  # a row's position is a line of one file
-        raise DataError(
-            f"{path} names {len(files)} files; scores are joined to the lines of one file: score them one at a time"
-        )
 
     # Every part checked now (its header, its columns), not hours into the read; then each opened in turn, as
     # the read reaches it (a Spark job's thousands of parts held open at once could exhaust file handles).

@@ -46,6 +46,7 @@ class ReadStats:
     truncated: dict[str, int] = field(default_factory=dict)  # sequence feature -> rows cut to max_len
     # Each kept row's position in its file (``position_unit``), batch by batch; only when asked (not None).
     positions: list[np.ndarray] | None = None
+    position_files: list[str] = field(default_factory=list)  # the file of each batch of ``positions``
 
 
 @dataclass
@@ -87,6 +88,7 @@ class BadRows:
         bad_idx = np.flatnonzero(bad)
         if self.stats.positions is not None:
             self.stats.positions.append(locate(np.flatnonzero(~bad)))
+            self.stats.position_files.append(self.where)
         if not len(bad_idx) and not rejected:
             return None
         # Word only the first few bad rows: that is all the error or the examples need.
