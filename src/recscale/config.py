@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from recscale.config_files import apply_overrides, load_raw, not_a_file
-from recscale.data.readers import validate_options
+from recscale.data.readers import WEIGHTED_FORMATS, validate_options
 from recscale.data.schema import Schema
 from recscale.data.synthetic import SyntheticSpec
 from recscale.errors import ConfigError
@@ -100,6 +100,11 @@ class DataConfig(Settings):
             if self.schema_ is None:
                 raise ValueError(
                     f"data.schema is required for format '{self.format}': list the label and features"
+                )
+            if self.schema_.weight is not None and self.format not in WEIGHTED_FORMATS:
+                raise ValueError(
+                    f"data.schema.weight: format '{self.format}' has a fixed layout with no column of row weights "
+                    "(csv and parquet read one); drop data.schema.weight"
                 )
             if self.format == "movielens":
                 # One directory holds all splits; the split is a reader option.

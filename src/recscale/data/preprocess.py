@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 from pydantic import ValidationError
 
 from recscale.data.readers.base import ReadStats, as_trained
-from recscale.data.schema import LABEL, WEIGHT_SUFFIX, DenseFeature, Schema
+from recscale.data.schema import WEIGHT_SUFFIX, DenseFeature, Schema
 from recscale.errors import CheckpointError, DataError, StaleArtifactError
 from recscale.io import atomic_write_text
 
@@ -189,12 +189,12 @@ def fit_scales(schema: Schema, moments: DenseMoments) -> dict[str, tuple[float, 
 
 
 def encode(batch: pa.RecordBatch, pre: Preprocessor) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A raw-layout batch (a label column is not needed) mapped as a materialised split is, in memory:
+    """A raw-layout batch (no label or row weight needed) mapped as a materialised split is, in memory:
     (dense (B, n_dense) float32, ids (total,) int64, lengths (n_sparse * B,) int32 in feature-major
     order, weights (total,) float32 when a feature is weighted else empty): ``ArrayDataset.gather_arrays``'
     layout. For online scoring, where rows arrive a few at a time and no split is written."""
     schema = pre.schema
-    columns = [c for c in schema.column_names() if c != LABEL]
+    columns = schema.feature_columns()  # the label and the row weight are not needed
     if missing := [c for c in columns if c not in batch.schema.names]:
         raise DataError(
             f"the rows lack the model's columns {missing}: give every one of {columns} (null for a missing value)"

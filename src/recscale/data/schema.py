@@ -3,6 +3,8 @@
 Every reader yields ``pyarrow.RecordBatch`` es in one *raw* layout described by a ``Schema``:
 
 - ``label`` (always this name, whatever the source calls it): float32, values 0.0 or 1.0, no nulls;
+- ``weight`` (always this name; only when the schema names a ``weight`` column): the row's importance weight,
+  float32, finite and >= 0, no nulls (a missing cell is a bad row: no default is safer than a silent 1);
 - each dense feature: float32, null = missing (filled by preprocessing);
 - each single-id sparse feature: string or int64, null = missing;
 - each multi-id sparse feature: ``list<string>`` or ``list<int64>`` (empty list = missing); an empty id
@@ -24,6 +26,7 @@ from recscale.settings import Settings
 
 WEIGHT_SUFFIX = "__w"
 LABEL = "label"
+WEIGHT = "weight"  # the raw column of a row's importance weight (``Schema.weight``), as LABEL is the label's
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 # A sparse feature's name is the stem of its split files, the longest NAME.offsets.bin: a file name is at most
 # 255 bytes on common file systems (ext4, XFS, APFS, NTFS).
@@ -134,12 +137,25 @@ class Schema(Settings):
 
     # Name of the label column in the source file; readers always output it as ``label``.
     label: str = Field("label", min_length=1)
+    # Name of a column of per-row importance weights (CSV and Parquet), output as ``weight``: the training
+    # loss and the metrics weigh each row by it. None: every row weighs 1.
+    weight: str | None = Field(None, min_length=1)
     dense: list[DenseFeature] = []
     sparse: list[SparseFeature] = []
 
+    @model_serializer(mode="wrap")
+    def _omit_no_weight(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
+        # Dumped without ``weight: null``: a schema without weights reads as before the key existed, so the
+        # digests and fingerprints made from it (preprocess.json, materialised splits) stay valid.
+        out: dict[str, object] = handler(self)
+        if self.weight is None:
+            out.pop("weight", None)
+        return out
+
     @model_validator(mode="after")
     def _unique_names(self) -> Schema:
-        names = [self.label] + self.dense_names + self.sparse_names
+        names = [self.label, *([self.weight] if self.weight is not None else [])]
+        names += self.dense_names + self.sparse_names
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"feature names must be unique; repeated: {', '.join(dup)}")
@@ -148,7 +164,8 @@ class Schema(Settings):
         if clash:
             raise ValueError(
                 f"feature name(s) {', '.join(clash)} clash with a column recscale makes: '{LABEL}' holds the label "
-                f"(read from '{self.label}'), NAME{WEIGHT_SUFFIX} a weighted feature's weights; rename the column"
+                f"(read from '{self.label}'), '{WEIGHT}' the row weights (read from schema.weight), "
+                f"NAME{WEIGHT_SUFFIX} a weighted feature's weights; rename the column"
             )
         if not self.sparse and not self.dense:
             raise ValueError("the schema has no features: list at least one dense or sparse feature")
@@ -179,7 +196,11 @@ class Schema(Settings):
 
     def column_names(self) -> list[str]:
         """Raw column names in reader output order."""
-        cols = [LABEL, *self.dense_names]
+        return [LABEL, *([WEIGHT] if self.weight is not None else []), *self.feature_columns()]
+
+    def feature_columns(self) -> list[str]:
+        """The raw columns a model reads (``column_names`` without the label and the row weight)."""
+        cols = [*self.dense_names]
         for f in self.sparse:
             cols.append(f.name)
             if f.weighted:

@@ -26,17 +26,21 @@ from recscale.data.readers.base import (
     OnBadRow,
     ReadStats,
     as_trained,
+    check_file,
     data_files,
     position_unit,
     raw_arrow_schema,
 )
+from recscale.data.readers.text import read_header
 from recscale.data.schema import Schema
 from recscale.errors import ConfigError, DataError
 
 __all__ = [
     "FORMATS",
+    "WEIGHTED_FORMATS",
     "NoRows",
     "ReadStats",
+    "holds_column",
     "options_model",
     "raw_arrow_schema",
     "read_batches",
@@ -51,6 +55,8 @@ _MODULES: dict[str, ModuleType] = {
     "parquet": parquet,
 }
 FORMATS: tuple[str, ...] = tuple(_MODULES)
+# The formats whose files name their columns, so that one can hold row weights (``Schema.weight``).
+WEIGHTED_FORMATS = ("csv", "parquet")
 
 
 def _module(fmt: str) -> ModuleType:
@@ -77,6 +83,20 @@ def validate_options(fmt: str, options: dict | None) -> pydantic.BaseModel:
         raise ConfigError(f"{where}: {msg}") from None
 
 
+def holds_column(path: str | Path, fmt: str, options: dict | None, name: str) -> bool:
+    """Whether the (first) file ``path`` names has a column ``name``: a CSV header's, a Parquet schema's; never
+    for a format of a fixed layout. A file the reader would refuse raises its error now."""
+    if fmt not in WEIGHTED_FORMATS:
+        return False
+    file = data_files(path, fmt)[0]
+    if fmt == "parquet":
+        return name in parquet.open_parquet(file).schema_arrow.names
+    opts = validate_options(fmt, options)
+    assert isinstance(opts, csv.Options)
+    check_file(file)
+    return name in read_header(file, opts.delimiter, quote=opts.quote)
+
+
 def read_batches(
     path: str | Path,
     fmt: str,
@@ -98,6 +118,8 @@ def read_batches(
         raise ConfigError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
     if chunk_rows < 1:
         raise ConfigError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if schema.weight is not None and fmt not in WEIGHTED_FORMATS:  # DataConfig refuses it first
+        raise ConfigError(f"schema.weight: format '{fmt}' has a fixed layout with no column of row weights")
     stats = ReadStats() if stats is None else stats
     extra = (chunk_rows,) if fmt == "parquet" else ()
     files = data_files(path, fmt)

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recscale.data.schema import LABEL, WEIGHT_SUFFIX, Schema
+from recscale.data.schema import LABEL, WEIGHT, WEIGHT_SUFFIX, Schema
 from recscale.errors import DataError
 
 OnBadRow = Literal["error", "skip"]
@@ -218,6 +218,8 @@ def missing_columns_error(path: Path, missing: Sequence[str], columns: Sequence[
 def raw_arrow_schema(schema: Schema) -> pa.Schema:
     """The pyarrow schema of reader output for ``schema`` (see ``recscale.data.schema``)."""
     fields = [pa.field(LABEL, pa.float32(), nullable=False)]
+    if schema.weight is not None:
+        fields.append(pa.field(WEIGHT, pa.float32(), nullable=False))
     fields += [pa.field(name, pa.float32()) for name in schema.dense_names]
     for f in schema.sparse:
         if not f.multi:
@@ -282,8 +284,11 @@ def to_label(cells: pa.Array, minus_one: bool = False) -> tuple[pa.Array, Proble
     return label, Problem(~ok, reason)
 
 
-def to_dense(cells: pa.Array, name: str, dtype: pa.DataType = FLOAT32) -> tuple[pa.Array, Problem | None]:
-    """Dense cells -> ``dtype``, null = missing. Non-numeric, NaN or infinite (in ``dtype``) = bad."""
+def to_dense(
+    cells: pa.Array, name: str, dtype: pa.DataType = FLOAT32, what: str | None = None
+) -> tuple[pa.Array, Problem | None]:
+    """Dense cells -> ``dtype``, null = missing. Non-numeric, NaN or infinite (in ``dtype``) = bad; ``what``
+    names the cells in a bad row's reason (default: dense feature ``name``)."""
     parsed, not_number = parse_floats(cells)
     values = pc.cast(parsed, dtype)
     finite = pc.fill_null(pc.is_finite(values), True).to_numpy(zero_copy_only=False)
@@ -293,15 +298,36 @@ def to_dense(cells: pa.Array, name: str, dtype: pa.DataType = FLOAT32) -> tuple[
 
     def reason(i: int) -> str:
         if not_number is not None and not_number[i]:
-            what = "not a number"
+            why = "not a number"
         elif pc.is_finite(parsed[i]).as_py():  # finite as read, infinite in dtype (float32 beyond ±3.4e38)
             info = np.finfo(dtype.to_pandas_dtype())
-            what = f"beyond {info.dtype}'s range (±{float(info.max):.3g})"
+            why = f"beyond {info.dtype}'s range (±{float(info.max):.3g})"
         else:
-            what = "NaN or infinite"
-        return f"dense feature '{name}' value {cells[i].as_py()!r} is {what}"
+            why = "NaN or infinite"
+        return f"{subject} {cells[i].as_py()!r} is {why}"
 
+    subject = f"dense feature '{name}' value" if what is None else what
     return values, Problem(bad, reason)
+
+
+def to_weight(cells: pa.Array) -> tuple[pa.Array, Problem | None]:
+    """Row-weight cells -> float32. A missing cell, a value that is not a number, NaN, infinite (in float32) or
+    negative = bad: a weight that is no finite amount >= 0 would turn the loss and every metric NaN or
+    negative, and a missing one has no default that is surely right."""
+    values, problem = to_dense(cells, "", what="weight")
+    missing = pc.is_null(values).to_numpy(zero_copy_only=False)  # also text that is no number (``problem``)
+    negative = pc.fill_null(pc.less(values, 0.0), False).to_numpy(zero_copy_only=False)
+    if problem is None and not (missing.any() or negative.any()):
+        return values, None
+    wrong = problem.reason if problem is not None else None
+    bad = missing | negative | (problem.bad if problem is not None else False)
+
+    def reason(i: int) -> str:
+        if wrong is not None and problem is not None and problem.bad[i]:
+            return wrong(i)
+        return "weight is missing" if missing[i] else f"weight {cells[i].as_py()!r} is negative"
+
+    return pc.fill_null(values, 0.0), Problem(bad, reason)
 
 
 def is_list(dtype: pa.DataType) -> bool:
@@ -573,13 +599,20 @@ NO_LABEL = ""
 
 def unlabelled(schema: Schema) -> Schema:
     """``schema`` for files without its label column (``recscale predict`` of new rows): the readers look
-    for no label and give every row label 0. CSV, Parquet and Criteo (its test files' layout) only: libsvm
-    places the label in every line and MovieLens derives it."""
-    return schema.model_copy(update={"label": NO_LABEL})
+    for no label and give every row label 0, and read no row weight (scores do not depend on it). CSV,
+    Parquet and Criteo (its test files' layout) only: libsvm places the label in every line and MovieLens
+    derives it."""
+    return unweighted(schema).model_copy(update={"label": NO_LABEL})
+
+
+def unweighted(schema: Schema) -> Schema:
+    """``schema`` without its row-weight column: every row weighs 1 (a file to score that has none)."""
+    return schema.model_copy(update={"weight": None})
 
 
 def convert(column: Callable[[str], pa.Array], schema: Schema) -> tuple[list[pa.Array], list[Problem | None]]:
-    """Source columns (fetched by name) -> raw-layout arrays in ``schema.column_names()`` order.
+    """Source columns (fetched by name) -> raw-layout arrays in ``schema.column_names()`` order (the row weight,
+    if the schema names one, read from its ``weight`` column: ``to_weight``).
 
     Multi-id features come as list columns (weights in ``{name}__w``) or as text cells split by
     the feature's ``sep``. An ``unlabelled`` schema reads label 0 for every row.
@@ -590,6 +623,10 @@ def convert(column: Callable[[str], pa.Array], schema: Schema) -> tuple[list[pa.
     else:
         label, problem = to_label(column(schema.label))
     arrays, problems = [label], [problem]
+    if schema.weight is not None:
+        weight, problem = to_weight(column(schema.weight))
+        arrays.append(weight)
+        problems.append(problem)
     for d in schema.dense:
         values, problem = to_dense(column(d.name), d.name)
         arrays.append(values)

@@ -1,6 +1,6 @@
 """BARS/FuxiCTR-style CSV with a header line (e.g. Frappe_x1 ``train.csv``), optionally ``.gz``.
 
-The schema's label column is read as ``label``; its other features are looked up by name in the
+The schema's label column is read as ``label`` (its ``weight`` column, if any, as ``weight``); its other features are looked up by name in the
 header. Empty cells (and ``""``) are missing values; an id cell is its text, but for a whole number
 written with a zero fraction (``3.0`` is id ``3``, as a Parquet float 3.0 is: ``base.normal_ids``). A multi-id cell joins ids with the feature's ``sep``
 (``a|b|c``); a weighted one writes ``id:weight`` entries (``a:0.5|b:2``; a bare id weighs 1).
@@ -66,8 +66,11 @@ class Options(Settings):
 
 
 def source_columns(schema: Schema) -> list[str]:
-    """The file columns a schema reads: its label column (none for ``unlabelled``), then its features."""
-    return [*([schema.label] if schema.label != NO_LABEL else []), *schema.dense_names, *schema.sparse_names]
+    """The file columns a schema reads: its label column (none for ``unlabelled``), its row-weight column (if
+    any), then its features."""
+    label = [schema.label] if schema.label != NO_LABEL else []
+    weight = [schema.weight] if schema.weight is not None else []
+    return [*label, *weight, *schema.dense_names, *schema.sparse_names]
 
 
 def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator[pa.RecordBatch]:

@@ -1,6 +1,7 @@
 """Parquet files, streamed by row groups, cast to the raw layout.
 
-Columns are looked up by the schema's names (the label column by ``schema.label``). Integer ids
+Columns are looked up by the schema's names (the label column by ``schema.label``, the row weights' by
+``schema.weight``). Integer ids
 become their decimal text; float ids (a column of floats, or a list of them) that of the integer they
 hold (3.0 is id "3"), and one that is not a whole number (1.5, NaN) makes its row bad; a decimal id its
 text, a whole one the integer's (12.0 is "12", 3.5 "3.5"); a string id as CSV reads its cell: "" is a missing
@@ -83,6 +84,8 @@ def _check_types(path: Path, arrow: pa.Schema, schema: Schema) -> None:
     string column of ids joined by its ``sep``."""
     multi = {f.name: f.sep for f in schema.sparse if f.multi}
     role = {schema.label: "the label"} | dict.fromkeys(schema.dense_names, "a dense feature")
+    if schema.weight is not None:
+        role[schema.weight] = "the row weight"
     for name in source_columns(schema):
         dtype = _plain(arrow.field(name).type)
         if name in multi:

@@ -272,7 +272,8 @@ def iter_converted(
     text does, without building string columns first); a chunk holding any bad row is parsed again
     as text, which finds and words its problems exactly as before."""
     text = _convert_options(include)
-    numbers = _convert_options(include, [n for n in (schema.label, *schema.dense_names) if n in include])
+    numeric = (schema.label, *([schema.weight] if schema.weight is not None else []), *schema.dense_names)
+    numbers = _convert_options(include, [n for n in numeric if n in include])
 
     def then(
         parse: Callable[[pacsv.ConvertOptions], TextChunk],
