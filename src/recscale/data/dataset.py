@@ -9,6 +9,7 @@ Layout of a materialised split directory::
 
     meta.json               rows, columns, dtypes, fingerprint of source + preprocessing
     label.bin               (N,) float32
+    weight.bin              (N,) float32              row weights (schema.weight) only; "weight": true in meta
     dense.bin               (N, n_dense) float32
     {field}.values.bin      (total_ids,) int64
     {field}.offsets.bin     (N + 1,) int64            multi-id fields only
@@ -54,6 +55,7 @@ def _well_formed(meta: object) -> bool:
     return (
         type(meta.get("rows")) is int
         and type(meta.get("num_dense")) is int
+        and type(meta.get("weight", False)) is bool  # absent (a split from before row weights): none
         and isinstance(fields, list)
         and all(
             isinstance(f, dict)
@@ -88,6 +90,7 @@ class ArrayDataset:
         self.rows: int = meta["rows"] if index is None else len(index)
         self.keys = [f["name"] for f in meta["sparse"]]
         self._weighted = any(f["weighted"] for f in meta["sparse"])
+        self.weighted_rows: bool = meta.get("weight", False)  # a weight per row (else every row weighs 1)
         self._arrays: dict[str, np.ndarray] | None = None
 
     def __len__(self) -> int:
@@ -112,6 +115,7 @@ class ArrayDataset:
         counted at the split's mean per row), from the column files' sizes: no batch is built."""
         a, n = self._open(), max(self.meta["rows"], 1)
         per_row = a["dense"].itemsize * self.meta["num_dense"] + a["label"].itemsize
+        per_row += a["weight"].itemsize if self.weighted_rows else 0
         for f in self.meta["sparse"]:
             ids = a[f"{f['name']}.values"]
             per_id = ids.itemsize + (4 if self._weighted else 0)  # a float32 weight per id of every field
@@ -122,6 +126,8 @@ class ArrayDataset:
         """(file name, bytes per item, items) of each column file; a multi-id field's ids are counted by
         its last offset, read once its offsets file is known to be whole."""
         yield "label.bin", 4, n
+        if self.meta.get("weight", False):
+            yield "weight.bin", 4, n
         yield "dense.bin", 4, n * self.meta["num_dense"]
         for f in self.meta["sparse"]:
             name, ids = f["name"], n
@@ -142,6 +148,8 @@ class ArrayDataset:
                 if self.meta["num_dense"]
                 else np.zeros((n, 0), np.float32),
             }
+            if self.weighted_rows:
+                arrays["weight"] = np.memmap(d / "weight.bin", np.float32, "r", shape=(n,))
             for f in self.meta["sparse"]:
                 name = f["name"]
                 arrays[f"{name}.values"] = _map_ids(d / f"{name}.values.bin", np.int64)
@@ -157,6 +165,13 @@ class ArrayDataset:
     def labels(self) -> np.ndarray:
         labels = np.asarray(self._open()["label"])
         return labels if self.index is None else labels[self.index]
+
+    def weights(self) -> np.ndarray | None:
+        """(len(self),) float32: each row's weight; None where the split has none (every row weighs 1)."""
+        if not self.weighted_rows:
+            return None
+        weights = np.asarray(self._open()["weight"])
+        return weights if self.index is None else weights[self.index]
 
     def subset(self, mask: np.ndarray) -> ArrayDataset:
         """A view of the rows where ``mask`` (len(self),) is true, in order."""
@@ -193,7 +208,8 @@ class ArrayDataset:
         return np.stack(cols, axis=1) if cols else np.zeros((len(idx), 0), np.int64)
 
     def gather_arrays(self, idx: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Rows ``idx`` -> (dense (B, n_dense), values, lengths (n_keys * B,), weights or empty, labels (B,))."""
+        """Rows ``idx`` -> (dense (B, n_dense), values, lengths (n_keys * B,), weights or empty, labels (B,),
+        row weights (B,) or empty)."""
         a = self._open()
         if self.index is not None:
             idx = self.index[idx]
@@ -222,14 +238,15 @@ class ArrayDataset:
             np.concatenate(lengths),
             np.concatenate(weights) if weights else np.zeros(0, np.float32),
             np.ascontiguousarray(a["label"][idx]),
+            np.ascontiguousarray(a["weight"][idx]) if self.weighted_rows else np.zeros(0, np.float32),
         )
 
     def to_batch(self, arrays: tuple[np.ndarray, ...] | tuple[torch.Tensor, ...]) -> Batch:
-        dense, values, lengths, weights, labels = (torch.as_tensor(x) for x in arrays)
+        dense, values, lengths, weights, labels, rows = (torch.as_tensor(x) for x in arrays)
         kjt = KeyedJaggedTensor(
             keys=self.keys, values=values, lengths=lengths, weights=weights if self._weighted else None
         )
-        return Batch(dense=dense, sparse=kjt, labels=labels)
+        return Batch(dense=dense, sparse=kjt, labels=labels, weights=rows if self.weighted_rows else None)
 
     def gather(self, idx: np.ndarray) -> Batch:
         return self.to_batch(self.gather_arrays(idx))

@@ -1,7 +1,7 @@
 """Materialising a split: raw record batches -> the column files ``ArrayDataset`` reads, in one pass
 over the source, fitting the vocabularies on the way for the training split.
 
-Whatever does not depend on a vocabulary (label, dense values, offsets, weights, hashed ids) is
+Whatever does not depend on a vocabulary (label, row weight, dense values, offsets, weights, hashed ids) is
 written to its file as each batch arrives. A vocabulary field's ids are dictionary-encoded per batch
 (in worker threads): the codes go to a scratch file, the batch's distinct ids are kept until a block
 of them is pending. A block is then numbered in one hash pass: when fitting, against every id seen so
@@ -48,7 +48,7 @@ from recscale.data.preprocess import (
     vocabulary_order,
 )
 from recscale.data.readers import ReadStats
-from recscale.data.schema import LABEL, WEIGHT_SUFFIX, Schema, SparseFeature
+from recscale.data.schema import LABEL, WEIGHT, WEIGHT_SUFFIX, Schema, SparseFeature
 from recscale.errors import DataError
 from recscale.io import atomic_dir
 
@@ -204,6 +204,8 @@ def _encode(batch: pa.RecordBatch, schema: Schema, pre: Preprocessor | None) -> 
     label = batch.column(LABEL).to_numpy(zero_copy_only=False).astype(np.float32)
     dense = dense_matrix(batch, schema, pre)
     arrays = {"label": label, "dense": dense}
+    if schema.weight is not None:
+        arrays["weight"] = batch.column(WEIGHT).to_numpy(zero_copy_only=False).astype(np.float32)
     scaled = [j for j, d in enumerate(schema.dense) if d.scale != "none"]
     moments = DenseMoments.of(dense[:, scaled]) if pre is None and scaled else None
     codes = {}
@@ -307,7 +309,8 @@ def materialize(
                 )
                 if wanted
             }
-            files |= {k: stack.enter_context(open(tmp / f"{k}.bin", "wb")) for k in ("label", "dense")}
+            whole = ("label", "dense", *(["weight"] if schema.weight is not None else []))
+            files |= {k: stack.enter_context(open(tmp / f"{k}.bin", "wb")) for k in whole}
             spills = {f.name: _Spill(scratch, f.name, stack, pre) for f in vocab_fields}
             offsets_end = {f.name: 0 for f in schema.sparse if f.multi}
             dense_given = np.zeros(len(schema.dense), np.int64)
@@ -382,6 +385,8 @@ def materialize(
             "sparse": [{"name": f.name, "multi": f.multi, "weighted": f.weighted} for f in schema.sparse],
             "fingerprint": fingerprint(pre),
         }
+        if schema.weight is not None:  # left out otherwise: a split without weights reads as before the key
+            meta["weight"] = True
         if stats is not None:  # complete: the batches are all read
             meta["read"] = {
                 "skipped": stats.skipped,
