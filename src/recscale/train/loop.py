@@ -423,7 +423,8 @@ class Trainer:
     def train_step(self, batch: Batch, global_size: int | None = None) -> torch.Tensor:
         """One optimisation step on this rank's part of the global batch (already on the device):
         learning rates for the step, forward, loss (+ embedding L2), backward, dense clipping, both
-        optimizers, table decay, the dense average; advances the step counters. Returns the loss.
+        optimizers, table decay, the dense average; advances the step counters. Returns the loss, each
+        row's weighted by ``batch.weights`` if it has them.
 
         ``global_size``: the global batch's size when ranks hold unequal parts of it (balanced): the
         loss is then this rank's sum × world / global_size, so the ranks' mean (DDP) is the global mean,
@@ -444,13 +445,15 @@ class Trainer:
                 logits = self.module(batch.dense, batch.sparse).float()
             if self.logit_offset:  # negative downsampling's shift, in the loss only
                 logits = logits + self.logit_offset
+            # Row weights scale each row's loss and keep the denominator the rows: sum(w * l) / rows, so weights
+            # of 1 are the unweighted loss bit for bit, and a row of weight 2 counts as that row twice.
+            bce = nn.functional.binary_cross_entropy_with_logits
             if global_size is None:
                 per_rank: float = batch.size
-                loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+                loss = bce(logits, batch.labels, weight=batch.weights)
             else:
                 per_rank = global_size / self.env.world_size
-                bce = nn.functional.binary_cross_entropy_with_logits
-                loss = bce(logits, batch.labels, reduction="sum") / per_rank
+                loss = bce(logits, batch.labels, weight=batch.weights, reduction="sum") / per_rank
             objective = loss if self.l2 is None else loss + self.l2(per_rank)
             objective.backward()
             if t.grad_clip is not None:
