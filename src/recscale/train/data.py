@@ -16,7 +16,7 @@ from recscale.data.dataset import ArrayDataset, held_out, read_meta
 from recscale.data.materialize import materialize
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import ReadStats
-from recscale.data.readers.base import unlabelled
+from recscale.data.readers.base import unlabelled, unweighted
 from recscale.data.schema import Schema
 from recscale.data.sources import open_split, source_fingerprint
 from recscale.errors import RUN_DIR, CheckpointError, DataError, RecscaleError, StaleArtifactError
@@ -60,20 +60,21 @@ def prepare_split(
     progress: bool,
     positions: bool = False,
     labelled: bool = True,
+    weighted: bool = True,
 ) -> tuple[ArrayDataset, ReadStats]:
     """Materialise one split under ``out_dir`` unless an identical one is already there (``positions``:
     read it anew, the stats keeping each kept row's position in the file; not ``labelled``: read anew
-    from a file without the label column, every label 0)."""
+    from a file without the label column, every label 0, nor row weights; not ``weighted``: read anew
+    without the schema's row-weight column, every row weighing 1)."""
     fp = split_fingerprint(data, pre, split, path)
     meta = read_meta(out_dir)
-    fresh = positions or not labelled
+    schema = pre.schema if labelled and weighted else unweighted(pre.schema)
+    fresh = positions or not labelled or schema.weight != pre.schema.weight
     if not fresh and meta is not None and meta.get("fingerprint") == fp and not _dropped_against(data, meta):
         return ArrayDataset(out_dir), stats_of(meta)
     stats = ReadStats(positions=[] if positions else None)
-    batches = _batches(data, pre.schema if labelled else unlabelled(pre.schema), split, path, stats)
-    materialize(
-        batches, pre.schema, out_dir, pre=pre, fingerprint=lambda _: fp, progress=progress, stats=stats
-    )
+    batches = _batches(data, schema if labelled else unlabelled(schema), split, path, stats)
+    materialize(batches, schema, out_dir, pre=pre, fingerprint=lambda _: fp, progress=progress, stats=stats)
     return ArrayDataset(out_dir), stats
 
 

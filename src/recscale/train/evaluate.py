@@ -75,7 +75,8 @@ def evaluate(
 
 
 def scored(logits: torch.Tensor, ds: ArrayDataset, group_by: str | None = None) -> dict[str, float]:
-    """``evaluate``'s metrics of the ``logits`` (N,) a model gave ``ds``'s rows."""
+    """``evaluate``'s metrics of the ``logits`` (N,) a model gave ``ds``'s rows, weighted by its row weights
+    where it has them (``ctr_metrics``; the group AUC too)."""
     labels = torch.from_numpy(ds.labels().copy())
     bad = ~((labels == 0) | (labels == 1))  # the readers write no other: a damaged label.bin (NaN, 7)
     if bool(bad.any()):  # scored NaN ("a diverged model") or numbers from the damage
@@ -85,11 +86,13 @@ def scored(logits: torch.Tensor, ds: ArrayDataset, group_by: str | None = None) 
             f"damaged; delete {ds.dir} and rerun the command that wrote it (train, or data prepare for a "
             "data.prepared directory)"
         )
-    m = ctr_metrics(logits, labels)
+    weights = ds.weights()
+    w = None if weights is None else torch.from_numpy(weights.copy())
+    m = ctr_metrics(logits, labels, w)
     if group_by is not None:
         groups = torch.from_numpy(ds.ids(group_by))
         known = groups != OOV
-        g = group_auc(logits[known], labels[known], groups[known])
+        g = group_auc(logits[known], labels[known], groups[known], None if w is None else w[known])
         m |= {"gauc": g["gauc"], "gauc_groups": g["groups"], "gauc_rows": g["rows"]}
     return m
 

@@ -658,7 +658,8 @@ class Trainer:
         logits = predict(self.module, self.valid_ds, eval_batch_size(t.batch_size), self.cfg.data.num_workers,
                          t.precision)  # fmt: skip
         labels = torch.from_numpy(self.valid_ds.labels().copy())
-        a, b = layers[0].fit(logits, labels)
+        weights = self.valid_ds.weights()
+        a, b = layers[0].fit(logits, labels, None if weights is None else torch.from_numpy(weights.copy()))
         for c in layers[1:]:
             c.set(a, b)
         self._keep_best(step)

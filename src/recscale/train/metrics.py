@@ -9,6 +9,11 @@ probability over that same CTR (NaN where no row is positive). AUC is exact (thr
 Mann-Whitney statistic of the logits themselves in float64, ties counting one half. Not of
 sigmoid(logits): in float64 every logit above ~37 becomes 1.0, so a confident model's top scores would
 all tie.
+
+Row weights (importance weights, ``schema.weight``), where given, weigh every metric: a row of integer weight
+k counts as k copies of it (LogLoss sum(w * l) / sum(w), the CTR sum(w * y) / sum(w), a (positive, negative)
+pair w_pos * w_neg in the AUC, a group by its total weight in the group AUC). Without them each row weighs 1,
+which is the same computation, to the last bit.
 """
 
 from __future__ import annotations
@@ -31,64 +36,101 @@ def normalized_entropy(logloss: float, ctr: float) -> float:
     return logloss / base if base > 0 else float("nan")
 
 
-def auc(logits: torch.Tensor, labels: torch.Tensor) -> float:
+def _pairs_ranked_right(
+    tie: torch.Tensor, tie_group: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, groups: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weighted Mann-Whitney statistic of each group: (right, positive, negative), each (groups,), where
+    ``right`` sums w_pos * w_neg over its (positive, negative) pairs the scores rank right, a tie counting one
+    half, and ``positive``/``negative`` sum its positives'/negatives' weights. With every weight 1 these are
+    counts, exact in float64 (the rank-sum formula's numbers).
+
+    tie: (N,) each row's tie class, numbered by (group, score) ascending (``torch.unique`` 's order);
+    tie_group: (T,) each class's group; labels, weights: (N,) float64."""
+    classes = len(tie_group)
+    pos = torch.zeros(classes, dtype=torch.float64).index_add_(0, tie, weights * labels)
+    neg = torch.zeros(classes, dtype=torch.float64).index_add_(0, tie, weights * (1 - labels))
+    neg_of_group = torch.zeros(groups, dtype=torch.float64).index_add_(0, tie_group, neg)
+    # Negatives' weight below each class within its group: all below it, less the earlier groups'.
+    below = torch.cumsum(neg, 0) - neg - (torch.cumsum(neg_of_group, 0) - neg_of_group)[tie_group]
+    right = torch.zeros(groups, dtype=torch.float64).index_add_(0, tie_group, pos * (below + neg / 2))
+    pos_of_group = torch.zeros(groups, dtype=torch.float64).index_add_(0, tie_group, pos)
+    return right, pos_of_group, neg_of_group
+
+
+def _row_weights(labels: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """(N,) float64 row weights: ``weights``, or 1 for every row."""
+    return torch.ones_like(labels) if weights is None else weights.double().flatten()
+
+
+def auc(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> float:
     """Exact AUC of logits (N,) against 0/1 labels (N,): the fraction of (positive, negative) pairs
-    ranked right, ties one half; NaN where the labels have one class or a logit is NaN."""
+    ranked right, ties one half, each pair weighing w_pos * w_neg with row ``weights`` (N,) (None: 1; an
+    integer weight is the AUC of the row repeated that often); NaN where either class weighs nothing or a
+    logit is NaN."""
     logits, labels = logits.double().flatten(), labels.double().flatten()
-    positives = labels.sum().item()
-    negatives = labels.numel() - positives
-    if positives == 0 or negatives == 0 or bool(torch.isnan(logits).any()):
+    w = _row_weights(labels, weights)
+    if bool(torch.isnan(logits).any()):
         return float("nan")
-    _, group, counts = torch.unique(logits, return_inverse=True, return_counts=True)
-    ends = torch.cumsum(counts, 0).double()
-    ranks = (ends - (counts.double() - 1) / 2)[group]  # 1-based, ties share their mean rank
-    return ((ranks * labels).sum().item() - positives * (positives + 1) / 2) / (positives * negatives)
+    _, tie = torch.unique(logits, return_inverse=True)
+    one = torch.zeros(int(tie.max()) + 1 if len(tie) else 0, dtype=torch.long)
+    right, positive, negative = _pairs_ranked_right(tie, one, labels, w, 1)
+    if not (positive.item() > 0 and negative.item() > 0):
+        return float("nan")
+    return right.item() / (positive.item() * negative.item())
 
 
-def ctr_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """Metrics of one evaluation pass. logits, labels: (N,) -> {auc, logloss, ne, calibration, rows}."""
+def ctr_metrics(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Metrics of one evaluation pass. logits, labels: (N,) -> {auc, logloss, ne, calibration, rows}; with row
+    ``weights`` (N,) each row counts its weight (LogLoss sum(w * l) / sum(w), NE against the weighted CTR,
+    calibration the weighted mean prediction over it, AUC as ``auc``) and weight_sum, sum(w), is added."""
     logits, labels = logits.double().flatten(), labels.double().flatten()
     n = int(labels.numel())
     if n == 0:
         raise ValueError("no rows to evaluate")
+    w = _row_weights(labels, weights)
+    total = w.sum().item()
     # log(1 + exp(-z)) for a positive, log(1 + exp(z)) for a negative: exact, and an infinite logit costs
     # 0 or inf nats (binary_cross_entropy_with_logits gives NaN for both, as it multiplies inf by 0).
-    logloss = torch.logaddexp(torch.zeros_like(logits), (1 - 2 * labels) * logits).mean().item()
-    ctr = labels.mean().item()
-    return {
-        "auc": auc(logits, labels),
+    logloss = (w * torch.logaddexp(torch.zeros_like(logits), (1 - 2 * labels) * logits)).sum().item() / total
+    ctr = (w * labels).sum().item() / total
+    m = {
+        "auc": auc(logits, labels, w),
         "logloss": logloss,
         "ne": normalized_entropy(logloss, ctr),
-        "calibration": torch.sigmoid(logits).mean().item() / ctr if ctr > 0 else float("nan"),
+        "calibration": (w * torch.sigmoid(logits)).sum().item() / total / ctr if ctr > 0 else float("nan"),
         "rows": n,
     }
+    return m if weights is None else m | {"weight_sum": total}
 
 
-def group_auc(logits: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:
-    """Group AUC (Zhou et al., DIN, KDD 2018): each group's exact AUC (as ``auc``), averaged with weights
-    the groups' row counts, over the groups that hold both classes (a user with only clicks or only
-    non-clicks ranks nothing). logits, labels, groups (N,) -> {gauc, groups: the groups averaged,
-    rows: their rows}; gauc NaN where no group holds both classes or a logit is NaN."""
+def group_auc(
+    logits: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor, weights: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Group AUC (Zhou et al., DIN, KDD 2018): each group's exact AUC (as ``auc``, pairs weighted by row
+    ``weights`` (N,) if given), averaged with weights the groups' total row weight (their row counts without
+    ``weights``), over the groups whose two classes both weigh something (a user with only clicks or only
+    non-clicks ranks nothing). logits, labels, groups (N,) -> {gauc, groups: the groups averaged, rows: their
+    rows}; gauc NaN where no group holds both classes or a logit is NaN."""
     logits, labels = logits.double().flatten(), labels.double().flatten()
-    # Rows sorted by (group, logit): a row's rank within its group is its position after the rows of
-    # earlier groups, ties sharing their mean rank.
+    w = _row_weights(labels, weights)
     _, g = torch.unique(groups.flatten(), return_inverse=True)
-    pairs, pair_of, counts = torch.unique(
-        torch.stack([g.double(), logits]), dim=1, return_inverse=True, return_counts=True
-    )
-    ends = torch.cumsum(counts, 0).double()
-    n = torch.bincount(g).double()  # rows per group
-    before = (torch.cumsum(n, 0) - n)[pairs[0].long()]  # rows of earlier groups, per (group, logit) pair
-    ranks = (ends - (counts.double() - 1) / 2 - before)[pair_of]
-    pos = torch.zeros_like(n).index_add_(0, g, labels)
-    rank_sum = torch.zeros_like(n).index_add_(0, g, ranks * labels)
-    both = (pos > 0) & (pos < n)
+    # Tie classes of (group, logit), numbered in that order: a group's classes ascend by score.
+    pairs, tie = torch.unique(torch.stack([g.double(), logits]), dim=1, return_inverse=True)
+    n = torch.bincount(g)  # rows per group
+    right, positive, negative = _pairs_ranked_right(tie, pairs[0].long(), labels, w, len(n))
+    both = (positive > 0) & (negative > 0)
     rows = int(n[both].sum().item())
     if rows == 0 or bool(torch.isnan(logits).any()):
         return {"gauc": float("nan"), "groups": int(both.sum().item()), "rows": rows}
-    p, m = pos[both], n[both] - pos[both]
-    aucs = (rank_sum[both] - p * (p + 1) / 2) / (p * m)
-    return {"gauc": ((aucs * n[both]).sum() / rows).item(), "groups": int(both.sum().item()), "rows": rows}
+    p, m = positive[both], negative[both]
+    aucs = right[both] / (p * m)
+    return {
+        "gauc": ((aucs * (p + m)).sum() / (p + m).sum()).item(),
+        "groups": int(both.sum().item()),
+        "rows": rows,
+    }
 
 
 def rows_are(n: int) -> str:

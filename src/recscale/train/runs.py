@@ -27,7 +27,7 @@ from recscale.config_files import apply_overrides, read_yaml_mapping
 from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset
 from recscale.data.preprocess import Preprocessor
-from recscale.data.readers import NoRows
+from recscale.data.readers import NoRows, holds_column
 from recscale.data.readers.base import SKIP_HINT, OnBadRow, ReadStats, names_data, position_unit
 from recscale.data.schema import Schema
 from recscale.distributed.dmt.transform import LocalDMT, local_key
@@ -406,7 +406,8 @@ def eval_run(
     overrides: list[str] | None = None,
     predictions: Path | None = None,
 ) -> dict[str, Any]:
-    """The metrics (auc, logloss, ne, calibration, rows; skipped_rows and unknown_id_fields, the sparse
+    """The metrics (auc, logloss, ne, calibration, rows; weight_sum where rows are weighted: a run trained
+    with ``schema.weight`` on a file that has that column; skipped_rows and unknown_id_fields, the sparse
     fields with a vocabulary none of whose ids the file holds, if any) of the run's best (else
     latest) model on the file ``data_path``, read as ``fmt`` (default: the run's format); a run on
     synthetic data, without a file, on its own synthetic ``split``. Bad rows as ``on_bad_row`` says
@@ -560,9 +561,16 @@ def _scored(
     progress = sys.stderr.isatty() and dist.get_rank() == 0
     with scratch_dir(f"recscale-{command}-") as tmp:
         try:
+            # A run trained with row weights is scored with them where the file has their column, else unweighted.
+            weight = pre.schema.weight
+            weighted = (
+                weight is not None
+                and data_path is not None
+                and holds_column(data_path, data.format, data.options, weight)
+            )
             ds, stats = prepare_split(
                 data, pre, split, data_path, Path(tmp) / "split", progress=progress,
-                positions=out is not None, labelled=not unlabelled,
+                positions=out is not None, labelled=not unlabelled, weighted=weighted,
             )  # fmt: skip
         except DataError as e:  # the readers' hints name config keys, which eval takes no overrides for
             line = str(e).replace(SKIP_HINT, "(pass --on-bad-row skip to drop such rows)")
