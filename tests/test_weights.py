@@ -17,6 +17,7 @@ from recscale.data.readers import ReadStats, read_batches
 from recscale.data.schema import Schema
 from recscale.errors import ConfigError, DataError
 from recscale.models.blocks import Calibration
+from recscale.serve.scorer import Scorer
 from recscale.train.loop import Trainer
 from recscale.train.metrics import auc, ctr_metrics, group_auc
 from recscale.train.runs import eval_run
@@ -250,6 +251,9 @@ def test_eval_scores_with_the_weights_where_the_file_has_them(tmp_path, capsys):
     write_run(tmp_path, "plain", rows, False)  # the same rows, no weight column: scored unweighted
     plain = eval_run(tmp_path / "r", str(tmp_path / "plain.csv"))
     assert "weight_sum" not in plain and plain["rows"] == len(rows) and plain["logloss"] != m["logloss"]
+    assert main(["export", str(tmp_path / "r"), "--out", str(tmp_path / "m")]) == 0
+    served, labels = Scorer(tmp_path / "m").score_file(tmp_path / "plain.csv")  # scores need no weights
+    assert len(served) == len(rows) and labels.tolist() == [y for y, _, _, _ in rows]
     assert (
         main(
             [

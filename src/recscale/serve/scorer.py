@@ -10,6 +10,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recscale.data.preprocess import encode
+from recscale.data.readers.base import unweighted
 from recscale.data.schema import LABEL
 from recscale.data.sources import open_split
 from recscale.serve.artifact import WEIGHTS, read_artifact
@@ -60,8 +61,9 @@ class Scorer:
         temporaries (as ``predict``'s once did), and a 3M-row file held ~1 GB for 12 MB of scores."""
         data = self.config.data
         logits, labels, n = np.empty(0, np.float32), np.empty(0, np.float32), 0
+        schema = unweighted(self.pre.schema)  # no row-weight column needed: scores do not depend on it
         batches = open_split(
-            data.format, str(path), "test", self.pre.schema, data.options or {}, chunk_rows=chunk_rows
+            data.format, str(path), "test", schema, data.options or {}, chunk_rows=chunk_rows
         )
         for batch in batches:
             rows = batch.num_rows

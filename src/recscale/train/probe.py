@@ -84,7 +84,10 @@ def calibration_sample(
         raise RecscaleError(f"{run_dir} was trained on synthetic data, which has no file format to read --data {data_path} with; "
                             "leave --data out to use the run's own valid split")  # fmt: skip
     with scratch_dir("recscale-probe-") as tmp:
-        ds, _ = prepare_split(cfg.data, pre, "test", data_path, Path(tmp) / "probe", progress=False)
+        # The probe's metrics are unweighted: a file needs no row-weight column.
+        ds, _ = prepare_split(
+            cfg.data, pre, "test", data_path, Path(tmp) / "probe", progress=False, weighted=False
+        )
         return _sample(ds, rows)  # gathered into memory before the files go
 
 
