@@ -93,6 +93,8 @@ def holds_column(path: str | Path, fmt: str, options: dict | None, name: str) ->
         return name in parquet.open_parquet(file).schema_arrow.names
     opts = validate_options(fmt, options)
     assert isinstance(opts, csv.Options)
+    if opts.columns is not None:  # a file without a header: its columns are these
+        return name in opts.columns
     check_file(file)
     return name in read_header(file, opts.delimiter, quote=opts.quote)
 
