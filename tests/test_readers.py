@@ -1228,3 +1228,22 @@ def test_a_csv_without_a_header_names_its_columns_in_the_options(tmp_path):
         read_all(path, "csv", schema, {"columns": ["label", "u", "u"]})
     with pytest.raises(DataError, match=r"no column 'x'|'x'"):
         read_all(write(path, ["1,a"]), "csv", schema, {"columns": ["label", "u"]})
+
+
+def test_small_parts_are_parsed_once_each_without_threads(tmp_path, monkeypatch):
+    """Per-part overhead: a part of one text chunk is parsed in the reading thread (starting a thread pool
+    for it cost more than the parse), and its header is read once, by the check, not again by the read."""
+    import pyarrow.csv as pacsv
+
+    import recscale.data.chunks as chunks
+    import recscale.data.readers.text as text
+
+    for i in range(3):
+        write(tmp_path / f"part-{i}.csv", ["label,user", f"1,u{i}", f"0,v{i}"])
+    calls: list[int] = []
+    parse = pacsv.read_csv
+    monkeypatch.setattr(text.pacsv, "read_csv", lambda *a, **k: calls.append(1) or parse(*a, **k))
+    monkeypatch.setattr(chunks, "ThreadPoolExecutor", None)  # any pool started would fail
+    table = read_all(tmp_path, "csv", make_schema(sparse=["user"]))
+    assert table.column("user").to_pylist() == ["u0", "v0", "u1", "v1", "u2", "v2"]
+    assert len(calls) == 3  # one parse of each part's rows; their headers need no parser

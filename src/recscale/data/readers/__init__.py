@@ -132,9 +132,9 @@ def read_batches(
             file, schema, chunk_rows, stats,
         )  # fmt: skip
 
-    # Every part checked now (its header, its columns), not hours into the read; then each opened in turn, as
-    # the read reaches it (a Spark job's thousands of parts held open at once could exhaust file handles).
-    # A part holding no rows (an empty part of a Spark job) adds none.
+    # Every part checked now (its header, its columns), not hours into the read. A reader's check closes its
+    # file and the stream it returns opens it only when the read reaches it: a Spark job's thousands of parts
+    # held open at once could exhaust file handles. A part holding no rows (an empty part) adds none.
     def part(file: Path) -> Iterator[pa.RecordBatch]:
         if file.stat().st_size == 0:
             return iter(())
@@ -145,9 +145,8 @@ def read_batches(
         except NoRows:
             return iter(())
 
-    for file in files:
-        part(file)
-    return _counted(chain.from_iterable(part(f) for f in files), Path(path), schema, chunk_rows, stats)
+    streams = [part(f) for f in files]
+    return _counted(chain.from_iterable(streams), Path(path), schema, chunk_rows, stats)
 
 
 def _counted(

@@ -46,9 +46,10 @@ class Options(Settings):
 def read(
     path: Path, schema: Schema, options: Options, bad: BadRows, chunk_rows: int
 ) -> Iterator[pa.RecordBatch]:
-    """Check the file and its columns now; return the stream of raw-layout batches."""
-    file = open_parquet(path)
-    arrow = file.schema_arrow
+    """Check the file and its columns now; return the stream of raw-layout batches, which opens the file
+    again only when read (a split's thousands of parts, all checked first, are not held open)."""
+    with open_parquet(path) as file:
+        arrow = file.schema_arrow
     wanted = source_columns(schema)
     for f in schema.sparse:
         if f.weighted and f.name in arrow.names and is_list(arrow.field(f.name).type):
@@ -57,7 +58,7 @@ def read(
     if missing:
         raise missing_columns_error(path, missing, arrow.names)
     _check_types(path, arrow, schema)
-    return _batches(file, schema, bad, chunk_rows, wanted)
+    return _batches(path, schema, bad, chunk_rows, wanted)
 
 
 def open_parquet(path: Path) -> pq.ParquetFile:
@@ -133,10 +134,10 @@ def _column(batch: pa.RecordBatch, name: str) -> pa.Array:
 
 
 def _batches(
-    file: pq.ParquetFile, schema: Schema, bad: BadRows, chunk_rows: int, wanted: list[str]
+    path: Path, schema: Schema, bad: BadRows, chunk_rows: int, wanted: list[str]
 ) -> Iterator[pa.RecordBatch]:
     row = 1
-    with damage_named(bad.where):
+    with damage_named(bad.where), pq.ParquetFile(path) as file:
         for batch in file.iter_batches(batch_size=chunk_rows, columns=wanted):
             arrays, problems = convert(partial(_column, batch), schema)
             keep = bad.keep(batch.num_rows, problems, consecutive(row))

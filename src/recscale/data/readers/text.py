@@ -185,6 +185,12 @@ def read_header(path: Path, delimiter: str, quote: bool) -> list[str]:
         raise DataError(f"{path} line 1: {BARE_CR}")
     if (not_utf8 := utf8_error(path, line, 1)) is not None:  # pyarrow's names would raise UnicodeDecodeError
         raise not_utf8
+    if not (quote and b'"' in line):
+        # No quoting: the names are the cells between delimiters, as pyarrow reads them (its byte order mark
+        # dropped), without its parser's fixed cost, which a split of 1,000 parts paid 1,000 times.
+        names = line.removeprefix(UTF8_BOM).decode().split(delimiter)
+        check_unique_columns(f"{path} line 1: the header", names)
+        return names
     try:
         table = pacsv.read_csv(
             io.BytesIO(line + b"\n"),
