@@ -1247,3 +1247,53 @@ def test_small_parts_are_parsed_once_each_without_threads(tmp_path, monkeypatch)
     table = read_all(tmp_path, "csv", make_schema(sparse=["user"]))
     assert table.column("user").to_pylist() == ["u0", "v0", "u1", "v1", "u2", "v2"]
     assert len(calls) == 3  # one parse of each part's rows; their headers need no parser
+
+
+def test_a_folder_of_folders_is_refused_and_a_recursive_pattern_reads_them(tmp_path):
+    """Hive-style partitions (date=.../part-0.parquet) were "a directory with no data files in it", and a
+    folder holding files and folders read its files alone, leaving the folders' rows out without a word."""
+    schema = make_schema(sparse=["user"])
+    root = tmp_path / "clicks"
+    for i, day in enumerate(["date=2024-01-01", "date=2024-01-02"]):
+        (root / day).mkdir(parents=True)
+        pq.write_table(pa.table({"label": [1, 0], "user": [f"a{i}", f"b{i}"]}), root / day / "part-0.parquet")
+    (root / "_SUCCESS").write_bytes(b"")
+    with pytest.raises(
+        DataError, match=r"^\S+clicks holds folders \(date=2024-01-01, date=2024-01-02\): .*Hive"
+    ):
+        read_batches(root, "parquet", schema)
+    # What the message offers: every folder's files, in name order; a job's markers and _temporary/ left out.
+    (root / "_temporary" / "0").mkdir(parents=True)
+    pq.write_table(
+        pa.table({"label": [1], "user": ["half-written"]}), root / "_temporary" / "0" / "part-0.parquet"
+    )
+    (root / "_committed_1").write_text('{"added": []}\n')
+    table = read_all(root / "**" / "*", "parquet", schema)
+    assert table.column("user").to_pylist() == ["a0", "b0", "a1", "b1"]
+    # A file beside the folders does not make them read either.
+    pq.write_table(pa.table({"label": [1], "user": ["top"]}), root / "part-9.parquet")
+    with pytest.raises(DataError, match=r"holds folders"):
+        read_batches(root, "parquet", schema)
+
+
+def test_a_part_that_is_a_broken_link_or_no_file_is_refused_not_left_out(tmp_path):
+    """A folder's or a pattern's entry that is not a regular file was left out: its rows lost without a word."""
+    from recscale.data.sources import source_fingerprint
+
+    schema = make_schema(sparse=["user"])
+    write(tmp_path / "part-0.csv", ["label,user", "1,a"])
+    (tmp_path / "part-1.csv").symlink_to(tmp_path / "gone.csv")
+    for path in (tmp_path, tmp_path / "part-*"):
+        with pytest.raises(
+            DataError, match=r"part-1\.csv is a symbolic link to \S+gone\.csv, which does not exist"
+        ):
+            read_batches(path, "csv", schema)
+        with pytest.raises(DataError, match=r"part-1\.csv is a symbolic link"):
+            source_fingerprint("csv", str(path), "train", {})
+    (tmp_path / "part-1.csv").unlink()
+    os.mkfifo(tmp_path / "part-1.csv")
+    with pytest.raises(DataError, match=r"part-1\.csv is not a regular file"):
+        read_batches(tmp_path, "csv", schema)
+    # A pattern that matches nothing says so, not that the path "does not exist".
+    with pytest.raises(DataError, match=r"data\.train: \S+day_\*\.csv matches no file"):
+        source_fingerprint("csv", str(tmp_path / "day_*.csv"), "train", {})

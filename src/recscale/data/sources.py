@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -54,8 +55,9 @@ def source_fingerprint(fmt: str, path: str | None, split: str, extra: dict[str, 
                 if Path(path).is_absolute()
                 else f" (relative paths are read from the working directory, {Path.cwd()})"
             )
+            none = "matches no file" if glob.has_magic(str(path)) else "does not exist"
             raise DataError(
-                f"data.{split}: {path} does not exist{where}; fix the path in the config or set data.{split}=PATH"
+                f"data.{split}: {path} {none}{where}; fix the path in the config or set data.{split}=PATH"
             )
         p = Path(path).resolve()
         if fmt == "movielens":

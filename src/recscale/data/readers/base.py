@@ -7,6 +7,7 @@ a bad row (at most a few per batch), never on the happy path.
 from __future__ import annotations
 
 import glob
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -128,6 +129,8 @@ def check_file(path: Path, headerless: bool = False) -> None:
     """DataError unless ``path`` is a non-empty regular file. An empty file of a ``headerless`` format
     (Criteo, libsvm) is a file of no rows (``NoRows``); other formats need at least their header."""
     if not path.exists():
+        if path.is_symlink():
+            _part(path)  # a broken link, named as one
         raise DataError(f"{path}: no such file")
     if path.is_dir():
         raise DataError(f"{path} is a directory; this format reads one file")
@@ -138,29 +141,63 @@ def check_file(path: Path, headerless: bool = False) -> None:
 
 def names_data(path: str | Path) -> bool:
     """Whether ``path`` names something to read: a file or directory, or a glob pattern matching a file."""
-    return Path(path).exists() or (glob.has_magic(str(path)) and bool(glob.glob(str(path))))
+    return Path(path).exists() or (glob.has_magic(str(path)) and bool(glob.glob(str(path), recursive=True)))
 
 
 def data_files(path: str | Path, fmt: str) -> list[Path]:
     """The files a data path names, sorted by name: one file; a glob pattern's matches (``day_*.tsv``, where no
     file has that very name); or a directory's files (not MovieLens', a directory of one dataset). A split
     written in parts, as Spark or Hadoop writes them: their marker files (``_SUCCESS``, ``.part-0.crc``) are
-    left out, as are hidden files and a pattern's directories. A path that is none of these is returned as
-    it is, for the reader to name what is wrong with it."""
+    left out, as are hidden files and a pattern's directories. A directory holding directories is refused
+    (Hive-style ``date=.../`` partitions: their files would be left out unread), as is a part that is a broken
+    link or no regular file (a part left out would be rows lost without a word). A path that is none of these
+    is returned as it is, for the reader to name what is wrong with it."""
     path = Path(path)
     if path.is_dir() and fmt != "movielens":
-        files = sorted(f for f in path.iterdir() if f.is_file() and not f.name.startswith((".", "_")))
-        if not files:
+        entries = sorted(f for f in path.iterdir() if not _marker(f.name))
+        folders = [f.name for f in entries if f.is_dir()]
+        if folders:
+            listed = ", ".join(folders[:3]) + (", ..." if len(folders) > 3 else "")
+            raise DataError(
+                f"{path} holds folders ({listed}): a folder's own files are read, not its folders' (Hive-style "
+                f"partitions are not, nor their names as columns); give a pattern matching their files, e.g. "
+                f"'{path / '**' / '*'}'"
+            )
+        if not entries:
             raise DataError(
                 f"{path} is a directory with no data files in it; give a file, or a folder of them"
             )
-        return files
+        return [_part(f) for f in entries]
     if not path.exists() and glob.has_magic(str(path)):
-        matches = sorted(Path(m) for m in glob.glob(str(path)) if Path(m).is_file())
+        # Markers, and files in a marker's folder (Spark's _temporary/), are left out where the pattern's
+        # wildcards match them (``parts/*`` matches _SUCCESS), not where it names them (``parts/_*``).
+        fixed = next(i for i, part in enumerate(path.parts + ("*",)) if glob.has_magic(part))
+        named = any(_marker(part) for part in path.parts[fixed:])
+        matches = sorted(
+            m
+            for m in map(Path, glob.glob(str(path), recursive=True))
+            if not m.is_dir() and (named or not any(_marker(part) for part in m.parts[fixed:]))
+        )
         if not matches:
             raise DataError(f"{path}: no file matches this pattern; fix the pattern or give a file")
-        return matches
+        return [_part(m) for m in matches]
     return [path]
+
+
+def _marker(name: str) -> bool:
+    """A file that is no data of a split written in parts: hidden (``.part-0.crc``) or a job's marker
+    (``_SUCCESS``, ``_committed_123``, a ``_temporary`` folder)."""
+    return name.startswith((".", "_"))
+
+
+def _part(path: Path) -> Path:
+    """``path``, one part of a split: a DataError if it is a broken link or no regular file."""
+    if not path.exists():
+        raise DataError(
+            f"{path} is a symbolic link to {os.readlink(path)}, which does not exist; fix the link or remove it"
+        )
+    check_regular(path)
+    return path
 
 
 def check_regular(path: Path) -> None:
