@@ -1312,3 +1312,17 @@ def test_a_run_trains_on_a_split_in_parts_and_sees_a_part_rewritten(tmp_path):
     part.write_text(part.read_text().replace(",u1,", ",u2,"))  # in place, the same size: the folder's stat
     assert (tmp_path / "train").stat().st_mtime_ns == mtime  # is unchanged
     assert source_fingerprint("csv", str(tmp_path / "train"), "train", {}) != before
+
+
+def test_scores_are_not_written_over_a_file_the_data_pattern_reads(tmp_path, monkeypatch):
+    """`predict RUN --data 'day*.csv' --out day1.csv` wrote the scores over day1.csv, the rows it had scored:
+    check_output compared --out with the pattern's own name, which is no file."""
+    run = tmp_path / "r"  # not read: the checks are of paths alone
+    (tmp_path / "day1.csv").write_text("label,user\n1,a\n")
+    for out in (tmp_path / "day1.csv", tmp_path / "day2.csv"):  # the file read; one the next run would read
+        with pytest.raises(RecscaleError, match=r"day\d\.csv matches the --data pattern \S+day\*\.csv"):
+            check_run_output(out, "--out", run, str(tmp_path / "day*.csv"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecscaleError, match=r"matches the --data pattern"):  # relative, as typed in a shell
+        check_run_output(Path("day1.csv"), "--out", run, "day*.csv")
+    check_run_output(tmp_path / "scores.csv", "--out", run, str(tmp_path / "day*.csv"))

@@ -6,6 +6,7 @@ reader) and validated; a bad one is a one-line ``CheckpointError`` naming it.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -303,6 +304,16 @@ def check_run_output(out: Path, flag: str, run_dir: Path, data_path: str | None)
     directory), and not one of the run's own files either."""
     kind = "directory" if data_path is not None and Path(data_path).is_dir() else "file"
     check_output(out, flag, [(f"the --data {kind}", data_path)])
+    if data_path is not None and not Path(data_path).exists() and glob.has_magic(data_path):
+        # A pattern's files: written over, one would be lost (the scores replace the rows being scored); matched
+        # by the pattern, the output would be read as data by the same command's next run.
+        pattern = os.path.abspath(data_path)
+        read = {Path(m).resolve() for m in glob.glob(pattern, recursive=True)}
+        if out.resolve() in read or Path(os.path.abspath(out)).match(pattern):
+            raise RecscaleError(
+                f"{flag} {out} matches the --data pattern {data_path}, whose files are read as data; name a "
+                "file the pattern does not match"
+            )
     where, run = out.resolve(), Path(run_dir).resolve()
     if run in where.parents and where.relative_to(run).parts[0] in _RUN_OWN:
         raise RecscaleError(
