@@ -935,3 +935,17 @@ def test_a_rank_left_in_the_environment_is_one_line(tmp_path, monkeypatch, capsy
     err = capsys.readouterr().err
     assert err.startswith(f"error: {said}") and err.count("\n") == 1
     assert "unset them for a run in one process" in err and not (tmp_path / "r").exists()
+
+
+def test_a_run_or_preparation_inside_a_split_folder_is_refused_before_it_writes(tmp_path, capsys):
+    """`train --out parts/run` with data.train: parts/ made its run a folder of the split, which a later read
+    of the split refuses (or, a pattern's, reads its files as data); data prepare --out likewise."""
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    frappe_like(parts / "part-0.csv", GOOD)
+    data = [f"data.train={parts}", f"data.valid={parts / 'part-0.csv'}", "train.max_steps=1"]
+    for argv in (["train", str(CONFIGS / "frappe.yaml"), "--out"], ["data", "prepare", str(CONFIGS / "frappe.yaml"), "--out"]):  # fmt: skip
+        code, _, err = run(capsys, *argv, str(parts / "out"), *data)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"{parts / 'out'} is inside data.train {parts}, whose files are the split; choose" in err
+        assert not (parts / "out").exists()

@@ -458,7 +458,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     from recscale.config import load_config
     from recscale.io import Hold, removed_on_failure
     from recscale.train.data import prepare_run_data
-    from recscale.train.runs import refuse_artifact
+    from recscale.train.runs import refuse_artifact, refuse_inside_data
 
     cfg = load_config(args.config, args.overrides)
     if cfg.data.prepared is not None:
@@ -473,6 +473,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         )
     # Its preprocess.json would be replaced, and the model no longer load.
     refuse_artifact(out, "choose another --out for the prepared data")
+    refuse_inside_data(out, cfg.data, "choose an --out outside it")
     if (out / "config.yaml").is_file():  # its checkpoints index its vocabularies: never refitted under it
         raise RecscaleError(
             f"--out {out} is a run directory (it has config.yaml), whose preprocess.json preparing would "

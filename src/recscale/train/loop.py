@@ -65,7 +65,13 @@ from recscale.train.metrics import rows_are
 from recscale.train.optim import lr_factor
 from recscale.train.precision import autocast, warn_if_emulated
 from recscale.train.regularizers import DenseEMA, EmbeddingL2, TableDecay
-from recscale.train.runs import check_dmt_topology, check_group_by, check_resume, refuse_artifact
+from recscale.train.runs import (
+    check_dmt_topology,
+    check_group_by,
+    check_resume,
+    refuse_artifact,
+    refuse_inside_data,
+)
 from recscale.train.state import Progress, RunLog, rng_state, set_rng_state, watched_metric
 
 
@@ -113,6 +119,7 @@ def check_run_dir(run_dir: Path, cfg: RunConfig, resume: bool, topology: Topolog
     (and a DMT one was trained on as many hosts as ``topology`` has)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RecscaleError(f"{RUN_DIR} {run_dir} is a file; name a directory for the run")
+    refuse_inside_data(run_dir, cfg.data, f"choose a {RUN_DIR} outside it")
     if resume:
         check_resume(run_dir, cfg)
         ckpts = list_checkpoints(run_dir / "ckpt")

@@ -89,6 +89,16 @@ def refuse_artifact(run_dir: Path, fix: str) -> None:
         raise CheckpointError(f"{run_dir}: is {kind}; {fix}")
 
 
+def refuse_inside_data(out: Path, data: DataConfig, fix: str) -> None:
+    """One line ending in ``fix`` if ``out`` (a directory a command writes) is inside a split's folder of files:
+    the split would read the files written there as its parts, or refuse the folder holding a folder."""
+    for split in ("train", "valid", "test"):
+        path = getattr(data, split)
+        if path is not None and data.format != "movielens" and Path(path).is_dir():
+            if Path(path).resolve() in [out.resolve(), *out.resolve().parents]:
+                raise RecscaleError(f"{out} is inside data.{split} {path}, whose files are the split; {fix}")
+
+
 def run_config(run_dir: Path) -> RunConfig:
     """The resolved config a run directory was trained with."""
     run_dir = Path(run_dir)
