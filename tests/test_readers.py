@@ -1297,3 +1297,19 @@ def test_a_part_that_is_a_broken_link_or_no_file_is_refused_not_left_out(tmp_pat
     # A pattern that matches nothing says so, not that the path "does not exist".
     with pytest.raises(DataError, match=r"data\.train: \S+day_\*\.csv matches no file"):
         source_fingerprint("csv", str(tmp_path / "day_*.csv"), "train", {})
+
+
+def test_a_part_without_a_header_says_its_first_line_is_data(tmp_path):
+    """A file cut into parts after its header (split -l), or a Spark CSV written without one (its default):
+    the error listed the first row's cells as 'its columns', not that the part has no header."""
+    write(tmp_path / "part-0.csv", ["label,x,user", "1,1.5,a"])
+    write(tmp_path / "part-1.csv", ["0,2.5,b", "1,3,c"])
+    with pytest.raises(
+        DataError, match=r"part-1\.csv: .*its columns are: 0, 2\.5, b; line 1 is a row of data"
+    ):
+        read_batches(tmp_path, "csv", make_schema(dense=["x"], sparse=["user"]))
+    write(
+        tmp_path / "part-1.csv", ["label,y,user", "0,2.5,b"]
+    )  # a header naming another column: no such hint
+    with pytest.raises(DataError, match=r"part-1\.csv: column\(s\) 'x' named .* label, y, user$"):
+        read_batches(tmp_path, "csv", make_schema(dense=["x"], sparse=["user"]))

@@ -11,6 +11,7 @@ file lines (the header is line 1). A file without a header names its columns in 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from pydantic import Field, field_validator
 
 from recscale.data.readers.base import (
     NO_LABEL,
+    NUMBER_RE,
     BadRows,
     check_file,
     make_batch,
@@ -92,6 +94,13 @@ def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator
         error = missing_columns_error(path, missing, names)
         if len(names) == 1 and (hint := delimiter_hint(names[0], options.delimiter)):
             raise DataError(f"{error}; {hint}")
+        if len(missing) == len(wanted) and any(re.fullmatch(NUMBER_RE, n.strip()) for n in names):
+            # No column found and a number among the "names": a part cut from a file after its header (split
+            # -l), or a Spark CSV written without one (its default), read as if line 1 named the columns.
+            raise DataError(
+                f"{error}; line 1 is a row of data, not a header: give the file a first line naming its "
+                "columns (Spark: write with option header=true)"
+            )
         raise error
     return _batches(path, schema, options, bad, names, wanted)
 
