@@ -34,7 +34,9 @@ def test_guess_format(tmp_path):
     pq.write_table(pa.table({"label": [1]}), tmp_path / "a.bin")
     assert guess_format(tmp_path / "a.bin") == "parquet"  # by its magic bytes
     assert guess_format(tmp_path / "x.inter") == "movielens"
-    # A folder is MovieLens only with its .inter file: a folder of CSVs was read as MovieLens.
+    # A folder is MovieLens only with its .inter file: a folder of CSVs was read as MovieLens. The files it
+    # offers are data: a Spark job's _SUCCESS was offered first.
+    (tmp_path / "_SUCCESS").write_bytes(b"")
     with pytest.raises(
         DataError,
         match=r"is a directory with no MovieLens \.inter file; .* give one of its files \(a\.bin, a\.csv",

@@ -98,7 +98,8 @@ def guess_format(path: str | Path) -> str:
     if path.suffix == ".inter" or (path.is_dir() and any(path.glob("*.inter"))):
         return "movielens"
     if path.is_dir():  # a folder of CSV or Parquet splits, say: MovieLens is the one format read as a folder
-        files = sorted(f.name for f in path.iterdir() if f.is_file() and not f.name.startswith("."))
+        # Not a Spark job's markers (_SUCCESS), which hold no rows to inspect.
+        files = sorted(f.name for f in path.iterdir() if f.is_file() and not f.name.startswith((".", "_")))
         listed = (
             f"one of its files ({', '.join(files[:5])}{', ...' if len(files) > 5 else ''})"
             if files
