@@ -333,9 +333,9 @@ CASES = [
         watch=run_dir,
     ),
     Case(
-        "eval: a directory with no data files in it",  # a folder of parts is read as one split
+        "eval: a directory of folders, no data files",  # a folder of parts is read as one split, not its folders
         lambda c: ["eval", str(c.run), "--data", str(c.tmp)],
-        ("is a directory with no data files in it", "a folder of them"),
+        ("holds folders (run, syn)", "give a pattern matching their files"),
         watch=run_dir,
     ),
     Case(
