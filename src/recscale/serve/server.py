@@ -164,24 +164,10 @@ def _error(status: int, reason: str) -> JSONResponse:
 
 def create_app(scorer: Scorer, opts: ServeOptions) -> FastAPI:
     state: dict[str, Batcher[pa.RecordBatch, np.ndarray] | None] = {"batcher": None}
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        batcher = scoring(scorer, opts)
-        # One forward before reporting ready: the first call pays for lazy initialisation.
-        await asyncio.wrap_future(batcher.submit(scorer.parser.parse(_example_body(scorer))))
-        # The model and the app are long-lived: keep them out of the collector's full passes, which would
-        # otherwise walk them all and stall every request in flight.
-        gc.collect()
-        gc.freeze()
-        state["batcher"] = batcher
-        try:
-            yield
-        finally:
-            state["batcher"] = None  # not ready: new requests get 503 while the queue drains
-            await asyncio.to_thread(batcher.stop)
-
-    app = _new_app("recscale", lifespan)
+    app = _new_app(
+        "recscale",
+        _serving(state, lambda: scoring(scorer, opts), lambda: scorer.parser.parse(_example_body(scorer))),
+    )
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
@@ -232,20 +218,10 @@ def create_retrieval_app(
         return [{u: items[u] for u in users} for users in requests]
 
     state: dict[str, Batcher[list[str], dict] | None] = {"batcher": None}
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        batcher = Batcher(answer, len, opts)
-        # One query before reporting ready: the first forward pays for lazy initialisation.
-        await asyncio.wrap_future(batcher.submit(catalog.user_keys[:1]))
-        state["batcher"] = batcher
-        try:
-            yield
-        finally:
-            state["batcher"] = None  # not ready: new requests get 503 while the queue drains
-            await asyncio.to_thread(batcher.stop)
-
-    app = _new_app("recscale retrieval", lifespan)
+    app = _new_app(
+        "recscale retrieval",
+        _serving(state, lambda: Batcher(answer, len, opts), lambda: catalog.user_keys[:1]),
+    )
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
@@ -279,6 +255,31 @@ def create_retrieval_app(
             return _error(422, one_line(e, 300))
 
     return app
+
+
+def _serving(
+    state: dict[str, Any], start: Callable[[], Batcher[In, Out]], warm: Callable[[], In]
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """An app's lifespan: ``start()`` its batcher, answer the request ``warm()`` through it (the first forward
+    pays for lazy initialisation), then serve with it as ``state["batcher"]`` (None: not ready, 503) until
+    shutdown, which drains its queue."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        batcher = start()
+        await asyncio.wrap_future(batcher.submit(warm()))
+        # The model and the app are long-lived: keep them out of the collector's full passes, which would
+        # otherwise walk them all and stall every request in flight.
+        gc.collect()
+        gc.freeze()
+        state["batcher"] = batcher
+        try:
+            yield
+        finally:
+            state["batcher"] = None  # not ready: new requests get 503 while the queue drains
+            await asyncio.to_thread(batcher.stop)
+
+    return lifespan
 
 
 def _new_app(
