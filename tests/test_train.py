@@ -1326,3 +1326,21 @@ def test_scores_are_not_written_over_a_file_the_data_pattern_reads(tmp_path, mon
     with pytest.raises(RecscaleError, match=r"matches the --data pattern"):  # relative, as typed in a shell
         check_run_output(Path("day1.csv"), "--out", run, "day*.csv")
     check_run_output(tmp_path / "scores.csv", "--out", run, str(tmp_path / "day*.csv"))
+
+
+def test_a_valid_split_sharing_files_with_training_warns(tmp_path):
+    """`train: day_*` beside `valid: day_1` trained on the valid rows without a word: its metrics (and early
+    stopping on them) are of rows the model saw."""
+    for i in range(3):
+        (tmp_path / f"day_{i}.csv").write_text(
+            "label,user\n" + "".join(f"{(i + j) % 2},u{j % 7}\n" for j in range(60))
+        )
+    common = ["data.schema={label: label, sparse: [{name: user}]}", "model.name=lr", "train.max_steps=2",
+              "train.batch_size=32", "train.progress=false", "data.num_workers=0"]  # fmt: skip
+    cfg = load_config(CONFIGS / "frappe.yaml", [*common, f"data.train={tmp_path / 'day_*'}", f"data.valid={tmp_path / 'day_1.csv'}"])  # fmt: skip
+    with pytest.warns(UserWarning, match=r"data\.valid reads .*day_1\.csv, which data\.train reads too"):
+        Trainer(cfg, tmp_path / "r").fit()
+    cfg = load_config(CONFIGS / "frappe.yaml", [*common, f"data.train={tmp_path / 'day_[02].csv'}", f"data.valid={tmp_path / 'day_1.csv'}"])  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        Trainer(cfg, tmp_path / "r2").fit()

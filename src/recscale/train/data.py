@@ -8,6 +8,7 @@ their own, which runs then read through ``data.prepared`` without writing to it.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from recscale.data.dataset import ArrayDataset, held_out, read_meta
 from recscale.data.materialize import materialize
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import ReadStats
-from recscale.data.readers.base import unlabelled, unweighted
+from recscale.data.readers.base import data_files, unlabelled, unweighted
 from recscale.data.schema import Schema
 from recscale.data.sources import open_split, source_fingerprint
 from recscale.errors import RUN_DIR, CheckpointError, DataError, RecscaleError, StaleArtifactError
@@ -168,7 +169,28 @@ def prepare_run_data(
             )
     if fitted and main:
         pre.save(pre_path, fingerprint=fingerprint)
+    if main:
+        _warn_if_splits_share_files(data)
     return pre, _run_splits(data, splits), stats
+
+
+def _warn_if_splits_share_files(data: DataConfig) -> None:
+    """Warn where data.valid or data.test reads a file data.train reads too (``train: day_*`` beside ``valid:
+    day_23``, or one file for both): its metrics, and early stopping on them, are then of rows the model trained on."""
+    if data.format in ("synthetic", "movielens") or data.train is None:  # MovieLens splits one file by time
+        return
+    train = {f.resolve() for f in data_files(data.train, data.format)}
+    for split, path in (("valid", data.valid), ("test", data.test)):
+        shared = (
+            [f for f in data_files(path, data.format) if f.resolve() in train] if path is not None else []
+        )
+        if shared:
+            more = f" and {len(shared) - 1} more" if len(shared) > 1 else ""
+            warnings.warn(
+                f"data.{split} reads {shared[0]}{more}, which data.train reads too: the {split} metrics are of rows "
+                f"the model trained on; give data.{split} files of its own",
+                stacklevel=2,
+            )
 
 
 def _check_valid_unchanged(data: DataConfig, pre: Preprocessor, path: str | None, split_dir: Path) -> None:
