@@ -48,13 +48,11 @@ def test_guess_format(tmp_path):
         guess_format(write(tmp_path / "a.dat", ["hello"]))
     with pytest.raises(DataError, match="no such file"):
         guess_format(tmp_path / "missing.csv")
-    # A glob pattern, as training takes one: inspected as its one file, or refused naming its files.
+    # A glob pattern, as training takes one: its one file, or its files one after another.
     assert inspect_file(tmp_path / "a.c?v")["rows"] == 1
-    write(tmp_path / "b.csv", ["label,a", "0,3"])
-    with pytest.raises(
-        DataError, match=r"\*\.csv names 2 files; data inspect reads one: give one of them \(a\.csv, b\.csv\)"
-    ):
-        inspect_file(tmp_path / "*.csv")
+    write(tmp_path / "b.csv", ["a,label", "3,0"])  # its columns in another order, as training reads by name
+    report = inspect_file(tmp_path / "*.csv")
+    assert (report["rows"], report["files"], report["positive_rate"]) == (2, 2, 0.5)
     # JSON lines were guessed csv by their commas: columns '{"label": 1', ' "a": "x"}' and schema null.
     for lines in (['{"label": 1, "a": "x"}'], ['[{"label": 1, "a": "x"},', '{"label": 0, "a": "y"}]']):
         with pytest.raises(DataError, match=r"a\.jsonl: JSON, which recscale does not read; convert it"):
@@ -552,3 +550,46 @@ def test_a_csv_without_a_header_is_noticed_and_inspected_with_its_columns(tmp_pa
     )
     (tmp_path / "run.yaml").write_text(config)
     assert Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()["steps"] == 2
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet", "criteo"])
+def test_inspect_reads_a_split_in_parts_as_training_does(tmp_path, fmt):
+    """data inspect of a folder or pattern of parts read only one file (or refused): it reads them all, in name
+    order, as training does; a bad row names its part, and a part of other columns is one line."""
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "_SUCCESS").write_bytes(b"")
+    rows = [[f"{i % 2},{i},u{i % 5}" for i in range(a, b)] for a, b in ((0, 30), (30, 50))]
+    for k, part in enumerate(rows):
+        if k == 1:
+            bad = {"csv": "1,2", "criteo": "1,x,u1", "parquet": part[3]}[
+                fmt
+            ]  # a short line; a non-number in I1
+            part = [*part[:3], bad, *part[4:]]
+        if fmt == "csv":
+            write(parts / f"part-{k}.csv", ["label,price,user", *part])
+        elif fmt == "criteo":
+            write(parts / f"part-{k}", [criteo_line(label=r[0], i1=r.split(",")[1]) for r in part])
+        else:
+            cells = [r.split(",") for r in part]
+            pq.write_table(
+                pa.table(
+                    {
+                        "label": [int(c[0]) for c in cells],
+                        "price": [float(c[1]) for c in cells],
+                        "user": [c[2] for c in cells],
+                    }
+                ),  # fmt: skip
+                parts / f"part-{k}.parquet",
+            )
+    report = inspect_file(parts, fmt=fmt)
+    assert report["files"] == 2
+    if fmt == "parquet":
+        assert report["rows"] == 50 and report["bad_rows"] == 0
+    else:
+        assert report["rows"] == 49 and report["bad_rows"] == 1
+        assert report["bad_row_examples"][0].startswith(str(parts / "part-1")), report["bad_row_examples"]
+    if fmt == "csv":
+        write(parts / "part-2.csv", ["label,cost,user", "1,2,u1"])
+        with pytest.raises(DataError, match=r"part-2\.csv line 1: its columns \(label, cost, user\) are not"):
+            inspect_file(parts)

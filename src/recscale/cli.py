@@ -776,7 +776,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("data", help="data utilities")
     dsub = d.add_subparsers(dest="data_command", required=True)
-    i = dsub.add_parser("inspect", help="schema, row count and per-field cardinality of a data file")
+    i = dsub.add_parser(
+        "inspect",
+        help="schema, row count and per-field cardinality of a data file, or of a split's parts (a folder or a glob pattern)",
+    )
     i.add_argument("path")
     i.add_argument("--format", help="csv, libsvm, criteo, movielens or parquet (default: guessed)")
     i.add_argument(

@@ -28,7 +28,7 @@ else ``bag`` mode (one weighted multi feature ``features``). movielens: every jo
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,6 +367,7 @@ class _Chunk:
     # The rows' problems as the reader found them (criteo, libsvm: its batch is the raw layout already);
     # None: ``_Column.check`` finds them.
     problems: list[Problem | None] | None = None
+    bad: BadRows | None = None  # its file's, where a split's parts are read one after another
 
 
 def _take(chunks: Iterator[_Chunk], max_rows: int | None) -> Iterator[_Chunk]:
@@ -387,7 +388,7 @@ def _take(chunks: Iterator[_Chunk], max_rows: int | None) -> Iterator[_Chunk]:
                 if problems is not None:
                     problems = [p if p is None else Problem(p.bad[:kept], p.reason) for p in problems]
                 rejected = [r for r in chunk.rejected if r[0] <= cut]
-                chunk = _Chunk(chunk.batch.slice(0, kept), chunk.locate, rejected, problems)
+                chunk = _Chunk(chunk.batch.slice(0, kept), chunk.locate, rejected, problems, chunk.bad)
             left -= chunk.batch.num_rows + len(chunk.rejected)
         yield chunk
 
@@ -403,11 +404,11 @@ def _scan(chunks: Iterator[_Chunk], columns: list[_Column], bad: BadRows | None,
             if bar is not None:
                 bar.update(chunk.batch.num_rows + len(chunk.rejected))
             batch = chunk.batch
-            if bad is not None:
+            if (rows_bad := chunk.bad or bad) is not None:
                 problems = chunk.problems
                 if problems is None:
                     problems = [col.check(batch.column(col.name), batch) for col in columns]
-                keep = bad.keep(batch.num_rows, problems, chunk.locate, chunk.rejected)
+                keep = rows_bad.keep(batch.num_rows, problems, chunk.locate, chunk.rejected)
                 if keep is not None:
                     batch = batch.filter(pa.array(keep))
             rows += batch.num_rows
@@ -510,18 +511,23 @@ def inspect_file(
     ``label`` names a csv or parquet file's label column (the schema's ``label``; default ``label``).
     ``progress``: a bar of the rows read (a file of millions of rows takes minutes).
     """
-    path = Path(path)
-    if not path.exists():  # a glob pattern: of one file, that file; of several, which one to give
-        files = data_files(path, "csv")
-        if len(files) > 1:
-            listed = ", ".join(f.name for f in files[:3]) + (", ..." if len(files) > 3 else "")
-            raise DataError(
-                f"{path} names {len(files)} files; data inspect reads one: give one of them ({listed})"
-            )
-        path = files[0]
+    given = Path(path)
+    # A folder or a pattern of parts (not a MovieLens folder: one dataset) is read part after part, as training
+    # reads it; each part's bad rows name it. The first part decides the format and the columns.
+    movielens = given.suffix == ".inter" or (given.is_dir() and any(given.glob("*.inter")))
+    parts = [given] if movielens or fmt == "movielens" else data_files(given, "csv")
+    path = parts[0]
+
+    def each(chunks: Callable[[Path], Iterator[_Chunk]], unit: str) -> Iterator[_Chunk]:
+        """Every part's chunks, each tagged with its part's bad-row policy."""
+        for part in parts:
+            bad = BadRows(part, unit, "skip", stats)
+            for chunk in chunks(part):
+                chunk.bad = bad
+                yield chunk
 
     def bar(again: bool = False) -> Any:
-        return progress_bar(progress, f"{'reading again' if again else 'reading'} {path.name}")
+        return progress_bar(progress, f"{'reading again' if again else 'reading'} {given.name}")
 
     options = dict(options or {})
     fmt = fmt or (
@@ -544,8 +550,19 @@ def inspect_file(
             raise DataError(f"{path} line 1: {other} (data inspect: pass --delimiter)")
         _check_label(path, label, names)
         columns = [_Column(n, LABEL if n == label else None, tables) for n in names]
-        chunks = _take(_csv_chunks(path, names, delimiter, quote, header), max_rows)
-        rows = _scan(chunks, columns, BadRows(path, "line", "skip", stats), bar())
+
+        def csv_part(part: Path) -> Iterator[_Chunk]:
+            if part == path or not header:
+                return _csv_chunks(part, names, delimiter, quote, header)
+            check_file(part)
+            own = read_header(part, delimiter, quote=quote)  # in any order, as training reads by name
+            if sorted(own) != sorted(names):
+                raise DataError(
+                    f"{part} line 1: its columns ({', '.join(own)}) are not {path.name}'s ({', '.join(names)})"
+                )
+            return _csv_chunks(part, own, delimiter, quote, header)
+
+        rows = _scan(_take(each(csv_part, "line"), max_rows), columns, None, bar())
         if any(c.kind is None and c.inferred() == "dense" and c.nonfinite for c in columns):
             # A NaN or infinity in a column found dense only now: training drops its row, so read
             # again with every column's kind decided, dropping those rows from every statistic.
@@ -553,8 +570,7 @@ def inspect_file(
                 _Column(c.name, c.kind, tables, None if c.kind is not None else c.inferred()) for c in columns
             ]
             stats = ReadStats()
-            chunks = _take(_csv_chunks(path, names, delimiter, quote, header), max_rows)
-            rows = _scan(chunks, columns, BadRows(path, "line", "skip", stats), bar(again=True))
+            rows = _scan(_take(each(csv_part, "line"), max_rows), columns, None, bar(again=True))
     elif fmt == "parquet":
         file = open_parquet(path)
         _check_label(path, label, file.schema_arrow.names)
@@ -567,9 +583,19 @@ def inspect_file(
         for c, f in zip(columns, file.schema_arrow, strict=True):
             c.arrow_type = str(f.type)
         _pair_weights(columns, file.schema_arrow)
-        rows = _scan(
-            _take(_parquet_chunks(path, file), max_rows), columns, BadRows(path, "row", "skip", stats), bar()
-        )
+
+        def parquet_part(part: Path) -> Iterator[_Chunk]:
+            if part == path:
+                return _parquet_chunks(part, file)
+            other = open_parquet(part)
+            if sorted(other.schema_arrow.names) != sorted(file.schema_arrow.names):
+                raise DataError(
+                    f"{part}: its columns ({', '.join(other.schema_arrow.names)}) are not {path.name}'s "
+                    f"({', '.join(file.schema_arrow.names)})"
+                )
+            return _parquet_chunks(part, other)
+
+        rows = _scan(_take(each(parquet_part, "row"), max_rows), columns, None, bar())
     else:
         if fmt == "criteo":
             schema = Schema(
@@ -594,14 +620,15 @@ def inspect_file(
             chunks = _take((_Chunk(b, consecutive(1), []) for b in batches), max_rows)
             rows = _scan(chunks, columns, None, bar())
         else:  # every row as the reader converts it, bad ones too, so that max_rows counts them
-            chunks = _reader_chunks(path, fmt, schema, options)
-            rows = _scan(_take(chunks, max_rows), columns, BadRows(path, "line", "skip", stats), bar())
+            chunks = each(lambda part: _reader_chunks(part, fmt, schema, options), "line")
+            rows = _scan(_take(chunks, max_rows), columns, None, bar())
     if not rows and not stats.skipped and max_rows != 0:
-        raise DataError(f"{path} has no data rows")  # as training refuses it (a header alone, say)
+        raise DataError(f"{given} has no data rows")  # as training refuses it (a header alone, say)
     config_schema, left_out = _config_schema(columns, fixed, label)
     label_column = next((c for c in columns if c.kind == LABEL), None)
     return {
-        "path": str(path),
+        "path": str(given),
+        **({"files": len(parts)} if len(parts) > 1 else {}),
         "format": fmt,
         "options": options,
         "schema": config_schema,
