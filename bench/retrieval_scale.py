@@ -2,6 +2,8 @@
 
     OMP_NUM_THREADS=1 python bench/retrieval_scale.py seen --items 1000000 --queries 32 --seen 200
     OMP_NUM_THREADS=1 python bench/retrieval_scale.py ivf-build --items 1000000 --nlist 1024 --iters 2
+    OMP_NUM_THREADS=1 python bench/retrieval_scale.py ivf-search --items 1000000 --nlist 1024 --nprobe 64 \\
+        --queries 8 --index int8
 
 Items and queries: ``latent_data`` (clustered unit vectors, d = 64). ``seen``: each query user has
 ``--seen`` seen items drawn as its positives are (softmax of its scores, so mostly items it scores high,
@@ -10,7 +12,8 @@ the median ms of one call for the whole batch of ``--queries`` (top ``--k``) wit
 it, over ``--reps`` calls after a warm-up, and the filtered ids' recall of a no-filter search that drops
 the seen items by hand (a sanity check: below 1 only by Bloom false positives). ``ivf-build``:
 seconds and the peak rise of resident memory (VmHWM, reset before the build) of ``IVFIndex(items, nlist,
-nprobe=1, iters)`` (k-means plus the final assignment). One process per measurement, so each peak is its own.
+nprobe=1, iters)`` (k-means plus the final assignment). ``ivf-search``: ms and the peak rise of one search of
+``--queries`` queries (after a warm-up call). One process per measurement, so each peak is its own.
 """
 
 from __future__ import annotations
@@ -80,9 +83,28 @@ def ivf_build(args: argparse.Namespace) -> None:
     )
 
 
+def ivf_search(args: argparse.Namespace) -> None:
+    data = latent_data(n_users=args.queries, n_items=args.items, dim=64, per_user=1)
+    index = IVFIndex(
+        data.items, nlist=args.nlist, nprobe=args.nprobe, int8=args.index == "int8", iters=args.iters
+    )
+    index(data.users, args.k)  # a warm-up: the first call's allocations are not the search's
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+    base = _rss_kib("VmRSS")
+    t = time.perf_counter()
+    index(data.users, args.k)
+    took = time.perf_counter() - t
+    print(
+        f"IVF{'-int8' if args.index == 'int8' else ''} search, {args.items:,} items, nlist={args.nlist}, "
+        f"nprobe={args.nprobe}, {args.queries} queries, k={args.k}: {1000 * took:.0f} ms, peak RSS "
+        f"+{(_rss_kib('VmHWM') - base) / 2**20:.3f} GiB",
+        flush=True,
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["seen", "ivf-build"])
+    p.add_argument("what", choices=["seen", "ivf-build", "ivf-search"])
     p.add_argument("--items", type=int, default=1_000_000)
     p.add_argument("--queries", type=int, default=64)
     p.add_argument("--k", type=int, default=100)
@@ -91,9 +113,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--nlist", type=int, default=1024)
     p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--nprobe", type=int, default=64, help="ivf-search: lists probed per query")
     args = p.parse_args()
     torch.set_grad_enabled(False)
-    seen(args) if args.what == "seen" else ivf_build(args)
+    {"seen": seen, "ivf-build": ivf_build, "ivf-search": ivf_search}[args.what](args)
 
 
 if __name__ == "__main__":

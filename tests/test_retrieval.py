@@ -196,6 +196,27 @@ def test_kmeans_assigns_a_chunk_of_rows_at_a_time_with_the_same_result(
     assert all(torch.equal(a, b) for a, b in zip(chunked(queries, 10), whole(queries, 10), strict=True))
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_an_ivf_search_gathers_a_chunk_of_rows_at_a_time_with_the_same_result(
+    int8: bool, monkeypatch
+) -> None:
+    """An IVF search gathered (int8: dequantized) the rows of every probed list at once, a (U, d) fp32 copy
+    beside the (Q, U) scores: a chunk at a time now, as Int8Index scores, with the same results."""
+    from recscale.retrieval import index as index_module
+
+    items = latent_data(n_users=1, n_items=400, dim=16, per_user=1, n_clusters=8).items
+    ivf = IVFIndex(items, nlist=16, nprobe=8, int8=int8, iters=3)
+    queries = torch.randn(6, 16)
+    whole = ivf(queries, 10)
+    gathered: list[int] = []
+    rows = IVFIndex._rows
+    monkeypatch.setattr(IVFIndex, "_rows", lambda self, pos: gathered.append(len(pos)) or rows(self, pos))
+    monkeypatch.setattr(index_module, "_CHUNK_ROWS", 7)
+    chunked = ivf(queries, 10)
+    assert max(gathered) == 7 and sum(gathered) > 100
+    assert torch.equal(chunked[1], whole[1]) and torch.allclose(chunked[0], whole[0], atol=1e-5)
+
+
 def test_two_tower_trains_and_finds_true_top_items() -> None:
     d = latent_data(n_users=200, n_items=300, dim=8, per_user=20, n_clusters=16, tau=0.05, seed=1)
     ids = lambda n: [torch.arange(1, n + 1)[:, None]]  # one id feature, 0 is padding

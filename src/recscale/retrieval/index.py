@@ -228,8 +228,12 @@ class IVFIndex(ItemIndex):
         lengths = self.offsets[union + 1] - self.offsets[union]
         pos = torch.repeat_interleave(self.offsets[union] - (lengths.cumsum(0) - lengths), lengths)
         pos += torch.arange(pos.shape[0])
-        scores = (queries @ self._rows(pos).T).masked_fill(
-            ~probed[:, torch.repeat_interleave(union, lengths)], float("-inf")
-        )
+        # A chunk of rows gathered (int8: dequantized) at a time, as Int8Index scores: the union's rows whole
+        # were a (U, d) fp32 copy, more than the (Q, U) scores themselves for a few queries.
+        scores = torch.cat(
+            [queries @ self._rows(pos[i : i + _CHUNK_ROWS]).T for i in range(0, pos.shape[0], _CHUNK_ROWS)]
+            or [queries.new_zeros(queries.shape[0], 0)],
+            dim=1,
+        ).masked_fill(~probed[:, torch.repeat_interleave(union, lengths)], float("-inf"))
         ids = self.ids[pos].long()
         return _top_k(scores, ids, k, users, seen)
