@@ -19,7 +19,7 @@ from recscale.errors import ConfigError, DataError
 from recscale.models.blocks import Calibration
 from recscale.serve.scorer import Scorer
 from recscale.train.loop import Trainer
-from recscale.train.metrics import auc, ctr_metrics, group_auc
+from recscale.train.metrics import auc, ctr_metrics, group_auc, undefined_note
 from recscale.train.runs import eval_run
 
 SCHEMA = {"label": "label", "weight": "w", "dense": [{"name": "x"}], "sparse": [{"name": "user"}]}
@@ -286,3 +286,41 @@ def test_a_balanced_ranks_loss_weighs_its_rows_too(tmp_path):
     assert a.item() == pytest.approx(b.item(), rel=1e-6)
     for t in (mean, summed):
         t.close()
+
+
+# ---------------------------------------------------------------- weights of no size, or far from 1
+
+
+def test_rows_of_no_weight_score_nan_and_say_why():
+    """All rows of weight 0: every weighted mean is 0/0. NaN with a note naming the weights (a float division
+    raised ZeroDivisionError, an internal error in eval and train)."""
+    logits, labels, _, _ = random_rows(0, 50)
+    m = ctr_metrics(logits, labels, torch.zeros(50))
+    assert all(np.isnan(m[k]) for k in ("auc", "logloss", "ne", "calibration")) and m["weight_sum"] == 0
+    assert "all 50 rows are of weight 0 (data.schema.weight)" in undefined_note(m)
+
+
+@pytest.mark.parametrize("split", ["train", "valid"])
+def test_a_split_whose_rows_all_weigh_0_is_refused(tmp_path, split):
+    rows = base_rows()
+    config = write_run(tmp_path, "a", [(y, 1.0, x, u) for y, _, x, u in rows], True)
+    write_run(tmp_path, "zero", [(y, 0.0, x, u) for y, _, x, u in rows], True)
+    cfg = load_config(config, [f"data.{split}={tmp_path / 'zero.csv'}"])
+    with pytest.raises(DataError, match=f"data.{split}: all 48 rows weigh 0 in column 'w'"):
+        Trainer(cfg, tmp_path / "r").fit()
+
+
+@pytest.mark.parametrize("scale", [1e-9, 1e30])
+def test_training_weights_far_from_one_warn(tmp_path, scale):
+    """Weights of 1e30 square past float32 in Adam's state: the model stayed as initialised, without a word."""
+    rows = [(y, scale, x, u) for y, _, x, u in base_rows()]
+    with pytest.warns(UserWarning, match="divide the weights by their mean"):
+        Trainer(load_config(write_run(tmp_path, "a", rows, True)), tmp_path / "r")
+
+
+def test_eval_of_a_file_without_the_weight_column_says_it_is_unweighted(tmp_path):
+    rows = base_rows()
+    Trainer(load_config(write_run(tmp_path, "a", rows, True)), tmp_path / "r").fit()
+    write_run(tmp_path, "plain", rows, False)
+    with pytest.warns(UserWarning, match="has no column 'w'.*scored unweighted"):
+        eval_run(tmp_path / "r", str(tmp_path / "plain.csv"))

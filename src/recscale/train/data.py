@@ -12,6 +12,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from recscale.config import DataConfig
 from recscale.data.dataset import ArrayDataset, held_out, read_meta
 from recscale.data.materialize import materialize
@@ -229,7 +231,28 @@ def _run_splits(data: DataConfig, splits: dict[str, ArrayDataset]) -> dict[str, 
                     f"data.report_fraction={data.report_fraction} leaves no row of the valid split's {rows} "
                     f"for {half}; give a valid split with more rows, or a {fix} fraction"
                 )
+    _refuse_weightless(data, splits)
     return splits
+
+
+def _refuse_weightless(data: DataConfig, splits: dict[str, ArrayDataset]) -> None:
+    """A split whose rows all weigh 0 (``schema.weight``) trains nothing (a loss of 0 at every step) or
+    scores NaN (each metric's weighted mean divides by the weights' sum): refused before training."""
+    column = data.schema_.weight if data.schema_ is not None else None
+    for split, ds in splits.items():
+        weights = ds.weights()
+        if column is None or weights is None or len(ds) == 0 or weights.sum(dtype=np.float64) > 0:
+            continue
+        where = f"data.{split}"
+        if split == "train" and data.negative_sampling_rate is not None:
+            where += " (the rows data.negative_sampling_rate kept)"
+        elif split == "report":
+            where = f"the valid rows data.report_fraction={data.report_fraction} holds out"
+        why = "nothing to train on" if split == "train" else "its weighted metrics are undefined"
+        raise DataError(
+            f"{where}: all {len(ds)} rows weigh 0 in column '{column}' (data.schema.weight): {why}; "
+            "give rows of weight above 0"
+        )
 
 
 def use_prepared(

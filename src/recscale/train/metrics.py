@@ -84,22 +84,25 @@ def ctr_metrics(
 ) -> dict[str, float]:
     """Metrics of one evaluation pass. logits, labels: (N,) -> {auc, logloss, ne, calibration, rows}; with row
     ``weights`` (N,) each row counts its weight (LogLoss sum(w * l) / sum(w), NE against the weighted CTR,
-    calibration the weighted mean prediction over it, AUC as ``auc``) and weight_sum, sum(w), is added."""
+    calibration the weighted mean prediction over it, AUC as ``auc``) and weight_sum, sum(w), is added; rows that
+    all weigh 0 score NaN."""
     logits, labels = logits.double().flatten(), labels.double().flatten()
     n = int(labels.numel())
     if n == 0:
         raise ValueError("no rows to evaluate")
     w = _row_weights(labels, weights)
     total = w.sum().item()
+    # Rows that all weigh 0 have no weighted mean: every metric NaN (a Python float division raised instead).
+    mass = total if total > 0 else float("nan")
     # log(1 + exp(-z)) for a positive, log(1 + exp(z)) for a negative: exact, and an infinite logit costs
     # 0 or inf nats (binary_cross_entropy_with_logits gives NaN for both, as it multiplies inf by 0).
-    logloss = (w * torch.logaddexp(torch.zeros_like(logits), (1 - 2 * labels) * logits)).sum().item() / total
-    ctr = (w * labels).sum().item() / total
+    logloss = (w * torch.logaddexp(torch.zeros_like(logits), (1 - 2 * labels) * logits)).sum().item() / mass
+    ctr = (w * labels).sum().item() / mass
     m = {
         "auc": auc(logits, labels, w),
         "logloss": logloss,
         "ne": normalized_entropy(logloss, ctr),
-        "calibration": (w * torch.sigmoid(logits)).sum().item() / total / ctr if ctr > 0 else float("nan"),
+        "calibration": (w * torch.sigmoid(logits)).sum().item() / mass / ctr if ctr > 0 else float("nan"),
         "rows": n,
     }
     return m if weights is None else m | {"weight_sum": total}
@@ -145,15 +148,20 @@ def undefined_note(m: dict[str, float]) -> str | None:
     bad = [k for k in ("auc", "logloss", "ne", "calibration") if not math.isfinite(m[k])]
     if bad:
         rows = int(m["rows"])
-        if math.isnan(m["logloss"]):
+        weighted = "weight_sum" in m  # rows of weight 0 count as absent
+        if weighted and not m["weight_sum"] > 0:
+            why = f"{'all' if rows != 1 else 'its'} {rows_are(rows)} of weight 0 (data.schema.weight)"
+        elif math.isnan(m["logloss"]):
             why = "the model scored NaN (a diverged model)"
         elif math.isinf(m["logloss"]):
             why = "the model scored an infinite logit on a row of the other class (a diverged model)"
         elif math.isnan(m["calibration"]):
             none = f"none of the {rows:,} rows is" if rows != 1 else "its 1 row is not"
-            why = f"{none} positive (AUC and NE need both classes, calibration a positive)"
+            of = " of weight above 0" if weighted else ""
+            why = f"{none} positive{of} (AUC and NE need both classes, calibration a positive)"
         else:
-            why = f"{'all' if rows != 1 else 'its'} {rows_are(rows)} positive (AUC and NE need both classes)"
+            of = " (or of weight 0)" if weighted else ""
+            why = f"{'all' if rows != 1 else 'its'} {rows_are(rows)} positive{of} (AUC and NE need both classes)"
         notes.append(f"{', '.join(bad)} {'is' if len(bad) == 1 else 'are'} null: {why}")
     if "gauc" in m and not math.isfinite(m["gauc"]) and math.isfinite(m["logloss"]):
         who = f"{m['gauc_by']} id" if "gauc_by" in m else "group (train.group_by)"

@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -417,6 +418,17 @@ def check_group_by(schema: Schema, name: str, where: str, of: str) -> None:
         raise ConfigError(f"{where}: not a single-id feature of {of}; group by one of {', '.join(single)}")
 
 
+def _say_unweighted(data_path: str | None, column: str) -> None:
+    """Warn that eval of a run trained with row weights scores a file without their column unweighted: its
+    metrics are not those of the run's own (weighted) evaluations, which nothing else in them would say."""
+    warnings.warn(
+        f"{data_path} has no column '{column}', the row weights the run trained and evaluated with "
+        "(data.schema.weight): its rows are scored unweighted, unlike the run's report; give a file with "
+        "the column to score them as the run did",
+        stacklevel=2,
+    )
+
+
 def eval_run(
     run_dir: Path,
     data_path: str | None,
@@ -598,6 +610,8 @@ def _scored(
             raise type(e)(  # NoRows stays NoRows: predict writes no scores for no rows
                 line.replace("data.format=", "--format ").replace("data.format", "--format")
             ) from None
+        if labelled and weight is not None and not weighted and dist.get_rank() == 0:
+            _say_unweighted(data_path, weight)
         # The batches the run's own evaluations used: an fp8 activation's scale is its batch's.
         logits = predict(
             built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision, progress
