@@ -593,3 +593,22 @@ def test_inspect_reads_a_split_in_parts_as_training_does(tmp_path, fmt):
         write(parts / "part-2.csv", ["label,cost,user", "1,2,u1"])
         with pytest.raises(DataError, match=r"part-2\.csv line 1: its columns \(label, cost, user\) are not"):
             inspect_file(parts)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_weight_names_the_row_weight_column_not_a_dense_feature(tmp_path, fmt):
+    """Without --weight a column of weights is numbers, a dense feature: the suggested schema trained on the
+    weights as an input (and adding data.schema.weight then clashed with it)."""
+    table = pa.table({"label": [0, 1, 1, 0], "w": [0.5, 2.0, 1.0, 3.0], "user": ["a", "b", "a", "c"]})
+    path = tmp_path / f"t.{fmt}"
+    if fmt == "csv":
+        path.write_text("label,w,user\n0,0.5,a\n1,2.0,b\n1,1.0,a\n0,3.0,c\n")
+    else:
+        pq.write_table(table, path)
+    assert inspect_file(path)["schema"]["dense"] == [{"name": "w"}]
+    schema = inspect_file(path, weight="w")["schema"]
+    assert schema["weight"] == "w" and "dense" not in schema and schema["sparse"] == [{"name": "user"}]
+    with pytest.raises(
+        DataError, match="--weight 'x' is not a column of the file; its columns are: label, w, user"
+    ):
+        inspect_file(path, weight="x")

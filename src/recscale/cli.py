@@ -401,7 +401,7 @@ def cmd_inspect(args: argparse.Namespace) -> None:
 
     report = inspect_file(
         args.path, args.format, options, args.max_rows, args.tables, args.max_len, args.label,
-        progress=sys.stderr.isatty(),
+        progress=sys.stderr.isatty(), weight=args.weight,
     )  # fmt: skip
     print(strict_json(report, indent=2))
     if report["format"] in ("csv", "parquet") and all(c["type"] != "label" for c in report["columns"]):
@@ -792,6 +792,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="csv without a header line: its columns, comma-separated, as data.options.columns (given, the format is csv)")  # fmt: skip
     i.add_argument("--label", default="label",
                    help="csv, parquet: the label column, 0/1 (default: label); the schema names it as data.schema.label")  # fmt: skip
+    i.add_argument("--weight",
+                   help="csv, parquet: a column of per-row importance weights: the schema names it as data.schema.weight, not as a dense feature")  # fmt: skip
     i.add_argument("--max-rows", type=_int_in(1),
                    help="read only the file's first N rows, good or bad (movielens: its first N ratings by time)")  # fmt: skip
     i.add_argument("--tables", action="store_true",

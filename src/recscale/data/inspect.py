@@ -498,6 +498,7 @@ def inspect_file(
     max_len: int | None = None,
     label: str = LABEL,
     progress: bool = False,
+    weight: str | None = None,
 ) -> dict[str, Any]:
     """Summarise a data file: format, rows, bad rows, positive rate and per-column statistics.
 
@@ -508,7 +509,8 @@ def inspect_file(
     and ``access_histogram`` (``data.access``; over the rows read: ``max_rows`` 4096 gives the
     histogram of one batch as the planner's cost models see it). With ``max_len``, each multi-id column's
     ``length`` also counts the rows a sequence feature of that ``max_len`` would cut (``truncated``).
-    ``label`` names a csv or parquet file's label column (the schema's ``label``; default ``label``).
+    ``label`` names a csv or parquet file's label column (the schema's ``label``; default ``label``), ``weight``
+    its column of row weights (the schema's ``weight``, not a dense feature, which the file's numbers would make it).
     ``progress``: a bar of the rows read (a file of millions of rows takes minutes).
     """
     given = Path(path)
@@ -538,6 +540,8 @@ def inspect_file(
         raise DataError(
             f"{path}: --label names a csv or parquet column; a {fmt} file's label is its format's own"
         )
+    if weight is not None and fmt not in ("csv", "parquet"):
+        raise DataError(f"{path}: --weight names a csv or parquet column; a {fmt} file has a fixed layout")
     stats = ReadStats()
     fixed: Schema | None = None  # the format's own layout (criteo, libsvm, movielens)
     if fmt == "csv":
@@ -548,7 +552,7 @@ def inspect_file(
         if header and len(names) == 1 and (other := delimiter_hint(names[0], delimiter)) is not None:
             # The file's columns read as one: no schema, no statistics worth reporting.
             raise DataError(f"{path} line 1: {other} (data inspect: pass --delimiter)")
-        _check_label(path, label, names)
+        _check_label(path, label, names, weight)
         columns = [_Column(n, LABEL if n == label else None, tables) for n in names]
 
         def csv_part(part: Path) -> Iterator[_Chunk]:
@@ -573,7 +577,7 @@ def inspect_file(
             rows = _scan(_take(each(csv_part, "line"), max_rows), columns, None, bar(again=True))
     elif fmt == "parquet":
         file = open_parquet(path)
-        _check_label(path, label, file.schema_arrow.names)
+        _check_label(path, label, file.schema_arrow.names, weight)
         columns = [
             _Column(
                 f.name, LABEL if f.name == label and holds_numbers(f.type) else _parquet_kind(f.type), tables
@@ -624,7 +628,7 @@ def inspect_file(
             rows = _scan(_take(chunks, max_rows), columns, None, bar())
     if not rows and not stats.skipped and max_rows != 0:
         raise DataError(f"{given} has no data rows")  # as training refuses it (a header alone, say)
-    config_schema, left_out = _config_schema(columns, fixed, label)
+    config_schema, left_out = _config_schema(columns, fixed, label, weight)
     label_column = next((c for c in columns if c.kind == LABEL), None)
     return {
         "path": str(given),
@@ -643,16 +647,19 @@ def inspect_file(
     }
 
 
-def _check_label(path: Path, label: str, names: list[str]) -> None:
-    """A label column named otherwise than ``label`` must be one of the file's columns."""
-    if label != LABEL and label not in names:
-        raise DataError(
-            f"{path}: --label {label!r} is not a column of the file; its columns are: {', '.join(names)}"
-        )
+def _check_label(path: Path, label: str, names: list[str], weight: str | None = None) -> None:
+    """A label column named otherwise than ``label``, and a row-weight column, must be columns of the file."""
+    for flag, name in (("--label", label if label != LABEL else None), ("--weight", weight)):
+        if name is not None and name not in names:
+            raise DataError(
+                f"{path}: {flag} {name!r} is not a column of the file; its columns are: {', '.join(names)}"
+            )
+    if weight is not None and weight == label:
+        raise DataError(f"{path}: --weight {weight!r} is the label column; name the column of row weights")
 
 
 def _config_schema(
-    columns: list[_Column], fixed: Schema | None, label: str = LABEL
+    columns: list[_Column], fixed: Schema | None, label: str = LABEL, weight: str | None = None
 ) -> tuple[dict[str, Any] | None, list[str]]:
     """The ``data.schema`` that trains on the file as inspected, as a config takes it (JSON, which YAML reads):
     the format's fixed layout (``fixed``: criteo, libsvm, movielens), else the columns as inferred (None for
@@ -664,6 +671,8 @@ def _config_schema(
         kinds = {c.name: c.inferred() for c in columns}
         dense, sparse = [], []
         for c in columns:
+            if c.name == weight:  # the schema's row weights (--weight): no feature of the model
+                continue
             try:
                 if c.name == LABEL and c.kind != LABEL:  # the name the readers give the label column
                     raise ValueError(c.name)
@@ -676,7 +685,7 @@ def _config_schema(
             except ValueError:
                 left_out.append(c.name)
         try:
-            fixed = Schema(label=label, dense=dense, sparse=sparse)
+            fixed = Schema(label=label, weight=weight, dense=dense, sparse=sparse)
         except ValueError:
             return None, left_out
         if LABEL not in kinds.values():
