@@ -324,3 +324,11 @@ def test_eval_of_a_file_without_the_weight_column_says_it_is_unweighted(tmp_path
     write_run(tmp_path, "plain", rows, False)
     with pytest.warns(UserWarning, match="has no column 'w'.*scored unweighted"):
         eval_run(tmp_path / "r", str(tmp_path / "plain.csv"))
+
+
+def test_a_weight_column_listed_as_a_feature_says_so():
+    """It was 'feature names must be unique; repeated: w', which names no weight."""
+    with pytest.raises(
+        ValueError, match="'w' is the row-weight column \\(schema.weight\\) and a feature too"
+    ):
+        Schema.model_validate({**SCHEMA, "dense": [{"name": "x"}, {"name": "w"}]})

@@ -157,6 +157,13 @@ class Schema(Settings):
         names = [self.label, *([self.weight] if self.weight is not None else [])]
         names += self.dense_names + self.sparse_names
         dup = sorted({n for n in names if names.count(n) > 1})
+        if self.weight is not None and self.weight in [self.label, *self.dense_names, *self.sparse_names]:
+            # A column of weights read as an input too: the model would learn from its own importance weights.
+            role = "the label" if self.weight == self.label else "a feature"
+            raise ValueError(
+                f"'{self.weight}' is the row-weight column (schema.weight) and {role} too; a column is one or the "
+                "other: drop it from the features (or name another column as schema.weight)"
+            )
         if dup:
             raise ValueError(f"feature names must be unique; repeated: {', '.join(dup)}")
         raw = self.column_names()  # the readers' output: the label as LABEL, weights as NAME__w
