@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import torch
-from report_files import write_report
+from report_files import print_report
 from safetensors.torch import load_file
 
 from recscale.distributed.env import shutdown
@@ -78,10 +78,7 @@ def main() -> None:
             f"{r['logloss'] - base['logloss']:+.5f} | {r['artifact_bytes']:,} | {base['artifact_bytes'] / r['artifact_bytes']:.2f} | "
             f"{r['table_bytes']:,} | {base['table_bytes'] / r['table_bytes']:.2f} | {r['rows_per_s']:,.0f} |"
         )
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        write_report(args.out, text, rows)
+    print_report(lines, rows, args.out)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,14 @@ def write_report(out: Path, text: str, rows: list[dict]) -> None:
     write_csv(out, rows)
 
 
+def print_report(lines: list[str], rows: list[dict], out: Path | None) -> None:
+    """Print a bench's markdown ``lines``; with ``out``, also write them as OUT.md and ``rows`` as OUT.csv."""
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        write_report(out, text, rows)
+
+
 def write_csv(out: Path, rows: list[dict]) -> None:
     """``rows`` as OUT.csv, with the first row's keys as the header."""
     with open(out.with_suffix(".csv"), "w", newline="") as f:

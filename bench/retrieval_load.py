@@ -17,7 +17,7 @@ import shlex
 import signal
 from pathlib import Path
 
-from report_files import write_report
+from report_files import print_report
 from serve import load, start_server
 
 from recscale.quiet import quiet_upstream
@@ -71,10 +71,7 @@ def main() -> None:
         f"{m['failed']} | {m['qps']:,.0f} | {m['p50_ms']:.1f} | {m['p95_ms']:.1f} | {m['p99_ms']:.1f} |"
         for m in results
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        write_report(args.out, text, results)
+    print_report(lines, results, args.out)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
-from report_files import write_report
+from report_files import print_report
 
 from recscale.data.readers import read_batches
 from recscale.data.schema import LABEL
@@ -238,10 +238,7 @@ def main() -> None:
             f"{m['failed']} | {m['qps']:,.0f} | {m['rows_per_s']:,.0f} | {100 * m['of_offline']:.1f} | "
             f"{m['p50_ms']:.1f} | {m['p95_ms']:.1f} | {m['p99_ms']:.1f} |"
         )
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        write_report(args.out, text, results)
+    print_report(lines, results, args.out)
 
 
 if __name__ == "__main__":
