@@ -1308,6 +1308,12 @@ def test_a_part_without_a_header_says_its_first_line_is_data(tmp_path):
         DataError, match=r"part-1\.csv: .*its columns are: 0, 2\.5, b; line 1 is a row of data"
     ):
         read_batches(tmp_path, "csv", make_schema(dense=["x"], sparse=["user"]))
+    # A data row that repeats a value (Criteo's empty cells) failed first as a header naming columns twice.
+    write(tmp_path / "part-1.csv", ["0,,3,,b", "1,,4,,c"])
+    with pytest.raises(
+        DataError, match=r"part-1\.csv line 1 is a row of data, not a header; .*data\.options\.columns"
+    ):
+        read_batches(tmp_path, "csv", make_schema(dense=["x"], sparse=["user"]))
     write(
         tmp_path / "part-1.csv", ["label,y,user", "0,2.5,b"]
     )  # a header naming another column: no such hint

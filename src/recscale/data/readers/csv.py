@@ -27,6 +27,7 @@ from recscale.data.readers.base import (
     missing_columns_error,
 )
 from recscale.data.readers.text import (
+    HEADERLESS_HINT,
     first_line,
     iter_converted,
     read_header,
@@ -97,10 +98,7 @@ def read(path: Path, schema: Schema, options: Options, bad: BadRows) -> Iterator
         if len(missing) == len(wanted) and any(re.fullmatch(NUMBER_RE, n.strip()) for n in names):
             # No column found and a number among the "names": a part cut from a file after its header (split
             # -l), or a Spark CSV written without one (its default), read as if line 1 named the columns.
-            raise DataError(
-                f"{error}; line 1 is a row of data, not a header: give the file a first line naming its "
-                "columns (Spark: write with option header=true)"
-            )
+            raise DataError(f"{error}; line 1 is a row of data, not a header: {HEADERLESS_HINT}")
         raise error
     return _batches(path, schema, options, bad, names, wanted)
 

@@ -4,6 +4,7 @@ line numbers for errors and dropped rows."""
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from recscale.data.chunks import ordered_map
-from recscale.data.readers.base import Locate, Problem, check_unique_columns, convert, damage_named
+from recscale.data.readers.base import NUMBER_RE, Locate, Problem, check_unique_columns, convert, damage_named
 from recscale.data.schema import Schema
 from recscale.errors import DataError
 
@@ -169,6 +170,22 @@ def first_line(path: Path) -> bytes:
     return head.split(b"\n", 1)[0].rstrip(b"\r")
 
 
+HEADERLESS_HINT = (
+    "give the file a first line naming its columns (Spark: write with option header=true), or name them in "
+    "data.options.columns (a file without a header)"
+)
+
+
+def _check_header(path: Path, names: list[str]) -> None:
+    """A header's names are unique; a first line that repeats a number or an empty cell is a row of data (a
+    part cut from a file after its header, a Spark CSV written without one), said so, not as duplicate names."""
+    if len(set(names)) < len(names) and any(
+        re.fullmatch(NUMBER_RE, n.strip()) or not n.strip() for n in names
+    ):
+        raise DataError(f"{path} line 1 is a row of data, not a header; {HEADERLESS_HINT}")
+    check_unique_columns(f"{path} line 1: the header", names)
+
+
 def read_header(path: Path, delimiter: str, quote: bool) -> list[str]:
     """Column names in a delimited file's first line."""
     line = first_line(path)
@@ -189,7 +206,7 @@ def read_header(path: Path, delimiter: str, quote: bool) -> list[str]:
         # No quoting: the names are the cells between delimiters, as pyarrow reads them (its byte order mark
         # dropped), without its parser's fixed cost, which a split of 1,000 parts paid 1,000 times.
         names = line.removeprefix(UTF8_BOM).decode().split(delimiter)
-        check_unique_columns(f"{path} line 1: the header", names)
+        _check_header(path, names)
         return names
     try:
         table = pacsv.read_csv(
@@ -203,7 +220,7 @@ def read_header(path: Path, delimiter: str, quote: bool) -> list[str]:
             f"{path} line 1: not a {delimiter!r}-delimited header ({reason}); check data.format"
         ) from None
     names = table.column_names
-    check_unique_columns(f"{path} line 1: the header", names)
+    _check_header(path, names)
     return names
 
 
