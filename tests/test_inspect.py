@@ -612,3 +612,20 @@ def test_weight_names_the_row_weight_column_not_a_dense_feature(tmp_path, fmt):
         DataError, match="--weight 'x' is not a column of the file; its columns are: label, w, user"
     ):
         inspect_file(path, weight="x")
+
+
+def test_a_column_unique_on_every_row_is_noted_as_a_row_id(tmp_path, capsys):
+    """Avazu's `id` (an impression id) was suggested as a feature without a word: distinct on every row, its
+    table never sees an id twice. A sample of 1,000 rows or more notes it; a small one does not (too few rows
+    to tell a row id from a large vocabulary)."""
+    from recscale.cli import main
+
+    rows = [f"{10**18 + i},{i % 2},u{i % 37}" for i in range(1200)]
+    path = write(tmp_path / "t.csv", ["id,label,user", *rows])
+    assert main(["data", "inspect", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "note: id holds a distinct value on each of the 1,200 rows (a row id?)" in err and "user" not in err
+    )
+    assert main(["data", "inspect", str(write(tmp_path / "s.csv", ["id,label,user", *rows[:100]]))]) == 0
+    assert "row id" not in capsys.readouterr().err

@@ -404,6 +404,19 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         progress=sys.stderr.isatty(), weight=args.weight,
     )  # fmt: skip
     print(strict_json(report, indent=2))
+    # A column unique on every row of a large sample is a row id (an impression or request id): its embedding
+    # never sees an id twice, and at evaluation every id is one it never saw.
+    unique = [
+        c["name"] for c in report["columns"]
+        if c["type"] == "sparse" and c["cardinality"] == report["rows"] >= ROW_ID_ROWS and not c["missing"]
+    ]  # fmt: skip
+    if unique:
+        print(
+            f"note: {', '.join(unique)} {'holds' if len(unique) == 1 else 'hold'} a distinct value on each of the "
+            f"{report['rows']:,} rows (a row id?): no id repeats, so its table learns nothing that carries to new "
+            "rows; drop it from the schema unless the full data repeats its ids",
+            file=sys.stderr,
+        )
     if report["format"] in ("csv", "parquet") and all(c["type"] != "label" for c in report["columns"]):
         names = [c["name"] for c in report["columns"]]
         # A CSV's first line that holds numbers is a data row: the file has no header.
@@ -428,6 +441,10 @@ def _number(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+# Rows a sample needs before a column distinct on every one of them is said to look like a row id.
+ROW_ID_ROWS = 1000
 
 
 def cmd_shard_plan(args: argparse.Namespace) -> None:
