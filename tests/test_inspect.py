@@ -629,3 +629,20 @@ def test_a_column_unique_on_every_row_is_noted_as_a_row_id(tmp_path, capsys):
     )
     assert main(["data", "inspect", str(write(tmp_path / "s.csv", ["id,label,user", *rows[:100]]))]) == 0
     assert "row id" not in capsys.readouterr().err
+
+
+def test_weighted_id_cells_are_noted(tmp_path, capsys):
+    """A multi-id column written for `weighted: true` (`a:0.5|b:2`) was counted and suggested as plain ids
+    without a word: every id reading id:weight, a fraction among them, marks it looks_weighted, with a note;
+    namespaced ids (`genre:3`, whole numbers only) do not."""
+    from recscale.cli import main
+
+    path = write(
+        tmp_path / "t.csv",
+        ["label,hist,genres", "1,a:0.5|b:2,g:1|g:2", "0,c:1.5|a:1,g:3", "1,a:0.25,g:1|g:4"],
+    )
+    assert main(["data", "inspect", str(path)]) == 0
+    out, err = capsys.readouterr()
+    cols = columns(json.loads(out))
+    assert cols["hist"].get("looks_weighted") is True and "looks_weighted" not in cols["genres"]
+    assert "note: every id of hist reads id:weight" in err and "genres" not in err

@@ -417,6 +417,13 @@ def cmd_inspect(args: argparse.Namespace) -> None:
             "rows; drop it from the schema unless the full data repeats its ids",
             file=sys.stderr,
         )
+    for c in report["columns"]:
+        if c.get("looks_weighted"):
+            print(
+                f"note: every id of {c['name']} reads id:weight (e.g. a:0.5): if they are weighted ids, set "
+                "weighted: true on its feature (its cardinality here counts each id:weight whole)",
+                file=sys.stderr,
+            )
     if report["format"] in ("csv", "parquet") and all(c["type"] != "label" for c in report["columns"]):
         names = [c["name"] for c in report["columns"]]
         # A CSV's first line that holds numbers is a data row: the file has no header.

@@ -86,6 +86,8 @@ LIBSVM_LINE = re.compile(rb"^\S+(\s+[^\s:]+:\S+)+\s*$")
 # A JSON object or array of them opening a file's first line ('[id],[click]', a CSV header, does not)
 JSON_LINE = re.compile(rb"^\s*(\{|\[\s*(\{|$))")
 MULTI_SEP = "|"
+# A weighted multi-id cell's entry, ``id:weight`` (``csv`` reader): an id, a colon, a number.
+ID_WEIGHT_RE = r"^.+:[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$"
 UNSUPPORTED = "unsupported"  # a parquet column no feature can read (struct, map, list of lists)
 WEIGHTS = "weights"  # a parquet list column NAME__w of numbers: the weights of multi-id column NAME
 # Merge the per-batch distinct values every this many batches (bounds the duplicates held).
@@ -235,6 +237,10 @@ class _Column:
         self.arrow_type = ""  # parquet: the column's type (reported for an UNSUPPORTED one)
         self.weights_of: _Column | None = None  # WEIGHTS: the multi-id column they weigh
         self.weighted = False  # a multi-id column with a WEIGHTS column
+        # A text multi-id column whose every id reads ``id:number``, a fraction among them: weighted cells
+        # (``a:0.5|b:2``) written for ``weighted: true``, which inspect counts as ids whole.
+        self.pairs: bool | None = None
+        self.fractions = False
 
     def check(self, values: pa.Array, batch: pa.RecordBatch) -> Problem | None:
         """The rows training drops for this column's cells, as ``read_batches`` finds them: a label that
@@ -309,7 +315,11 @@ class _Column:
             ids = split_ids(cells, MULTI_SEP)[0]  # as training reads them
             lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
             self.lengths.add(lengths, check_sequence(cells, self.name, MULTI_SEP))
-            return ids.flatten()
+            flat = ids.flatten()
+            if self.pairs is not False and len(flat):
+                self.pairs = bool(pc.all(pc.match_substring_regex(flat, ID_WEIGHT_RE)).as_py())
+                self.fractions |= bool(pc.any(pc.match_substring_regex(flat, r":[^:]*\.")).as_py())
+            return flat
         self.lengths.add(cells.is_valid().to_numpy(zero_copy_only=False).astype(np.int64))  # one id, or none
         return normal_ids(cells)  # as training reads them: 3.0 is id 3
 
@@ -349,6 +359,8 @@ class _Column:
         if kind == "multi":
             if self.weighted:
                 out["weighted"] = True
+            elif self.pairs and self.fractions:
+                out["looks_weighted"] = True  # its ids read id:weight; counted whole, as inspect cannot know
             out["length"] = self.lengths.report(max_len)
         if self.counts is not None and kind in ("sparse", "multi"):
             out["pooling"] = round(self.ids / max(self.rows, 1), 4)
