@@ -332,3 +332,17 @@ def test_a_weight_column_listed_as_a_feature_says_so():
         ValueError, match="'w' is the row-weight column \\(schema.weight\\) and a feature too"
     ):
         Schema.model_validate({**SCHEMA, "dense": [{"name": "x"}, {"name": "w"}]})
+
+
+@pytest.mark.dist
+def test_two_ranks_train_weighted_rows_as_one_process(tmp_path):
+    """Each rank weighs its share of the global batch, and the ranks' mean loss is the one-process weighted loss
+    (sum(w * l) / rows over the whole batch), step by step; unweighted, the losses differ."""
+    rng = np.random.default_rng(1)
+    rows = [(y, float(rng.choice([0.5, 1.0, 2.0, 3.0])), x, u) for y, _, x, u in base_rows()]
+    config = write_run(tmp_path, "w", rows, True)
+    one = Trainer(load_config(config), tmp_path / "one").fit()
+    assert main(["train", str(config), "--out", str(tmp_path / "two"), "--nproc", "2"]) == 0
+    assert one["steps"] == 6 and losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+    Trainer(load_config(write_run(tmp_path, "u", rows, False)), tmp_path / "unweighted").fit()
+    assert losses(tmp_path / "unweighted")[0] != pytest.approx(losses(tmp_path / "one")[0], rel=1e-3)
