@@ -388,7 +388,7 @@ def cmd_retrieval_query(args: argparse.Namespace) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
-    from recscale.data.inspect import inspect_file
+    from recscale.data.inspect import inspect_file, inspect_notes
     from recscale.io import strict_json
 
     # A tab is hard to type: a shell passes '\t' as backslash and t.
@@ -404,54 +404,8 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         progress=sys.stderr.isatty(), weight=args.weight,
     )  # fmt: skip
     print(strict_json(report, indent=2))
-    # A column unique on every row of a large sample is a row id (an impression or request id): its embedding
-    # never sees an id twice, and at evaluation every id is one it never saw.
-    unique = [
-        c["name"] for c in report["columns"]
-        if c["type"] == "sparse" and c["cardinality"] == report["rows"] >= ROW_ID_ROWS and not c["missing"]
-    ]  # fmt: skip
-    if unique:
-        print(
-            f"note: {', '.join(unique)} {'holds' if len(unique) == 1 else 'hold'} a distinct value on each of the "
-            f"{report['rows']:,} rows (a row id?): no id repeats, so its table learns nothing that carries to new "
-            "rows; drop it from the schema unless the full data repeats its ids",
-            file=sys.stderr,
-        )
-    for c in report["columns"]:
-        if c.get("looks_weighted"):
-            print(
-                f"note: every id of {c['name']} reads id:weight (e.g. a:0.5): if they are weighted ids, set "
-                "weighted: true on its feature (its cardinality here counts each id:weight whole)",
-                file=sys.stderr,
-            )
-    if report["format"] in ("csv", "parquet") and all(c["type"] != "label" for c in report["columns"]):
-        names = [c["name"] for c in report["columns"]]
-        # A CSV's first line that holds numbers is a data row: the file has no header.
-        headerless = (
-            report["format"] == "csv" and "columns" not in report["options"] and any(map(_number, names))
-        )
-        fix = f"name its {len(names)} columns with --columns A,B,... (the label's as --label gives it, default 'label')"
-        print(
-            f"note: no label column '{args.label}', so no schema: "
-            + (
-                f"line 1 reads as data, not a header: {fix}"
-                if headerless
-                else "name yours with --label COLUMN"
-            ),
-            file=sys.stderr,
-        )
-
-
-def _number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-# Rows a sample needs before a column distinct on every one of them is said to look like a row id.
-ROW_ID_ROWS = 1000
+    for line in inspect_notes(report, args.label):
+        print(f"note: {line}", file=sys.stderr)
 
 
 def cmd_shard_plan(args: argparse.Namespace) -> None:

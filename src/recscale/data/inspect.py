@@ -45,6 +45,7 @@ from recscale.data.preprocess import DenseMoments
 from recscale.data.readers import FORMATS, ReadStats, libsvm, read_batches, validate_options
 from recscale.data.readers.base import (
     FLOAT32,
+    NUMBER_RE,
     BadRows,
     Locate,
     Problem,
@@ -94,10 +95,15 @@ WEIGHTS = "weights"  # a parquet list column NAME__w of numbers: the weights of 
 MERGE_EVERY = 64
 
 
+def _movielens(path: Path) -> bool:
+    """Whether ``path`` is MovieLens atomic files: an ``.inter`` file, or the folder holding one."""
+    return path.suffix == ".inter" or (path.is_dir() and any(path.glob("*.inter")))
+
+
 def guess_format(path: str | Path) -> str:
     """The format of ``path`` from its name, else its first bytes / first line."""
     path = Path(path)
-    if path.suffix == ".inter" or (path.is_dir() and any(path.glob("*.inter"))):
+    if _movielens(path):
         return "movielens"
     if path.is_dir():  # a folder of CSV or Parquet splits, say: MovieLens is the one format read as a folder
         # Not a Spark job's markers (_SUCCESS), which hold no rows to inspect.
@@ -108,7 +114,7 @@ def guess_format(path: str | Path) -> str:
             else "a file"
         )
         raise DataError(
-            f"{path} is a directory with no MovieLens .inter file; data inspect reads one file: give {listed}"
+            f"{path} is a directory with no MovieLens .inter file; a format is guessed from a file: give {listed}"
         )
     check_file(path)
     suffixes = [s for s in path.suffixes if s not in (".gz", ".bz2", ".zst")]
@@ -528,8 +534,7 @@ def inspect_file(
     given = Path(path)
     # A folder or a pattern of parts (not a MovieLens folder: one dataset) is read part after part, as training
     # reads it; each part's bad rows name it. The first part decides the format and the columns.
-    movielens = given.suffix == ".inter" or (given.is_dir() and any(given.glob("*.inter")))
-    parts = [given] if movielens or fmt == "movielens" else data_files(given, "csv")
+    parts = [given] if _movielens(given) or fmt == "movielens" else data_files(given, "csv")
     path = parts[0]
 
     def each(chunks: Callable[[Path], Iterator[_Chunk]], unit: str) -> Iterator[_Chunk]:
@@ -729,3 +734,49 @@ def _parquet_kind(dtype: pa.DataType) -> str:
     if pa.types.is_nested(dtype):  # a struct, map or list of lists: no feature reads it
         return UNSUPPORTED
     return "dense" if pa.types.is_floating(dtype) else "sparse"
+
+
+# Rows a sample needs before a column distinct on every one of them is said to look like a row id.
+ROW_ID_ROWS = 1000
+
+
+def inspect_notes(report: dict[str, Any], label: str = LABEL) -> list[str]:
+    """What ``inspect_file``'s ``report`` suggests doing before the schema is used, a line each."""
+    notes = []
+    columns = report["columns"]
+    # A column unique on every row of a large sample is a row id (an impression or request id): its embedding
+    # never sees an id twice, and at evaluation every id is one it never saw.
+    unique = [
+        c["name"] for c in columns
+        if c["type"] == "sparse" and c["cardinality"] == report["rows"] >= ROW_ID_ROWS and not c["missing"]
+    ]  # fmt: skip
+    if unique:
+        notes.append(
+            f"{', '.join(unique)} {'holds' if len(unique) == 1 else 'hold'} a distinct value on each of the "
+            f"{report['rows']:,} rows (a row id?): no id repeats, so its table learns nothing that carries to new "
+            "rows; drop it from the schema unless the full data repeats its ids"
+        )
+    notes += [
+        f"every id of {c['name']} reads id:weight (e.g. a:0.5): if they are weighted ids, set weighted: true on its "
+        "feature (its cardinality here counts each id:weight whole)"
+        for c in columns
+        if c.get("looks_weighted")
+    ]
+    if report["format"] in ("csv", "parquet") and all(c["type"] != "label" for c in columns):
+        names = [c["name"] for c in columns]
+        # A CSV's first line that holds numbers is a data row: the file has no header.
+        headerless = (
+            report["format"] == "csv"
+            and "columns" not in report["options"]
+            and any(re.fullmatch(NUMBER_RE, n.strip()) for n in names)
+        )
+        fix = f"name its {len(names)} columns with --columns A,B,... (the label's as --label gives it, default 'label')"
+        notes.append(
+            f"no label column '{label}', so no schema: "
+            + (
+                f"line 1 reads as data, not a header: {fix}"
+                if headerless
+                else "name yours with --label COLUMN"
+            )
+        )
+    return notes
