@@ -53,7 +53,7 @@ def print_report(report: dict) -> None:
                 notes.append(f"note: {split} {note}")
     if not any(split in report for split in ("valid", "report", "test")):
         notes.append("note: the run has no valid or test split, so nothing was evaluated and the last step's "
-                     "weights are kept; give data.valid (or data.test) to measure the model")  # fmt: skip
+                     "weights are kept; give data.valid (or data.valid_fraction, or data.test) to measure the model")  # fmt: skip
     lines += notes
     if "bayes_logloss" in report:
         # ne is left out where undefined (a split of one class), as the note above the line says of the split's

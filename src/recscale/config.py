@@ -49,6 +49,10 @@ class DataConfig(Settings):
     # kept checkpoint): valid is the rest, and the held-out rows are scored once, at the end, as the
     # report's "report" split, on which nothing was tuned.
     report_fraction: float | None = Field(None, gt=0, lt=1)
+    # One file and no valid split of its own: this fraction of data.train's rows (a fixed hash of the row's
+    # position among the rows read) is the valid split, and the training split is the rest: vocabularies
+    # and scalers are fitted on the rest only. report_fraction then cuts those valid rows in two.
+    valid_fraction: float | None = Field(None, gt=0, lt=1)
     # Negative downsampling (He et al., "Practical Lessons from Predicting Clicks on Ads at Facebook"): train on
     # every positive and this fraction w of the training split's negatives (a fixed hash of the row picks
     # them), with log(1/w) added to the logits in the training loss only: the model's own predictions stay
@@ -75,7 +79,8 @@ class DataConfig(Settings):
             # No reader runs: a path or a schema given here would be dropped without a word (the run trained
             # on the teacher's data, not on the file data.train names).
             given = [k for k, v in (("train", self.train), ("valid", self.valid), ("test", self.test),
-                                    ("schema", self.schema_)) if v is not None]  # fmt: skip
+                                    ("schema", self.schema_), ("valid_fraction", self.valid_fraction))
+                     if v is not None]  # fmt: skip
             if given:
                 raise ValueError(
                     f"data.{given[0]}: format 'synthetic' reads no file and takes no {given[0]} (its splits "
@@ -105,6 +110,16 @@ class DataConfig(Settings):
                 raise ValueError(
                     f"data.schema.weight: format '{self.format}' has a fixed layout with no column of row weights "
                     "(csv and parquet read one); drop data.schema.weight"
+                )
+            if self.valid_fraction is not None and (self.valid is not None or self.format == "movielens"):
+                which = (
+                    "data.valid names a file of its own"
+                    if self.format != "movielens"
+                    else "format movielens splits its ratings by time into train, valid and test"
+                )
+                raise ValueError(
+                    f"data.valid_fraction holds rows of data.train out as the valid split, but {which}: "
+                    "drop data.valid_fraction"
                 )
             if self.format == "movielens":
                 # One directory holds all splits; the split is a reader option.
@@ -434,8 +449,16 @@ class RunConfig(Settings):
                 "name the single-id feature to group by (e.g. train.group_by=user_id)"
             )
         synthetic = self.data.synthetic if self.data.format == "synthetic" else None
-        if ("valid" not in synthetic.rows) if synthetic else self.data.valid is None:
-            where = "data.synthetic.rows has no valid" if synthetic else "data.valid is not set"
+        if (
+            ("valid" not in synthetic.rows)
+            if synthetic
+            else self.data.valid is None and self.data.valid_fraction is None
+        ):
+            where = (
+                "data.synthetic.rows has no valid"
+                if synthetic
+                else "data.valid is not set (nor data.valid_fraction)"
+            )
             # Both need a valid split: report_fraction without one was dropped without a word.
             if self.train.calibrate:
                 raise ValueError(f"train.calibrate fits on the valid split, and {where}: give one")

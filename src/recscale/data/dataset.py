@@ -252,11 +252,14 @@ class ArrayDataset:
         return self.to_batch(self.gather_arrays(idx))
 
 
-def held_out(rows: int, fraction: float, salt: int = 0) -> np.ndarray:
-    """(rows,) bool: row i is held out when a fixed hash of i (splitmix64) falls below ``fraction``. The
-    same rows of a file whatever the seed, model or run, so every run of a suite reports on one set;
-    another ``salt`` draws independently of the first (negative downsampling)."""
-    x = np.arange(rows, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15 * (1 + 2 * salt) % 2**64)
+def held_out(rows: int, fraction: float, salt: int = 0, start: int = 0) -> np.ndarray:
+    """(rows,) bool: row i (of ``start`` .. ``start + rows - 1``) is held out when a fixed hash of i
+    (splitmix64) falls below ``fraction``. The same rows of a file whatever the seed, model or run, so every
+    run of a suite reports on one set; another ``salt`` draws independently of the first (negative
+    downsampling, the valid rows of data.valid_fraction)."""
+    x = np.arange(start, start + rows, dtype=np.uint64) + np.uint64(
+        0x9E3779B97F4A7C15 * (1 + 2 * salt) % 2**64
+    )
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     x ^= x >> np.uint64(31)

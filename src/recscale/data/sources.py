@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from recscale.data.readers import ReadStats, read_batches
+from recscale.data.readers import ReadStats, RowFilter, read_batches
 from recscale.data.readers.base import OnBadRow, check_regular, data_files, names_data
 from recscale.data.readers.movielens import files_of
 from recscale.data.schema import Schema
@@ -31,15 +31,19 @@ def open_split(
     chunk_rows: int = 65536,
     on_bad_row: OnBadRow = "error",
     stats: ReadStats | None = None,
+    keep: RowFilter | None = None,
 ) -> Iterator[pa.RecordBatch]:
-    """Raw record batches of ``split`` (train/valid/test). MovieLens picks its split by option."""
+    """Raw record batches of ``split`` (train/valid/test). MovieLens picks its split by option; ``keep``
+    selects rows of a file (``read_batches``)."""
     if fmt == "synthetic":
         assert synthetic is not None  # DataConfig fills it for format synthetic
         return synthetic_batches(synthetic, split, chunk_rows=chunk_rows)
     if fmt == "movielens":
         options = {**options, "split": split if split in ("train", "valid", "test") else "all"}
     assert path is not None  # file formats: DataConfig requires train; other splits are read only when set
-    return read_batches(path, fmt, schema, options, chunk_rows=chunk_rows, on_bad_row=on_bad_row, stats=stats)
+    return read_batches(
+        path, fmt, schema, options, chunk_rows=chunk_rows, on_bad_row=on_bad_row, stats=stats, keep=keep
+    )
 
 
 def source_fingerprint(fmt: str, path: str | None, split: str, extra: dict[str, Any]) -> str:

@@ -9,10 +9,12 @@ their own, which runs then read through ``data.prepared`` without writing to it.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from recscale.config import DataConfig
 from recscale.data.dataset import ArrayDataset, held_out, read_meta
@@ -32,26 +34,54 @@ def _syn(data: DataConfig) -> Any:
 
 def _splits(data: DataConfig) -> list[tuple[str, str | None]]:
     """The (split, path) pairs a run uses: train, and valid and test when the config has them (synthetic
-    data: when ``data.synthetic.rows`` has them)."""
+    data: when ``data.synthetic.rows`` has them; ``data.valid_fraction``: valid is rows of the training file)."""
     rows = data.synthetic.rows if data.format == "synthetic" and data.synthetic is not None else {}
+    valid = data.train if data.valid_fraction is not None else data.valid
     return [
         (split, path)
-        for split, path in (("train", data.train), ("valid", data.valid), ("test", data.test))
+        for split, path in (("train", data.train), ("valid", valid), ("test", data.test))
         if split == "train" or path is not None or split in rows
     ]
 
 
+def _cut(data: DataConfig) -> dict[str, Any]:
+    """What the fingerprints add for ``data.valid_fraction`` (nothing without it: older splits stay valid)."""
+    return {} if data.valid_fraction is None else {"valid_fraction": data.valid_fraction}
+
+
 def split_fingerprint(data: DataConfig, pre: Preprocessor, split: str, path: str | None) -> str:
     """What a materialised split is made of: the file's bytes, how it is read, the mapping."""
-    extra = {"options": data.options, "pre": pre.digest(), "syn": _syn(data)}
+    extra = {"options": data.options, "pre": pre.digest(), "syn": _syn(data), **_cut(data)}
     return source_fingerprint(data.format, path, split, extra)
 
 
 def _batches(data: DataConfig, schema: Schema, split: str, path: str | None, stats: ReadStats) -> Any:
-    return open_split(
-        data.format, path, split, schema, data.options, synthetic=data.synthetic,
-        chunk_rows=data.chunk_rows, on_bad_row=data.on_bad_row, stats=stats,
+    if data.valid_fraction is None or split not in ("train", "valid"):
+        return open_split(
+            data.format, path, split, schema, data.options, synthetic=data.synthetic,
+            chunk_rows=data.chunk_rows, on_bad_row=data.on_bad_row, stats=stats,
+        )  # fmt: skip
+    return _held_rows(data, schema, split, stats)
+
+
+def _held_rows(data: DataConfig, schema: Schema, split: str, stats: ReadStats) -> Iterator[pa.RecordBatch]:
+    """The training file's rows of ``split`` under ``data.valid_fraction``: one file read as two splits."""
+    fraction, held = data.valid_fraction, split == "valid"
+    assert fraction is not None
+    batches = open_split(
+        data.format, data.train, split, schema, data.options, chunk_rows=data.chunk_rows,
+        on_bad_row=data.on_bad_row, stats=stats,
+        keep=lambda start, n: held_out(n, fraction, salt=2, start=start) == held,
     )  # fmt: skip
+    rows = 0
+    for batch in batches:
+        rows += batch.num_rows
+        yield batch
+    if not rows:
+        raise DataError(
+            f"data.valid_fraction={fraction} leaves no row of data.train ({data.train}) for the {split} split; "
+            f"give a {'larger' if held else 'smaller'} fraction"
+        )
 
 
 def prepare_split(
@@ -114,7 +144,7 @@ def train_fingerprint(data: DataConfig) -> str:
     """What the preprocessing is fitted from: the training file's bytes, its reading, the schema."""
     return source_fingerprint(
         data.format, data.train, "train",
-        {"options": data.options, "schema": data.schema.model_dump(mode="json"), "syn": _syn(data)},
+        {"options": data.options, "schema": data.schema.model_dump(mode="json"), "syn": _syn(data), **_cut(data)},
     )  # fmt: skip
 
 

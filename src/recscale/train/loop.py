@@ -292,7 +292,8 @@ class Trainer:
         if t.early_stopping is not None and self.valid_ds is None and self.main:
             warnings.warn(
                 "train.early_stopping watches the valid split, which this run has none of: it trains every "
-                "epoch and keeps the last step's weights; give data.valid (or set train.early_stopping=null)",
+                "epoch and keeps the last step's weights; give data.valid or data.valid_fraction (or set "
+                "train.early_stopping=null)",
                 stacklevel=2,
             )
         if self.main:

@@ -10,11 +10,12 @@ and counted in ``ReadStats`` under ``on_bad_row="skip"``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import chain
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pyarrow as pa
 import pydantic
 
@@ -57,6 +58,8 @@ _MODULES: dict[str, ModuleType] = {
 FORMATS: tuple[str, ...] = tuple(_MODULES)
 # The formats whose files name their columns, so that one can hold row weights (``Schema.weight``).
 WEIGHTED_FORMATS = ("csv", "parquet")
+# (start, n) -> (n,) bool: which of the read's rows start .. start + n - 1 to keep (read_batches's keep).
+RowFilter = Callable[[int, int], np.ndarray]
 
 
 def _module(fmt: str) -> ModuleType:
@@ -107,12 +110,16 @@ def read_batches(
     chunk_rows: int = 65536,
     on_bad_row: OnBadRow = "error",
     stats: ReadStats | None = None,
+    keep: RowFilter | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Stream ``path`` (format ``fmt``) as raw-layout batches of at most ``chunk_rows`` rows.
 
     The file, its columns and the options are checked at once (``DataError``/``ConfigError``);
     bad rows are found while streaming. ``stats`` (if given) counts rows and skipped bad rows.
     A read that yields no row at all (empty file, header only, or every row bad) is a DataError.
+    ``keep(start, n)``: which of the good rows ``start .. start + n - 1`` (counted from 0 over the whole
+    read) the stream yields, a (n,) bool array; the others are dropped before anything counts them
+    (sequences cut), so one file can be read as two splits.
     """
     module = _module(fmt)
     opts = validate_options(fmt, options)
@@ -123,13 +130,14 @@ def read_batches(
     if schema.weight is not None and fmt not in WEIGHTED_FORMATS:  # DataConfig refuses it first
         raise ConfigError(f"schema.weight: format '{fmt}' has a fixed layout with no column of row weights")
     stats = ReadStats() if stats is None else stats
+    assert keep is None or stats.positions is None  # a kept row's position would need the filter too
     extra = (chunk_rows,) if fmt == "parquet" else ()
     files = data_files(path, fmt)
     if len(files) == 1:
         file = files[0]
         return _counted(
             module.read(file, schema, opts, BadRows(file, position_unit(fmt), on_bad_row, stats), *extra),
-            file, schema, chunk_rows, stats,
+            file, schema, chunk_rows, stats, keep,
         )  # fmt: skip
 
     # Every part checked now (its header, its columns), not hours into the read. A reader's check closes its
@@ -146,15 +154,24 @@ def read_batches(
             return iter(())
 
     streams = [part(f) for f in files]
-    return _counted(chain.from_iterable(streams), Path(path), schema, chunk_rows, stats)
+    return _counted(chain.from_iterable(streams), Path(path), schema, chunk_rows, stats, keep)
 
 
 def _counted(
-    batches: Iterator[pa.RecordBatch], path: Path, schema: Schema, chunk_rows: int, stats: ReadStats
+    batches: Iterator[pa.RecordBatch],
+    path: Path,
+    schema: Schema,
+    chunk_rows: int,
+    stats: ReadStats,
+    keep: RowFilter | None = None,
 ) -> Iterator[pa.RecordBatch]:
     rows = 0
     for batch in rechunk(batches, chunk_rows, pa.concat_batches):
-        rows += batch.num_rows
+        start, rows = rows, rows + batch.num_rows
+        if keep is not None:
+            batch = batch.filter(pa.array(keep(start, batch.num_rows)))
+            if not batch.num_rows:
+                continue
         stats.rows += batch.num_rows
         yield as_trained(batch, schema, stats)
     if not rows:
