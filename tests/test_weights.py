@@ -246,8 +246,15 @@ def test_eval_scores_with_the_weights_where_the_file_has_them(tmp_path, capsys):
     assert report["valid"]["weight_sum"] == sum(w for _, w, _, _ in weighted)
     # Platt scaling fitted on the weighted rows: their weighted mean prediction is their weighted CTR.
     assert report["valid"]["calibration"] == pytest.approx(1.0, abs=0.02)
-    m = eval_run(tmp_path / "r", str(tmp_path / "a.csv"))
+    m = eval_run(tmp_path / "r", str(tmp_path / "a.csv"), predictions=tmp_path / "scored.csv")
     assert m == pytest.approx(report["valid"], rel=1e-6)
+    # --predictions carries each row's weight: its weighted metrics recompute from the file alone
+    scored = np.genfromtxt(tmp_path / "scored.csv", delimiter=",", names=True)
+    assert scored["weight"].tolist() == [w for _, w, _, _ in weighted]
+    logloss = -(
+        scored["weight"] * np.log(np.where(scored["label"] > 0, scored["score"], 1 - scored["score"]))
+    )
+    assert logloss.sum() / scored["weight"].sum() == pytest.approx(m["logloss"], rel=1e-6)
     write_run(tmp_path, "plain", rows, False)  # the same rows, no weight column: scored unweighted
     plain = eval_run(tmp_path / "r", str(tmp_path / "plain.csv"))
     assert "weight_sum" not in plain and plain["rows"] == len(rows) and plain["logloss"] != m["logloss"]

@@ -660,7 +660,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--predictions",
         metavar="FILE",
-        help="also write each row's predicted probability: columns label, score and the row's line (text) or "
+        help="also write each row's predicted probability: columns label (weight: a weighted run's file), score "
+        "and the row's line (text) or "
         "row (Parquet) in the file, one row per row read, in file order (bad rows --on-bad-row skip drops left "
         "out); Parquet if FILE ends in .parquet, else CSV (gzip-compressed for .gz; also .bz2, .zst, .lz4)",
     )

@@ -448,7 +448,7 @@ def eval_run(
     ``fmt``'s: its defaults), changed by ``overrides`` of them as train takes them (``data.options.delimiter=';'``
     or ``data.options={delimiter: ','}``). ``group_by``: a single-id feature;
     adds the group AUC over its ids (``evaluate``). ``predictions``: a file (.parquet, else CSV) to write
-    each row's label and predicted probability (``score``) to, in the order read."""
+    each row's label, weight (a weighted read) and predicted probability (``score``) to, in the order read."""
     out = (predictions, "--predictions") if predictions is not None else None
     with (
         own_group(),
@@ -457,7 +457,12 @@ def eval_run(
         group_by = group_by or s.cfg.train.group_by  # the run's own grouping, unless told another
         m: dict[str, Any] = scored(s.logits, s.ds, group_by)
         if predictions is not None:
-            s.write(predictions, {"label": s.ds.labels().astype(np.int8)})
+            # A weighted file's weights beside its labels: the weighted metrics recompute from the file alone.
+            weights = s.ds.weights()
+            s.write(
+                predictions,
+                {"label": s.ds.labels().astype(np.int8)} | ({} if weights is None else {"weight": weights}),
+            )
         unknown = _unknown_fields(s)
     if group_by is not None:
         m["gauc_by"] = group_by
