@@ -353,3 +353,24 @@ def test_two_ranks_train_weighted_rows_as_one_process(tmp_path):
     assert one["steps"] == 6 and losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
     Trainer(load_config(write_run(tmp_path, "u", rows, False)), tmp_path / "unweighted").fit()
     assert losses(tmp_path / "unweighted")[0] != pytest.approx(losses(tmp_path / "one")[0], rel=1e-3)
+
+
+def test_eval_of_parts_of_which_some_lack_the_weight_column_is_one_line(tmp_path):
+    """Only the first part was asked for the weight column: parts after it without one failed as a missing
+    column, and parts with one after a first without were scored unweighted without a word."""
+    rows = base_rows()
+    Trainer(load_config(write_run(tmp_path, "a", rows, True)), tmp_path / "r").fit()
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    write_run(tmp_path, "plain", rows, False)
+    (parts / "day1.csv").write_text((tmp_path / "a.csv").read_text())
+    (parts / "day2.csv").write_text((tmp_path / "plain.csv").read_text())
+    (parts / "day3.csv").write_text("")  # an empty part: no header, no rows, no say
+    with pytest.raises(
+        DataError,
+        match=rf"{parts}: column 'w' is in some of its files \(.*day1.csv\) and not in others \(.*day2.csv\)",
+    ):
+        eval_run(tmp_path / "r", str(parts))
+    (parts / "day2.csv").write_text((tmp_path / "a.csv").read_text())
+    m = eval_run(tmp_path / "r", str(parts))
+    assert m["rows"] == 2 * len(rows) and m["weight_sum"] == 2 * sum(w for _, w, _, _ in rows)

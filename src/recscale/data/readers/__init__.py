@@ -87,19 +87,33 @@ def validate_options(fmt: str, options: dict | None) -> pydantic.BaseModel:
 
 
 def holds_column(path: str | Path, fmt: str, options: dict | None, name: str) -> bool:
-    """Whether the (first) file ``path`` names has a column ``name``: a CSV header's, a Parquet schema's; never
-    for a format of a fixed layout. A file the reader would refuse raises its error now."""
+    """Whether the files ``path`` names have a column ``name``: a CSV header's, a Parquet schema's; never for a
+    format of a fixed layout. A file the reader would refuse raises its error now, and so do parts of which
+    some have the column and some not (read as one split, they would be weighed or not by the first)."""
     if fmt not in WEIGHTED_FORMATS:
         return False
-    file = data_files(path, fmt)[0]
-    if fmt == "parquet":
-        return name in parquet.open_parquet(file).schema_arrow.names
     opts = validate_options(fmt, options)
-    assert isinstance(opts, csv.Options)
-    if opts.columns is not None:  # a file without a header: its columns are these
+    if isinstance(opts, csv.Options) and opts.columns is not None:  # files without a header: these columns
         return name in opts.columns
-    check_file(file)
-    return name in read_header(file, opts.delimiter, quote=opts.quote)
+
+    def has(file: Path) -> bool:
+        if fmt == "parquet":
+            return name in parquet.open_parquet(file).schema_arrow.names
+        assert isinstance(opts, csv.Options)
+        check_file(file)
+        return name in read_header(file, opts.delimiter, quote=opts.quote)
+
+    files = data_files(path, fmt)
+    if len(files) > 1:  # an empty part has no header, and adds no rows to weigh
+        files = [f for f in files if f.stat().st_size > 0] or files[:1]
+    found = [has(f) for f in files]
+    if any(found) and not all(found):
+        with_, without = (files[found.index(want)] for want in (True, False))
+        raise DataError(
+            f"{path}: column '{name}' is in some of its files ({with_}) and not in others ({without}); "
+            f"give files that all have it, or none"
+        )
+    return bool(found) and found[0]
 
 
 def read_batches(
