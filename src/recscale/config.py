@@ -231,6 +231,16 @@ class TrainConfig(Settings):
     reuse_memory: bool = True
     # torch.compile the model's dense interaction (not the embedding lookups); see docs/BENCHMARKS.md
     compile: bool = False
+    # Warm start: a run directory whose kept model (best/, else its latest checkpoint) this run starts from,
+    # dense weights and tables, on new data mapped with that run's vocabularies and scalers (ids it never
+    # saw are out of vocabulary); the optimizer state, the step count and the learning-rate schedule start
+    # afresh. The model section must be that run's.
+    init_from: str | None = Field(None, min_length=1)
+
+    @field_validator("init_from")
+    @classmethod
+    def _home(cls, v: str | None) -> str | None:
+        return os.path.expanduser(v) if v is not None and v.startswith("~") else v
 
     @model_validator(mode="after")
     def _optimizers(self) -> TrainConfig:

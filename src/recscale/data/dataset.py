@@ -182,9 +182,16 @@ class ArrayDataset:
         """The sparse fields where every id of the materialised split (all its rows, whatever the view) is
         OOV: unseen in training or missing. A field holding no id at all is not one. Such a field is
         usually written another way than training's file wrote it (007 for 7, another id space)."""
+        return [name for name, share in self.oov_shares().items() if share == 1.0]
+
+    def oov_shares(self) -> dict[str, float]:
+        """Each sparse field's share of ids (all rows of the materialised split, whatever the view) that are
+        OOV; a field holding no id at all is left out."""
         a = self._open()
         names = (f["name"] for f in self.meta["sparse"])
-        return [n for n in names if len(ids := a[f"{n}.values"]) and bool((ids == OOV).all())]
+        return {
+            n: float(np.count_nonzero(ids == OOV) / len(ids)) for n in names if len(ids := a[f"{n}.values"])
+        }
 
     def ids(self, name: str) -> np.ndarray:
         """(len(self),) int64: the single-id field ``name``'s id of each row (OOV: unseen or missing)."""

@@ -149,19 +149,30 @@ def train_fingerprint(data: DataConfig) -> str:
 
 
 def prepare_run_data(
-    data: DataConfig, run_dir: Path, resume: bool, main: bool, progress: bool
+    data: DataConfig,
+    run_dir: Path,
+    resume: bool,
+    main: bool,
+    progress: bool,
+    given: Preprocessor | None = None,
 ) -> tuple[Preprocessor, dict[str, ArrayDataset], dict[str, ReadStats]]:
     """A run's preprocessing and materialised splits (train; valid and test when the config has them;
     with ``data.report_fraction``, valid's held-out rows as "report" and the rest as valid).
 
     With ``data.prepared`` they are read from that directory (see ``use_prepared``). Else the run's
     ``preprocess.json`` is reused if it was fitted on the same training data; else it is fitted
-    afresh (a resumed run refuses: its tables index that vocabulary). It is written last, by rank 0
-    (``main``), so a failed preparation never leaves an artifact that a later run would take for
-    finished work."""
+    afresh (a resumed run refuses: its tables index that vocabulary), or, for a new run, taken as
+    ``given`` (the preprocessing of the run ``train.init_from`` names, whose tables index its vocabularies). It is written
+    last, by rank 0 (``main``), so a failed preparation never leaves an artifact that a later run would take
+    for finished work."""
     pre_path = run_dir / "preprocess.json"
     fingerprint = train_fingerprint(data)
     if data.prepared is not None:
+        if given is not None:
+            raise RecscaleError(
+                f"data.prepared {data.prepared} holds vocabularies fitted on its own data, and train.init_from "
+                "maps the data with its run's: drop data.prepared (the run prepares its data with them)"
+            )
         pre, splits, stats = use_prepared(data, Path(data.prepared), fingerprint)
         if resume:
             trained = Preprocessor.load(pre_path)
@@ -190,6 +201,11 @@ def prepare_run_data(
             raise
         fitted = True
     splits, stats = {}, {}
+    # A new run from another's weights maps its data with that run's vocabularies, whatever an attempt left.
+    if given is not None and not resume and (fitted or pre.digest() != given.digest()):
+        pre, fitted, save = given, False, True
+    else:
+        save = fitted
     if fitted:
         pre, splits["train"], stats["train"] = fit_train_split(data, run_dir / "data" / "train", progress)
     for split, path in _splits(data):
@@ -199,7 +215,7 @@ def prepare_run_data(
             splits[split], stats[split] = prepare_split(
                 data, pre, split, path, run_dir / "data" / split, progress
             )
-    if fitted and main:
+    if save and main:
         pre.save(pre_path, fingerprint=fingerprint)
     if main:
         _warn_if_splits_share_files(data)

@@ -70,6 +70,7 @@ from recscale.train.runs import (
     check_dmt_topology,
     check_group_by,
     check_resume,
+    init_from,
     refuse_artifact,
     refuse_inside_data,
 )
@@ -137,6 +138,18 @@ def check_run_dir(run_dir: Path, cfg: RunConfig, resume: bool, topology: Topolog
 
 # The training rows' mean weight beyond which the loss's scale (sum(w * l) / rows) is taken as a mistake.
 WEIGHT_SCALE = (1e-4, 1e4)
+
+
+def _warn_if_unknown(train: ArrayDataset, source: Path) -> None:
+    """A warm start maps its data with another run's vocabularies: a field none of whose ids they hold (ids
+    written another way, another id space) trains its OOV row only."""
+    unknown = train.unknown_fields()
+    if unknown:
+        warnings.warn(
+            f"train.init_from {source}: no id of {', '.join(unknown)} in the training split is in that run's "
+            "vocabularies (all map to the out-of-vocabulary row): are they written as that run's data wrote them?",
+            stacklevel=2,
+        )
 
 
 def _warn_if_weights_far_from_one(train: ArrayDataset, column: str | None) -> None:
@@ -229,6 +242,10 @@ class Trainer:
     def _setup(self, resume: bool) -> None:
         cfg, t = self.cfg, self.cfg.train
         self._prepare_dir(resume)
+        # A warm start reads another run's preprocessing and kept model; a resume with a checkpoint of its own
+        # needs neither (that run may be gone by then).
+        warm = t.init_from is not None and not (resume and list_checkpoints(self.dir / "ckpt"))
+        self.init = init_from(cfg, self.dir) if warm else None
         # Rank 0 preprocesses; the others wait, then find its artifacts and materialised splits.
         if not self.main:
             self._barrier()
@@ -239,6 +256,9 @@ class Trainer:
             check_group_by(self.pre.schema, t.group_by, f"train.group_by={t.group_by}", "the data")
         self.built = build(cfg, feature_set(self.pre), self.env, planner_sample(cfg, self.train_ds))
         self.module, self.opt = self.built.module, self.built.opt
+        if self.init is not None:  # DCP reshards the other run's tables into this run's plan
+            load_checkpoint(self.init.checkpoint, {"model": self.module.state_dict()})
+            self._uncalibrate()
         if self.main:
             warn_if_emulated(t.precision, self.env.device)
         if t.reuse_memory and not freed_memory_kept():  # tuning the caller set up stays the caller's
@@ -298,6 +318,8 @@ class Trainer:
             )
         if self.main:
             _warn_if_weights_far_from_one(self.train_ds, self.pre.schema.weight)
+        if self.main and self.init is not None:
+            _warn_if_unknown(self.train_ds, self.init.run_dir)
         if t.warmup_steps > self.total_steps and self.main:
             warnings.warn(
                 f"train.warmup_steps={t.warmup_steps} is longer than the run's {self.total_steps} steps: the "
@@ -338,7 +360,10 @@ class Trainer:
 
     def _prepare_data(self, resume: bool) -> None:
         show = self.cfg.train.progress and self.main and sys.stderr.isatty()
-        self.pre, splits, self.read_stats = prepare_run_data(self.cfg.data, self.dir, resume, self.main, show)
+        given = self.init.pre if self.init is not None else None
+        self.pre, splits, self.read_stats = prepare_run_data(
+            self.cfg.data, self.dir, resume, self.main, show, given=given
+        )
         self.train_ds, self.valid_ds, self.test_ds = splits["train"], splits.get("valid"), splits.get("test")
         self.report_ds = splits.get("report")
 
@@ -447,11 +472,15 @@ class Trainer:
         best = self.dir / "best"
         if self.cfg.train.early_stopping is not None and (best / ".metadata").is_file():
             load_checkpoint(best, {"model": self.module.state_dict()})
-            for c in self.module.modules():  # an earlier finish's Platt scaling: training goes on without it
-                if isinstance(c, Calibration):
-                    c.set(1.0, 0.0)
+            self._uncalibrate()  # an earlier finish's Platt scaling: training goes on without it
             return True
         return False
+
+    def _uncalibrate(self) -> None:
+        """Drop the Platt scaling a finished run stored in the model: weights trained on are uncalibrated."""
+        for c in self.module.modules():
+            if isinstance(c, Calibration):
+                c.set(1.0, 0.0)
 
     # -------------------------------------------------- the step
     def _recording(self) -> AbstractContextManager[None]:
@@ -727,6 +756,16 @@ class Trainer:
             "stopped_early": p.stopped_early,
             "train_seconds": round(p.train_seconds, 2),
             "examples_per_s": round(p.examples / p.train_seconds, 1) if p.train_seconds else None,
+            # A warm start's source (after a resume from its own checkpoint, the run named only).
+            **(
+                {
+                    "init_from": self.init.report(self.train_ds)
+                    if self.init
+                    else {"run": self.cfg.train.init_from}
+                }
+                if self.cfg.train.init_from
+                else {}
+            ),  # fmt: skip
             "skipped_rows": {k: s.skipped for k, s in self.read_stats.items() if s.skipped},
             # Rows whose sequence features were cut to max_len (the most recent ids kept), per split.
             "truncated_sequences": {k: s.truncated for k, s in self.read_stats.items() if s.truncated},

@@ -24,7 +24,14 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
-from recscale.config import DataConfig, DistributedConfig, RunConfig, load_config, validate_config
+from recscale.config import (
+    DataConfig,
+    DistributedConfig,
+    ModelConfig,
+    RunConfig,
+    load_config,
+    validate_config,
+)
 from recscale.config_files import apply_overrides, read_yaml_mapping
 from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset
@@ -41,7 +48,7 @@ from recscale.models.base import RecModel
 from recscale.models.embedding import EmbeddingLayer
 from recscale.models.registry import build_model
 from recscale.train.build import Built, build, feature_set
-from recscale.train.checkpoint import list_checkpoints, load_checkpoint, saved_keys
+from recscale.train.checkpoint import list_checkpoints, load_checkpoint, saved_keys, saved_step
 from recscale.train.data import prepare_split
 from recscale.train.dcp_safety import MANIFEST, manifest_format
 from recscale.train.evaluate import eval_batch_size, predict, scored
@@ -119,6 +126,92 @@ def run_config(run_dir: Path) -> RunConfig:
 def load_run(run_dir: Path) -> tuple[RunConfig, Preprocessor]:
     """The resolved config and preprocessing artifact of a finished or running run."""
     return run_config(run_dir), Preprocessor.load(Path(run_dir) / "preprocess.json")
+
+
+@dataclass
+class InitFrom:
+    """What ``train.init_from`` starts a run from: the run's preprocessing and its kept checkpoint."""
+
+    run_dir: Path
+    pre: Preprocessor
+    checkpoint: Path
+
+    def report(self, train: ArrayDataset) -> dict[str, Any]:
+        """report.json's ``init_from``: the run, the checkpoint and its step, and the share of each sparse
+        field's ids in ``train`` (the new training split) that the run's vocabularies do not hold."""
+        return {
+            "run": str(self.run_dir),
+            "checkpoint": str(self.checkpoint),
+            "step": saved_step(self.checkpoint),
+            "oov_share": {k: round(v, 6) for k, v in train.oov_shares().items()},
+        }
+
+
+def init_from(cfg: RunConfig, out: Path) -> InitFrom:
+    """The run ``cfg.train.init_from`` names, checked to hold a checkpoint of the model ``cfg`` builds, with
+    the features ``cfg`` reads; each fault is one line."""
+    assert cfg.train.init_from is not None
+    src = Path(cfg.train.init_from)
+    where = f"train.init_from {src}"
+    if src.resolve() == Path(out).resolve():
+        raise ConfigError(
+            f"{where} is this run's own directory; continue it with `recscale train --resume --out {out}`, "
+            "or start the new run in another --out"
+        )
+    try:
+        old, pre = load_run(src)
+    except CheckpointError as e:
+        raise RecscaleError(f"train.init_from: {e}") from None
+    if old.dmt is not None or cfg.dmt is not None:
+        which = "is a DMT run" if old.dmt is not None else "and this run is DMT"
+        raise ConfigError(f"{where} {which}: a warm start takes flat runs only; drop train.init_from")
+    for what, had, has, why in (
+        ("model", _model_spec(old.model), _model_spec(cfg.model), "its weights have that model's shapes"),
+        ("data.schema", pre.schema.model_dump(mode="json"), cfg.data.schema.model_dump(mode="json"),
+         "its tables index those features' vocabularies"),
+    ):  # fmt: skip
+        if had != has:
+            key, was, now = _first_difference(had, has)
+            raise ConfigError(
+                f"{where} trained with {what}{key} {was!r} and this run sets {now!r}; a run starts from another's "
+                f"weights with its {what} ({why}): give that run's {what}"
+            )
+    best = committed(src / "best")
+    ckpts = list_checkpoints(src / "ckpt")
+    checkpoint = best if (best / ".metadata").is_file() else (ckpts[-1] if ckpts else None)
+    if checkpoint is None:
+        raise RecscaleError(f"{where} holds no complete checkpoint to start from; train that run first")
+    return InitFrom(src, pre, checkpoint)
+
+
+def _model_spec(model: ModelConfig) -> dict[str, Any]:
+    """What builds a model's weights: its name, embedding section and parameters, defaults resolved (a key
+    left at its default equals the same value given); ``model.quant`` left out (it rounds GEMM inputs and
+    holds no weights: a warm start may train a full-precision run's model quantized)."""
+    return {
+        "name": model.name,
+        "embedding": model.embedding.model_dump(mode="json"),
+        **model.params.model_dump(mode="json"),
+    }
+
+
+def _first_difference(a: Any, b: Any, key: str = "") -> tuple[str, Any, Any]:
+    """(dotted key, a's value, b's value) of the first place two nested dicts differ (lists of unequal length:
+    their items' names)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in [*a, *(k for k in b if k not in a)]:
+            if a.get(k) != b.get(k):
+                return _first_difference(a.get(k), b.get(k), f"{key}.{k}")
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) == len(b):
+            i = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+            return _first_difference(a[i], b[i], f"{key}[{i}]")
+
+        def names(items: list) -> list:  # a schema's features by name, not by every key they hold
+            return [x.get("name", x) if isinstance(x, dict) else x for x in items]
+
+        return key, names(a), names(b)
+    return key, a, b
 
 
 def resume_config(run_dir: Path, config: str | None, overrides: list[str]) -> RunConfig:
