@@ -925,8 +925,35 @@ def test_a_resume_refuses_a_valid_file_changed_since_the_run_read_it(tmp_path):
     Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()
     more = load_config(tmp_path / "run.yaml", ["train.max_steps=6"])
     (tmp_path / "valid.csv").write_text("\n".join(lines[:51]) + "\n")
-    with pytest.raises(RecscaleError, match="data.valid .*: the file changed since this run read it"):
+    valid = tmp_path / "valid.csv"
+    with pytest.raises(
+        RecscaleError, match=rf"data.valid {valid}: {valid} was rewritten \(size or modification time\) since"
+    ):
         Trainer(more, tmp_path / "r", resume=True)
+
+
+def test_a_resume_refused_for_changed_parts_names_them(tmp_path):
+    """A run over a folder of parts, resumed after one was rewritten and one added, was refused with "the training
+    data is not what this run was prepared from": which of its thousand parts, it did not say."""
+    lines = ["label,user,item", *(f"{i % 3 == 0:d},{i % 7},{i % 11}" for i in range(300))]
+    parts = tmp_path / "days"
+    parts.mkdir()
+    for day in (1, 2, 3):
+        (parts / f"day{day}.csv").write_text("\n".join(lines[:1] + lines[day * 50 : day * 50 + 100]) + "\n")
+    (tmp_path / "run.yaml").write_text(
+        f"data: {{format: csv, train: {parts}, num_workers: 0, schema: {{label: label, sparse: [{{name: user}}, "
+        "{name: item}]}}\nmodel: {name: fm}\ntrain: {batch_size: 32, max_steps: 4, progress: false, early_stopping: null}\n"
+    )
+    Trainer(load_config(tmp_path / "run.yaml"), tmp_path / "r").fit()
+    (parts / "day2.csv").write_text("\n".join(lines[:60]) + "\n")
+    (parts / "day4.csv").write_text("\n".join(lines[:1] + lines[200:]) + "\n")
+    with pytest.raises(RecscaleError) as e:
+        Trainer(load_config(tmp_path / "run.yaml", ["train.max_steps=6"]), tmp_path / "r", resume=True)
+    assert str(e.value) == (
+        f"data.train {parts}: {parts / 'day2.csv'} was rewritten (size or modification time), {parts / 'day4.csv'} "
+        "is new since this run read it; resume with the data it started with, or train a new run on the new data "
+        f"from this one's model (train.init_from={tmp_path / 'r'})"
+    )
 
 
 def test_a_resume_not_finding_its_data_says_what_to_do_rather_than_what_it_refuses(

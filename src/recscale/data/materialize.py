@@ -284,13 +284,15 @@ def materialize(
     fingerprint: Callable[[Preprocessor], str] = lambda _: "",
     progress: bool = False,
     stats: ReadStats | None = None,
+    source: dict[str, list[int]] | None = None,
 ) -> Preprocessor:
     """Preprocess ``batches`` into a split directory at ``out_dir`` (written atomically: a failure
     leaves no directory that looks complete; a directory there other than a split is refused). With
     ``pre`` None the vocabularies are fitted on these batches (the training split) and the fitted
     ``Preprocessor`` is returned; else ``pre`` maps them.
-    ``fingerprint(pre)`` is stored in meta.json, and so is what the read of ``batches`` counted in ``stats``
-    (bad rows dropped, sequences cut), so that a later use of the split can report and check them."""
+    ``fingerprint(pre)`` is stored in meta.json, and so are what the read of ``batches`` counted in ``stats``
+    (bad rows dropped, sequences cut) and the ``source`` files' sizes and times, so that a later use of the
+    split can report and check them."""
     vocab_fields = [f for f in schema.sparse if f.hash_buckets is None]
     fitting = pre is None
     rows = 0
@@ -387,6 +389,8 @@ def materialize(
         }
         if schema.weight is not None:  # left out otherwise: a split without weights reads as before the key
             meta["weight"] = True
+        if source is not None:  # the files read (sources.source_files): a resume refused names what changed
+            meta["source"] = source
         if stats is not None:  # complete: the batches are all read
             meta["read"] = {
                 "skipped": stats.skipped,

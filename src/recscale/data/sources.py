@@ -78,7 +78,27 @@ def source_fingerprint(fmt: str, path: str | None, split: str, extra: dict[str, 
                 info.update(path=str(files[0].resolve()), size=st.st_size, mtime_ns=st.st_mtime_ns)
             else:  # a folder's or a pattern's files: each one's, as a directory's own stat misses a rewrite
                 info["path"] = str(path)
-                info["files"] = {
-                    str(f.resolve()): [(st := os.stat(f)).st_size, st.st_mtime_ns] for f in files
-                }
+                info["files"] = source_files(fmt, path)
     return hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def source_files(fmt: str, path: str) -> dict[str, list[int]]:
+    """Each file a split reads: its resolved path -> [size, modification time in ns] (a MovieLens directory:
+    its .inter, .user and .item files)."""
+    if fmt == "movielens":
+        files = [Path(f.path) for f in files_of(Path(path).resolve()).values()]
+    else:
+        files = data_files(path, fmt)
+    return {str(f.resolve()): [(st := os.stat(f)).st_size, st.st_mtime_ns] for f in files}
+
+
+def changed_files(before: dict[str, list[int]], now: dict[str, list[int]]) -> str | None:
+    """What differs between two ``source_files`` listings, in words (the first three files named), or None."""
+    said = [
+        f"{f} was rewritten (size or modification time)" for f in before if f in now and now[f] != before[f]
+    ]
+    said += [f"{f} is gone" for f in before if f not in now]
+    said += [f"{f} is new" for f in now if f not in before]
+    if not said:
+        return None
+    return ", ".join(said[:3]) + (f" and {len(said) - 3} more" if len(said) > 3 else "")

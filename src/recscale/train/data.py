@@ -23,7 +23,7 @@ from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import ReadStats
 from recscale.data.readers.base import data_files, unlabelled, unweighted
 from recscale.data.schema import Schema
-from recscale.data.sources import open_split, source_fingerprint
+from recscale.data.sources import changed_files, open_split, source_files, source_fingerprint
 from recscale.errors import RUN_DIR, CheckpointError, DataError, RecscaleError, StaleArtifactError
 from recscale.io import remove_partial_writes
 
@@ -107,8 +107,23 @@ def prepare_split(
         return ArrayDataset(out_dir), stats_of(meta)
     stats = ReadStats(positions=[] if positions else None)
     batches = _batches(data, schema if labelled else unlabelled(schema), split, path, stats)
-    materialize(batches, schema, out_dir, pre=pre, fingerprint=lambda _: fp, progress=progress, stats=stats)
+    materialize(
+        batches, schema, out_dir, pre=pre, fingerprint=lambda _: fp, progress=progress, stats=stats,
+        source=_source(data, path),
+    )  # fmt: skip
     return ArrayDataset(out_dir), stats
+
+
+def _source(data: DataConfig, path: str | None) -> dict[str, list[int]] | None:
+    return source_files(data.format, path) if path is not None and data.format != "synthetic" else None
+
+
+def _changed_since(data: DataConfig, path: str | None, split_dir: Path) -> str | None:
+    """Which files of ``path`` changed since the split in ``split_dir`` was written from them, in words; None
+    where that split did not list its files (written by an older version) or none changed."""
+    before = (read_meta(split_dir) or {}).get("source")
+    now = _source(data, path)
+    return changed_files(before, now) if isinstance(before, dict) and now is not None else None
 
 
 def stats_of(meta: dict[str, Any]) -> ReadStats:
@@ -136,6 +151,7 @@ def fit_train_split(
     pre = materialize(
         _batches(data, data.schema, "train", data.train, stats), data.schema, out_dir,
         fingerprint=lambda p: split_fingerprint(data, p, "train", data.train), progress=progress, stats=stats,
+        source=_source(data, data.train),
     )  # fmt: skip
     return pre, ArrayDataset(out_dir), stats
 
@@ -191,6 +207,12 @@ def prepare_run_data(
         pre = Preprocessor.load(pre_path, expect_fingerprint=fingerprint)
     except StaleArtifactError as e:
         if resume:
+            changed = _changed_since(data, data.train, run_dir / "data" / "train")
+            if changed is not None:
+                raise RecscaleError(
+                    f"data.train {data.train}: {changed} since this run read it; resume with the data it started "
+                    f"with, or train a new run on the new data from this one's model (train.init_from={run_dir})"
+                ) from None
             raise RecscaleError(
                 f"{pre_path}: the training data is not what this run was prepared from ({e}); "
                 f"resume with the same data, or start a new run with another {RUN_DIR}"
@@ -246,9 +268,10 @@ def _check_valid_unchanged(data: DataConfig, pre: Preprocessor, path: str | None
     a file changed since (same path, other bytes) would be read anew and the comparisons mixed."""
     meta = read_meta(split_dir)
     if meta is not None and meta.get("fingerprint") != split_fingerprint(data, pre, "valid", path):
+        what = _changed_since(data, path, split_dir) or "the file changed"
         raise RecscaleError(
-            f"data.valid {path}: the file changed since this run read it (its best so far was measured on the old "
-            f"one); resume with the file it started with, or start a new run with another {RUN_DIR}"
+            f"data.valid {path}: {what} since this run read it (its best so far was measured on the old "
+            f"data); resume with the data it started with, or start a new run with another {RUN_DIR}"
         )
 
 
