@@ -476,6 +476,10 @@ class Trainer:
             return True
         return False
 
+    def _init_report(self) -> dict[str, Any]:
+        """A warm start's source (after a resume from its own checkpoint, which reads none, the run named only)."""
+        return self.init.report(self.train_ds) if self.init else {"run": self.cfg.train.init_from}
+
     def _uncalibrate(self) -> None:
         """Drop the Platt scaling a finished run stored in the model: weights trained on are uncalibrated."""
         for c in self.module.modules():
@@ -756,16 +760,7 @@ class Trainer:
             "stopped_early": p.stopped_early,
             "train_seconds": round(p.train_seconds, 2),
             "examples_per_s": round(p.examples / p.train_seconds, 1) if p.train_seconds else None,
-            # A warm start's source (after a resume from its own checkpoint, the run named only).
-            **(
-                {
-                    "init_from": self.init.report(self.train_ds)
-                    if self.init
-                    else {"run": self.cfg.train.init_from}
-                }
-                if self.cfg.train.init_from
-                else {}
-            ),  # fmt: skip
+            **({"init_from": self._init_report()} if self.cfg.train.init_from else {}),
             "skipped_rows": {k: s.skipped for k, s in self.read_stats.items() if s.skipped},
             # Rows whose sequence features were cut to max_len (the most recent ids kept), per split.
             "truncated_sequences": {k: s.truncated for k, s in self.read_stats.items() if s.truncated},
