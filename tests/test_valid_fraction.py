@@ -89,3 +89,12 @@ def test_a_fraction_that_empties_a_split_is_one_line(tmp_path, capsys, fraction,
         f"give a {fix} fraction\n"
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_bad_rows_of_the_file_are_counted_once(tmp_path):
+    """Both splits read the whole file and drop its bad rows: the report counted them under train and valid."""
+    train = one_file(tmp_path / "all.csv")
+    train.write_text(train.read_text() + "1,not-a-number,u1\n")
+    data = DataConfig(format="csv", train=str(train), schema=SCHEMA, valid_fraction=0.2, on_bad_row="skip")
+    _, _, stats = prepare_run_data(data, tmp_path / "run", resume=False, main=True, progress=False)
+    assert stats["train"].skipped == 1 and stats["valid"].skipped == 0

@@ -77,6 +77,8 @@ def _held_rows(data: DataConfig, schema: Schema, split: str, stats: ReadStats) -
     for batch in batches:
         rows += batch.num_rows
         yield batch
+    if held:  # the file's bad rows were dropped by both reads: the training split's count says how many
+        stats.skipped, stats.examples = 0, []
     if not rows:
         raise DataError(
             f"data.valid_fraction={fraction} leaves no row of data.train ({data.train}) for the {split} split; "
