@@ -949,3 +949,24 @@ def test_a_run_or_preparation_inside_a_split_folder_is_refused_before_it_writes(
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert f"{parts / 'out'} is inside data.train {parts}, whose files are the split; choose" in err
         assert not (parts / "out").exists()
+
+
+@pytest.mark.parametrize(("pattern", "out"), [("parts/**/*.csv", "parts/runs/r1"), ("runs/*/*", "runs/r1")])
+def test_a_run_whose_files_a_split_pattern_would_match_is_refused(tmp_path, capsys, pattern, out):
+    """`data.train: parts/**/*.csv` with `--out parts/runs/r1`, or `runs/*/*` with `--out runs/r1`: the run's own
+    files (report.json, config.yaml, ...) would be read as parts of the split by its next read."""
+    (tmp_path / "parts" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "old").mkdir(parents=True)
+    frappe_like(tmp_path / "parts" / "a" / "part-0.csv", GOOD)
+    frappe_like(tmp_path / "runs" / "old" / "part-0.csv", GOOD)
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), "--out", str(tmp_path / out),
+                       f"data.train={tmp_path / pattern}", "data.valid=null", "train.max_steps=1")  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert (
+        f"{tmp_path / out}: data.train {tmp_path / pattern} would match files written there as parts" in err
+    )
+    assert not (tmp_path / out).exists()
+    code, _, err = run(capsys, "train", str(CONFIGS / "frappe.yaml"), "--out", str(tmp_path / "elsewhere"),
+                       f"data.train={tmp_path / pattern}", "data.valid=null", "train.max_steps=1",
+                       "train.progress=false", "model.name=lr")  # fmt: skip
+    assert code == 0, err

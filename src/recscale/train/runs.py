@@ -98,13 +98,29 @@ def refuse_artifact(run_dir: Path, fix: str) -> None:
 
 
 def refuse_inside_data(out: Path, data: DataConfig, fix: str) -> None:
-    """One line ending in ``fix`` if ``out`` (a directory a command writes) is inside a split's folder of files:
-    the split would read the files written there as its parts, or refuse the folder holding a folder."""
+    """One line ending in ``fix`` if ``out`` (a directory a command writes) is inside a split's folder of files,
+    or where a split's glob pattern would match files written in it (a ``**`` pattern: anywhere under its
+    fixed root; another: the run's own top-level files): the split would read them as its parts, or refuse
+    the folder holding a folder."""
     for split in ("train", "valid", "test"):
         path = getattr(data, split)
-        if path is not None and data.format != "movielens" and Path(path).is_dir():
+        if path is None or data.format == "movielens":
+            continue
+        if Path(path).is_dir():
             if Path(path).resolve() in [out.resolve(), *out.resolve().parents]:
                 raise RecscaleError(f"{out} is inside data.{split} {path}, whose files are the split; {fix}")
+        elif not Path(path).exists() and glob.has_magic(path) and _pattern_reaches(Path(path), out):
+            raise RecscaleError(f"{out}: data.{split} {path} would match files written there as parts; {fix}")
+
+
+def _pattern_reaches(pattern: Path, out: Path) -> bool:
+    """Whether files a run writes in ``out`` (config.yaml, report.json, ... and below) can match ``pattern``."""
+    pattern, out = pattern.absolute(), out.absolute()
+    if "**" in pattern.parts:  # recursive: any file under the pattern's fixed root
+        root = Path(*pattern.parts[: next(i for i, p in enumerate(pattern.parts) if glob.has_magic(p))])
+        return root.resolve() in [out.resolve(), *out.resolve().parents]
+    own = ("config.yaml", "report.json", "metrics.jsonl", "preprocess.json")
+    return any(out.joinpath(name).match(str(pattern)) for name in own)
 
 
 def run_config(run_dir: Path) -> RunConfig:
