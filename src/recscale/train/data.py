@@ -339,7 +339,7 @@ def use_prepared(
         pre = Preprocessor.load(prepared / "preprocess.json", expect_fingerprint=fingerprint)
     except StaleArtifactError:
         raise RecscaleError(
-            f"{where} was prepared from other training data or settings (format, options, schema); {again}"
+            f"{where} was prepared from other training data or settings (format, options, schema, valid_fraction); {again}"
         ) from None
     splits, stats = {}, {}
     for split, path in _splits(data):
