@@ -42,7 +42,9 @@ def test_readme_tour_runs_as_written(tmp_path, shared_data):
     assert "resumed from" in r.stderr and "(step 10," in r.stderr
     assert json.loads((clone / "runs" / "frappe" / "report.json").read_text())["steps"] == 20
     scores = [json.loads(x) for x in r.stdout.splitlines() if x.startswith('{"auc"')]
-    assert len(scores) == 1 and scores[0]["rows"] == 57722 and scores[0]["auc"] > 0.8
+    assert len(scores) == 2 and scores[0]["rows"] == 57722 and scores[0]["auc"] > 0.8
+    # --split valid: the run's own valid rows, valid.csv as the run read it: the same scores, grouped by user too
+    assert scores[1] == scores[1] | scores[0] and scores[1]["gauc_by"] == "user"
     assert "usage: recscale train" in r.stdout
     assert "scored 57,722 rows: runs/frappe-scores.csv" in r.stdout
     assert len((clone / "runs" / "frappe-scores.csv").read_text().splitlines()) == 57723

@@ -1,5 +1,6 @@
 """``data.valid_fraction``: one labelled file read as a training and a valid split."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -98,3 +99,28 @@ def test_bad_rows_of_the_file_are_counted_once(tmp_path):
     data = DataConfig(format="csv", train=str(train), schema=SCHEMA, valid_fraction=0.2, on_bad_row="skip")
     _, _, stats = prepare_run_data(data, tmp_path / "run", resume=False, main=True, progress=False)
     assert stats["train"].skipped == 1 and stats["valid"].skipped == 0
+
+
+def test_eval_scores_the_runs_own_splits_as_its_report_did(tmp_path, capsys):
+    """The valid rows of data.valid_fraction are no file to give eval: `eval --split` scores the run's own
+    rows, each half of data.report_fraction as report.json scored it, to the last digit."""
+    train = one_file(tmp_path / "all.csv")
+    code = main(["train", str(CONFIGS / "frappe.yaml"), "--out", str(tmp_path / "run"), f"data.train={train}",
+                 "data.valid=null", "data.valid_fraction=0.4", "data.report_fraction=0.5", f"data.schema={SCHEMA}",
+                 "model.name=lr", "train.max_steps=3", "train.progress=false"])  # fmt: skip
+    assert code == 0
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    capsys.readouterr()
+    for split in ("valid", "report"):
+        assert main(["eval", str(tmp_path / "run"), "--split", split]) == 0
+        scored = json.loads(capsys.readouterr().out)
+        # every held-out row's user is on that row only: none is in the vocabulary, and eval says so
+        assert scored.pop("unknown_id_fields") == ["user"] and scored == report[split]
+    assert main(["eval", str(tmp_path / "run"), "--split", "train"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows + report["valid"]["rows"] + report["report"]["rows"] == ROWS
+    assert main(["eval", str(tmp_path / "run"), "--split", "valid", "--data", str(train)]) == 2
+    assert capsys.readouterr().err == (
+        "error: eval --split valid scores the run's own valid rows, which --data does not apply to; leave it out, "
+        "or score a file with --data\n"
+    )

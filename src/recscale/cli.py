@@ -217,6 +217,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from recscale.train.metrics import undefined_note
     from recscale.train.runs import eval_run
 
+    if args.split is not None:  # the run's own rows: no file, so nothing of how to read one
+        given = [f for f, v in (("--data", args.data), ("--format", args.format), ("--on-bad-row", args.on_bad_row),
+                                ("--predictions", args.predictions), ("--nproc", args.nproc)) if v is not None]  # fmt: skip
+        if given or args.overrides:
+            raise RecscaleError(
+                f"eval --split {args.split} scores the run's own {args.split} rows, which {given[0] if given else 'a reader override'} "
+                "does not apply to; leave it out, or score a file with --data"
+            )
     if args.nproc is not None:
         _launch_scoring(args)
         return
@@ -229,6 +237,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
             overrides=args.overrides,
             group_by=args.group_by,
             predictions=Path(args.predictions) if args.predictions else None,
+            own_split=args.split,
         )
     if int(os.environ.get("RANK", 0)) != 0:  # each rank of --nproc or torchrun scored alike: rank 0 says it
         return
@@ -652,6 +661,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="score a trained run on a data file; prints one JSON line")
     _scoring_options(e)
+    e.add_argument(
+        "--split",
+        choices=["train", "valid", "report", "test"],
+        help="score the run's own rows of this split instead of a file, as it materialised them (the valid rows "
+        "of data.valid_fraction; valid and report: the halves of data.report_fraction)",
+    )
     e.add_argument(
         "--group-by",
         metavar="FIELD",

@@ -34,7 +34,7 @@ from recscale.config import (
 )
 from recscale.config_files import apply_overrides, read_yaml_mapping
 from recscale.data.batch import Batch
-from recscale.data.dataset import ArrayDataset
+from recscale.data.dataset import ArrayDataset, read_meta
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import NoRows, holds_column
 from recscale.data.readers.base import SKIP_HINT, OnBadRow, ReadStats, names_data, position_unit
@@ -49,7 +49,7 @@ from recscale.models.embedding import EmbeddingLayer
 from recscale.models.registry import build_model
 from recscale.train.build import Built, build, feature_set
 from recscale.train.checkpoint import list_checkpoints, load_checkpoint, saved_keys, saved_step
-from recscale.train.data import prepare_split
+from recscale.train.data import prepare_split, stats_of
 from recscale.train.dcp_safety import MANIFEST, manifest_format
 from recscale.train.evaluate import eval_batch_size, predict, scored
 
@@ -547,6 +547,7 @@ def eval_run(
     group_by: str | None = None,
     overrides: list[str] | None = None,
     predictions: Path | None = None,
+    own_split: str | None = None,
 ) -> dict[str, Any]:
     """The metrics (auc, logloss, ne, calibration, rows; weight_sum where rows are weighted: a run trained
     with ``schema.weight`` on a file that has that column; skipped_rows and unknown_id_fields, the sparse
@@ -557,12 +558,16 @@ def eval_run(
     ``fmt``'s: its defaults), changed by ``overrides`` of them as train takes them (``data.options.delimiter=';'``
     or ``data.options={delimiter: ','}``). ``group_by``: a single-id feature;
     adds the group AUC over its ids (``evaluate``). ``predictions``: a file (.parquet, else CSV) to write
-    each row's label, weight (a weighted read) and predicted probability (``score``) to, in the order read."""
+    each row's label, weight (a weighted read) and predicted probability (``score``) to, in the order read.
+    ``own_split`` (train, valid, report or test), in place of a file: the rows of that split as the run
+    materialised them (the valid rows of data.valid_fraction, the halves of data.report_fraction)."""
     out = (predictions, "--predictions") if predictions is not None else None
-    with (
-        own_group(),
-        _scored(run_dir, data_path, fmt, split, on_bad_row, overrides, out, group_by=group_by) as s,
-    ):
+    scores = (
+        _own_split_scored(run_dir, own_split, group_by)
+        if own_split is not None
+        else _scored(run_dir, data_path, fmt, split, on_bad_row, overrides, out, group_by=group_by)
+    )
+    with own_group(), scores as s:
         group_by = group_by or s.cfg.train.group_by  # the run's own grouping, unless told another
         m: dict[str, Any] = scored(s.logits, s.ds, group_by)
         if predictions is not None:
@@ -651,6 +656,32 @@ class _Scores:
 
 
 @contextmanager
+def _own_split_scored(run_dir: Path, split: str, group_by: str | None) -> Iterator[_Scores]:
+    """The run's model's scores of its own materialised ``split`` (train, valid, report or test), the rows
+    its training and report read: valid's selection rows and its report rows under data.report_fraction."""
+    cfg, pre, built = load_trained(run_dir)
+    if group_by is not None:
+        check_group_by(pre.schema, group_by, f"--group-by {group_by}", str(run_dir))
+    root = splits_dir(run_dir, cfg, pre, "score a file with --data")
+    stored = "valid" if split == "report" else split
+    if split == "report" and cfg.data.report_fraction is None:
+        raise RecscaleError(
+            f"{run_dir} holds no report rows (it set no data.report_fraction); give --split valid"
+        )
+    meta = read_meta(root / stored)
+    if meta is None:
+        raise RecscaleError(
+            f"{run_dir}: the run has no {split} split ({root / stored} is not there); score a file with --data"
+        )
+    ds = ArrayDataset(root / stored)
+    if stored == "valid" and cfg.data.report_fraction is not None:
+        selection, held = ds.hold_out(cfg.data.report_fraction)
+        ds = held if split == "report" else selection
+    logits = predict(built.module, ds, eval_batch_size(cfg.train.batch_size), 0, cfg.train.precision, False)
+    yield _Scores(cfg, pre, cfg.data, ds, stats_of(meta), logits)
+
+
+@contextmanager
 def _scored(
     run_dir: Path,
     data_path: str | None,
@@ -682,7 +713,8 @@ def _scored(
             f"({', '.join(pre.schema.column_names()[:4])}, ...)"
         )
     if data_path is None and (fmt or cfg.data.format) != "synthetic":
-        raise RecscaleError(f"{run_dir}: give the file to score (--data)")
+        more = ", or score the run's own rows with --split valid (or train, report, test)" if labelled else ""
+        raise RecscaleError(f"{run_dir}: give the file to score (--data){more}")
     rows = cfg.data.synthetic.rows if data_path is None and cfg.data.synthetic is not None else {}
     if data_path is None and split not in rows:
         raise RecscaleError(
