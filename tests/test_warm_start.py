@@ -145,3 +145,21 @@ def test_two_ranks_start_from_a_one_process_run(tmp_path):
         main(["train", str(CONFIGS / "demo.yaml"), "--out", str(tmp_path / "b"), "--nproc", "2", *over]) == 0
     )
     assert json.loads((tmp_path / "b" / "report.json").read_text())["valid"] == plain["valid"]
+
+
+def test_a_resume_before_a_checkpoint_refuses_a_source_trained_again(tmp_path):
+    """Resumed before its first checkpoint, a warm start reads its source again: one trained again since, on
+    other ids, has tables of another vocabulary than the one this run mapped its data with."""
+    train(tmp_path, "a")
+    train(tmp_path, "b", f"train.init_from={tmp_path / 'a'}", "train.max_steps=2")
+    for left in ("ckpt", "best"):  # as a kill before the first checkpoint leaves it
+        shutil.rmtree(tmp_path / "b" / left)
+    shutil.rmtree(tmp_path / "a")
+    train(tmp_path, "a", "data.synthetic.vocab_sizes=40")
+    cfg = load_config(
+        CONFIGS / "demo.yaml", [*SMALL, f"train.init_from={tmp_path / 'a'}", "train.max_steps=2"]
+    )
+    with pytest.raises(
+        RecscaleError, match="its vocabularies are no longer the ones this run prepared its data with"
+    ):
+        Trainer(cfg, tmp_path / "b", resume=True)

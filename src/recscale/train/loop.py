@@ -257,6 +257,12 @@ class Trainer:
         self.built = build(cfg, feature_set(self.pre), self.env, planner_sample(cfg, self.train_ds))
         self.module, self.opt = self.built.module, self.built.opt
         if self.init is not None:  # DCP reshards the other run's tables into this run's plan
+            # A resume before this run's first checkpoint, of a source trained again since: its tables index others.
+            if self.pre.digest() != self.init.pre.digest():
+                raise RecscaleError(
+                    f"train.init_from {self.init.run_dir}: its vocabularies are no longer the ones this run "
+                    f"prepared its data with (was that run trained again?); start a new run with another {RUN_DIR}"
+                )
             load_checkpoint(self.init.checkpoint, {"model": self.module.state_dict()})
             self._uncalibrate()
         if self.main:
