@@ -244,6 +244,7 @@ def test_eval_scores_with_the_weights_where_the_file_has_them(tmp_path, capsys):
     config = write_run(tmp_path, "a", weighted, True, f", valid: {tmp_path / 'a.csv'}")
     report = Trainer(load_config(config, ["train.calibrate=true"]), tmp_path / "r").fit()
     assert report["valid"]["weight_sum"] == sum(w for _, w, _, _ in weighted)
+    assert report["calibration"]["weight_sum"] == report["valid"]["weight_sum"]  # what Platt's fit weighed
     # Platt scaling fitted on the weighted rows: their weighted mean prediction is their weighted CTR.
     assert report["valid"]["calibration"] == pytest.approx(1.0, abs=0.02)
     m = eval_run(tmp_path / "r", str(tmp_path / "a.csv"), predictions=tmp_path / "scored.csv")

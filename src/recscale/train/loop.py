@@ -740,7 +740,10 @@ class Trainer:
             c.set(a, b)
         self._keep_best(step)
         calibrated = scored(layers[0](logits), self.valid_ds, t.group_by)
-        return {"scale": a, "bias": b, "rows": len(self.valid_ds)}, calibrated
+        fitted_on = {"rows": len(self.valid_ds)} | (
+            {} if weights is None else {"weight_sum": float(weights.sum(dtype=np.float64))}
+        )
+        return {"scale": a, "bias": b, **fitted_on}, calibrated
 
     def finish(self) -> dict[str, Any]:
         p = self.progress
