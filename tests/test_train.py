@@ -1175,6 +1175,12 @@ def test_predict_scores_new_rows_without_a_label_column(tmp_path, source, capsys
     assert main(argv) == 0 and capsys.readouterr().out == f"scored 0 rows: {out}\n"
     empty = pacsv.read_csv(out)
     assert empty.num_rows == 0 and empty.column_names == ["score", "line" if source == "csv" else "row"]
+    # Several files of no rows: the columns several files' scores get, the file column among them
+    (tmp_path / "days").mkdir()
+    for day in ("a", "b"):
+        shutil.copy(data, tmp_path / "days" / f"{day}{data.suffix}")
+    assert main([*argv[:3], str(tmp_path / "days"), *argv[4:]]) == 0
+    assert pacsv.read_csv(out).column_names == ["score", "file", "line" if source == "csv" else "row"]
     with pytest.raises(ConfigError, match="data.schema.label"):  # a config's label names a column
         load_config(tmp_path / "run.yaml", ["data.schema.label=''"])
 

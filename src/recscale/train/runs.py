@@ -37,7 +37,7 @@ from recscale.data.batch import Batch
 from recscale.data.dataset import ArrayDataset, read_meta
 from recscale.data.preprocess import Preprocessor
 from recscale.data.readers import NoRows, holds_column
-from recscale.data.readers.base import SKIP_HINT, OnBadRow, ReadStats, names_data, position_unit
+from recscale.data.readers.base import SKIP_HINT, OnBadRow, ReadStats, data_files, names_data, position_unit
 from recscale.data.schema import Schema
 from recscale.distributed.dmt.transform import LocalDMT, local_key
 from recscale.distributed.env import init_distributed, own_group
@@ -610,8 +610,16 @@ def predict_run(
             unknown = _unknown_fields(s)
     except NoRows:  # a file of no rows (a day without traffic) is scored by a file of no scores, not an error
         if int(os.environ.get("RANK", 0)) == 0:
-            unit = position_unit(fmt or run_config(run_dir).data.format)
-            write_columns(out, {"score": np.zeros(0), unit: np.zeros(0, dtype=np.int64)})
+            fmt = fmt or run_config(run_dir).data.format
+            # The columns a file of rows gets: several files' scores name each row's file (none here).
+            parts = (
+                {"file": pa.array([], pa.string())}
+                if data_path and len(data_files(data_path, fmt)) > 1
+                else {}
+            )
+            write_columns(
+                out, {"score": np.zeros(0)} | parts | {position_unit(fmt): np.zeros(0, dtype=np.int64)}
+            )
         return {"rows": 0}
     summary: dict[str, Any] = {"rows": len(s.ds)}
     if s.stats.skipped:
