@@ -375,3 +375,13 @@ def test_eval_of_parts_of_which_some_lack_the_weight_column_is_one_line(tmp_path
     (parts / "day2.csv").write_text((tmp_path / "a.csv").read_text())
     m = eval_run(tmp_path / "r", str(parts))
     assert m["rows"] == 2 * len(rows) and m["weight_sum"] == 2 * sum(w for _, w, _, _ in rows)
+
+
+def test_negative_sampling_reports_the_weight_it_kept(tmp_path):
+    """report.json's negative_sampling gave the rows kept, not what they weigh, for weighted rows."""
+    rows = [(y, float(i % 3 + 1), x, u) for i, (y, _, x, u) in enumerate(base_rows())]
+    cfg = load_config(write_run(tmp_path, "a", rows, True, ", negative_sampling_rate: 0.5"))
+    trainer = Trainer(cfg, tmp_path / "r")
+    kept = trainer.train_ds.weights()
+    report = trainer.fit()["negative_sampling"]
+    assert report["train_rows"] == len(kept) < len(rows) and report["train_weight_sum"] == float(kept.sum())

@@ -784,9 +784,11 @@ class Trainer:
         if (
             self.cfg.data.negative_sampling_rate is not None
         ):  # the rows trained on: every positive, w of negatives
+            weights = self.train_ds.weights()
             report["negative_sampling"] = {
                 "rate": self.cfg.data.negative_sampling_rate,
                 "train_rows": len(self.train_ds),
+                **({} if weights is None else {"train_weight_sum": float(weights.sum(dtype=np.float64))}),
             }
         if self.valid_ds is not None:
             report["valid"] = calibrated_valid or self._evaluate(self.valid_ds)
