@@ -21,8 +21,9 @@ FROZEN = ["train.max_steps=1", "train.dense_optimizer={name: sgd, lr: 1.0e-30}",
           "train.sparse_optimizer={name: sgd, lr: 1.0e-30}"]  # fmt: skip
 
 
-def train(tmp_path: Path, name: str, *overrides: str, config: str = "demo.yaml") -> dict:
-    return Trainer(load_config(CONFIGS / config, [*SMALL, *overrides]), tmp_path / name).fit()
+def train(tmp_path: Path, name: str, *overrides: str) -> dict:
+    """The report of a small demo run into ``tmp_path / name``."""
+    return Trainer(load_config(CONFIGS / "demo.yaml", [*SMALL, *overrides]), tmp_path / name).fit()
 
 
 def test_a_warm_start_begins_at_the_kept_model(tmp_path):
