@@ -322,6 +322,21 @@ class Trainer:
                 "train.early_stopping=null)",
                 stacklevel=2,
             )
+        stop = t.early_stopping
+        if (
+            self.main
+            and t.ema_decay
+            and stop is not None
+            and stop.min_delta == 0
+            and self.valid_ds is not None
+        ):
+            warnings.warn(
+                "train.ema_decay: an average of the weights can gain a little at every evaluation once the learning "
+                "rate is low (Frappe's Wukong: 1e-6 of AUC an evaluation for 500 steps), and early stopping with "
+                "min_delta 0 counts each gain, so it may train until train.epochs ends; set "
+                "train.early_stopping.min_delta, e.g. 1.0e-5",
+                stacklevel=2,
+            )
         if self.main:
             _warn_if_weights_far_from_one(self.train_ds, self.pre.schema.weight)
         if self.main and self.init is not None:
